@@ -1,0 +1,300 @@
+"""`Client` (blocking) and `AsyncClient` (asyncio): the model server's handle on its node's kvbrokerd.
+
+Both build the same requests and decode the same responses (`_Calls`); only the way they wait differs.
+Constructors do no I/O: the channel is created on first use (inside the running loop, for `AsyncClient`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvbroker import _convert as cv
+from kvbroker._errors import error_from_rpc
+from kvbroker._shm import Cache
+from kvbroker._status import ClusterNumExceedLimitError, LlmStatus
+from kvbroker._types import (
+    CacheDesc,
+    CacheIndex,
+    CacheRecord,
+    ClusterInfo,
+    ClusterResult,
+    ClusterStatus,
+    KvCacheExtParam,
+    LinkInfo,
+    TensorLocation,
+    TransferResult,
+)
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+
+# Large block lists (80 layers x 4,096 blocks and more) must fit; the daemon enforces the same ceiling.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 30.0
+MAX_CLUSTERS_PER_CALL = 16
+
+CacheRef = Cache | int
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _cache_id(cache: CacheRef) -> int:
+    return cache.cache_id if isinstance(cache, Cache) else int(cache)
+
+
+def _clusters_pb(clusters: Sequence[ClusterInfo]) -> list[broker_pb2.ClusterInfo]:
+    # Checked here as well as in the daemon so that LLM-DataDist code fails the same way without a round trip.
+    if len(clusters) > MAX_CLUSTERS_PER_CALL:
+        raise ClusterNumExceedLimitError(
+            LlmStatus.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+            f"{len(clusters)} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}",
+        )
+    return [cv.cluster_info_to_pb(c) for c in clusters]
+
+
+def _ms(timeout: float | None) -> int:
+    return 0 if timeout is None else max(1, int(timeout * 1000))
+
+
+class _Calls:
+    """Request builders and response decoders shared by both clients."""
+
+    @staticmethod
+    def pull_kv_blocks(
+        src_cache_index: CacheIndex,
+        dst_cache: CacheRef,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None,
+    ) -> broker_pb2.PullKvBlocksRequest:
+        return broker_pb2.PullKvBlocksRequest(
+            src_cache_index=cv.cache_index_to_pb(src_cache_index),
+            dst_cache_id=_cache_id(dst_cache),
+            src_blocks=[int(b) for b in src_blocks],
+            dst_blocks=[int(b) for b in dst_blocks],
+            ext_param=cv.ext_param_to_pb(ext_param),
+        )
+
+    @staticmethod
+    def register(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> broker_pb2.RegisterKvCacheRequest:
+        return broker_pb2.RegisterKvCacheRequest(
+            desc=cv.desc_to_pb(desc), tensors=[cv.tensor_location_to_pb(t) for t in tensors]
+        )
+
+
+_Stub = TypeVar("_Stub")
+
+
+class _Base(Generic[_Stub]):
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        """`target`: "unix:///path/to/kvbroker.sock" or "host:port". `timeout`: default deadline of every call."""
+        self.target = target
+        self.default_timeout = timeout
+        self._stub: _Stub | None = None
+        self._mapped: dict[int, Cache] = {}
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.default_timeout if timeout is None else timeout
+
+    def _forget(self, cache_id: int) -> None:
+        cache = self._mapped.pop(cache_id, None)
+        if cache is not None:
+            cache.close()
+
+
+class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
+    """Blocking client. Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(target, timeout=timeout)
+        self._channel: grpc.Channel | None = None
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
+        try:
+            return getattr(self._stub, method)(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    def close(self) -> None:
+        """Unmaps the caches this client mapped and closes the channel; idempotent."""
+        for cache_id in list(self._mapped):
+            self._forget(cache_id)
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get_cluster_info(self, *, timeout: float | None = None) -> ClusterStatus:
+        return cv.cluster_status_from_pb(self._call("GetClusterInfo", broker_pb2.GetClusterInfoRequest(), timeout))
+
+    def ping(self, *, timeout: float | None = None) -> None:
+        self._call("Ping", broker_pb2.PingRequest(), timeout)
+
+    def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
+        """Allocates daemon-owned shared memory; the returned `Cache.tensors` are numpy views over it."""
+        resp = self._call("AllocateCache", broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc)), timeout)
+        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._mapped[cache.cache_id] = cache
+        return cache
+
+    def deallocate_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        self._call("DeallocateCache", broker_pb2.DeallocateCacheRequest(cache_id=cache_id), timeout)
+
+    def register_kv_cache(
+        self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
+    ) -> Cache:
+        """Registers the caller's shared memory (one location per tensor) and returns it mapped."""
+        resp = self._call("RegisterKvCache", _Calls.register(desc, tensors), timeout)
+        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._mapped[cache.cache_id] = cache
+        return cache
+
+    def unregister_kv_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        self._call("UnregisterKvCache", broker_pb2.UnregisterKvCacheRequest(cache_id=cache_id), timeout)
+
+    def list_caches(self, *, timeout: float | None = None) -> list[CacheRecord]:
+        resp = self._call("ListCaches", broker_pb2.ListCachesRequest(), timeout)
+        return [cv.cache_record_from_pb(c) for c in resp.caches]
+
+    def link_clusters(
+        self, clusters: Sequence[ClusterInfo], *, timeout: float | None = None
+    ) -> list[ClusterResult]:
+        """Links to each cluster; returns one result per cluster (like LLM-DataDist, failures do not raise)."""
+        req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
+        return [cv.cluster_result_from_pb(r) for r in self._call("LinkClusters", req, timeout).results]
+
+    def unlink_clusters(
+        self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
+    ) -> list[ClusterResult]:
+        req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
+        return [cv.cluster_result_from_pb(r) for r in self._call("UnlinkClusters", req, timeout).results]
+
+    def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
+        resp = self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
+        return [cv.link_info_from_pb(link) for link in resp.links]
+
+    def pull_kv_blocks(
+        self,
+        src_cache_index: CacheIndex,
+        dst_cache: CacheRef,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> TransferResult:
+        """Pulls `src_blocks` of the remote cache into `dst_blocks` of the local one (LLM-DataDist PullKvBlocks)."""
+        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        return cv.transfer_result_from_pb(self._call("PullKvBlocks", req, timeout))
+
+
+class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
+    """asyncio client with the same methods as `Client`, awaited. Use `async with` or `await close()`."""
+
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(target, timeout=timeout)
+        self._channel: grpc.aio.Channel | None = None
+
+    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
+        try:
+            return await getattr(self._stub, method)(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    async def close(self) -> None:
+        for cache_id in list(self._mapped):
+            self._forget(cache_id)
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def get_cluster_info(self, *, timeout: float | None = None) -> ClusterStatus:
+        resp = await self._call("GetClusterInfo", broker_pb2.GetClusterInfoRequest(), timeout)
+        return cv.cluster_status_from_pb(resp)
+
+    async def ping(self, *, timeout: float | None = None) -> None:
+        await self._call("Ping", broker_pb2.PingRequest(), timeout)
+
+    async def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
+        resp = await self._call("AllocateCache", broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc)), timeout)
+        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._mapped[cache.cache_id] = cache
+        return cache
+
+    async def deallocate_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        await self._call("DeallocateCache", broker_pb2.DeallocateCacheRequest(cache_id=cache_id), timeout)
+
+    async def register_kv_cache(
+        self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
+    ) -> Cache:
+        resp = await self._call("RegisterKvCache", _Calls.register(desc, tensors), timeout)
+        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._mapped[cache.cache_id] = cache
+        return cache
+
+    async def unregister_kv_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        await self._call("UnregisterKvCache", broker_pb2.UnregisterKvCacheRequest(cache_id=cache_id), timeout)
+
+    async def list_caches(self, *, timeout: float | None = None) -> list[CacheRecord]:
+        resp = await self._call("ListCaches", broker_pb2.ListCachesRequest(), timeout)
+        return [cv.cache_record_from_pb(c) for c in resp.caches]
+
+    async def link_clusters(
+        self, clusters: Sequence[ClusterInfo], *, timeout: float | None = None
+    ) -> list[ClusterResult]:
+        req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
+        return [cv.cluster_result_from_pb(r) for r in (await self._call("LinkClusters", req, timeout)).results]
+
+    async def unlink_clusters(
+        self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
+    ) -> list[ClusterResult]:
+        req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
+        return [cv.cluster_result_from_pb(r) for r in (await self._call("UnlinkClusters", req, timeout)).results]
+
+    async def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
+        resp = await self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
+        return [cv.link_info_from_pb(link) for link in resp.links]
+
+    async def pull_kv_blocks(
+        self,
+        src_cache_index: CacheIndex,
+        dst_cache: CacheRef,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> TransferResult:
+        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        return cv.transfer_result_from_pb(await self._call("PullKvBlocks", req, timeout))

@@ -1,0 +1,113 @@
+"""Conversions between the public value types and their protobuf messages (shared with the daemon)."""
+
+from __future__ import annotations
+
+from kvbroker._status import LlmStatus
+from kvbroker._types import (
+    CacheDesc,
+    CacheIndex,
+    CacheRecord,
+    ClusterInfo,
+    ClusterResult,
+    ClusterStatus,
+    DataType,
+    KvCacheExtParam,
+    LinkInfo,
+    LinkState,
+    Placement,
+    TensorLocation,
+    TransferResult,
+)
+from kvbroker.v1 import broker_pb2, types_pb2
+
+
+def desc_to_pb(desc: CacheDesc) -> types_pb2.CacheDesc:
+    return types_pb2.CacheDesc(
+        num_tensors=desc.num_tensors,
+        data_type=int(desc.data_type),  # type: ignore[arg-type]
+        shape=list(desc.shape),
+        placement=int(desc.placement),  # type: ignore[arg-type]
+        layout_tag=desc.layout_tag,
+    )
+
+
+def desc_from_pb(msg: types_pb2.CacheDesc) -> CacheDesc:
+    """Trusts `msg` to come from a daemon that validated it; the daemon validates client input itself."""
+    return CacheDesc(
+        num_tensors=msg.num_tensors,
+        shape=tuple(msg.shape),
+        data_type=DataType(msg.data_type),
+        placement=Placement(msg.placement or Placement.HOST),
+        layout_tag=msg.layout_tag,
+    )
+
+
+def cache_index_to_pb(index: CacheIndex) -> types_pb2.CacheIndex:
+    return types_pb2.CacheIndex(cluster_id=index.cluster_id, cache_id=index.cache_id, batch_index=index.batch_index)
+
+
+def ext_param_to_pb(ext: KvCacheExtParam | None) -> types_pb2.KvCacheExtParam | None:
+    if ext is None:
+        return None
+    return types_pb2.KvCacheExtParam(
+        src_layer_range=types_pb2.LayerRange(first=ext.src_layer_range[0], second=ext.src_layer_range[1]),
+        dst_layer_range=types_pb2.LayerRange(first=ext.dst_layer_range[0], second=ext.dst_layer_range[1]),
+        tensor_num_per_layer=ext.tensor_num_per_layer,
+    )
+
+
+def tensor_location_to_pb(loc: TensorLocation) -> types_pb2.TensorLocation:
+    return types_pb2.TensorLocation(segment=loc.segment, offset=loc.offset)
+
+
+def cache_record_from_pb(msg: broker_pb2.CacheInfo) -> CacheRecord:
+    return CacheRecord(
+        cache_id=msg.cache_id,
+        desc=desc_from_pb(msg.desc),
+        tensors=tuple(TensorLocation(t.segment, t.offset) for t in msg.tensors),
+        shm_dir=msg.shm_dir,
+        daemon_owned=msg.daemon_owned,
+    )
+
+
+def cluster_info_to_pb(info: ClusterInfo) -> broker_pb2.ClusterInfo:
+    return broker_pb2.ClusterInfo(remote_cluster_id=info.remote_cluster_id, remote_address=info.remote_address)
+
+
+def cluster_result_from_pb(msg: broker_pb2.ClusterResult) -> ClusterResult:
+    try:
+        status = LlmStatus(msg.status_code)
+    except ValueError:
+        status = LlmStatus.LLM_FAILED
+    return ClusterResult(remote_cluster_id=msg.remote_cluster_id, status=status, message=msg.message)
+
+
+def link_info_from_pb(msg: broker_pb2.LinkInfo) -> LinkInfo:
+    return LinkInfo(
+        remote_cluster_id=msg.remote_cluster_id,
+        remote_address=msg.remote_address,
+        state=LinkState(msg.state),
+        backend=msg.backend,
+        remote_epoch=msg.remote_epoch,
+        last_seen_unix=msg.last_seen_unix,
+        reason=msg.reason,
+    )
+
+
+def cluster_status_from_pb(msg: broker_pb2.GetClusterInfoResponse) -> ClusterStatus:
+    return ClusterStatus(
+        cluster_id=msg.cluster_id,
+        version=msg.version,
+        peer_address=msg.peer_address,
+        backends=tuple(msg.backends),
+        instance_epoch=msg.instance_epoch,
+        num_caches=msg.num_caches,
+        num_links=msg.num_links,
+        protocol_version=msg.protocol_version,
+    )
+
+
+def transfer_result_from_pb(msg: broker_pb2.PullKvBlocksResponse) -> TransferResult:
+    return TransferResult(
+        bytes_moved=msg.bytes_moved, backend=msg.backend, transfer_id=msg.transfer_id, num_runs=msg.num_runs
+    )

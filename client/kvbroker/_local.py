@@ -1,0 +1,90 @@
+"""Starts kvbrokerd daemons as child processes on this host (for `kvbroker demo`, benchmarks and tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from kvbroker._client import Client
+from kvbroker._status import LlmError
+
+READY_TIMEOUT_S = 30.0
+
+
+class DaemonStartError(RuntimeError):
+    """A daemon exited or did not become ready; the message holds the end of its log."""
+
+
+class LocalDaemon:
+    """One `python -m kvbrokerd` child: local API on a unix socket in `workdir`, peer API on a free loopback port."""
+
+    def __init__(self, workdir: Path, cluster_id: int, *, backends: Sequence[str] = ("shm", "tcp"),
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.cluster_id = cluster_id
+        self.socket_path = self.workdir / f"kvbroker-{cluster_id}.sock"
+        self.target = f"unix://{self.socket_path}"
+        self.log_path = self.workdir / f"kvbrokerd-{cluster_id}.log"
+        self.args = ["--cluster-id", str(cluster_id), "--listen", self.target, "--peer-listen", "127.0.0.1:0",
+                     "--backends", ",".join(backends), *extra_args]
+        self.env = env
+        self.peer_address = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> LocalDaemon:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvbrokerd", *self.args], stdout=log,
+                                         stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonStartError(f"kvbrokerd {self.cluster_id} exited with {self.proc.returncode}:\n"
+                                       f"{self.log_tail()}")
+            if self.socket_path.exists():
+                with contextlib.suppress(LlmError, grpc.RpcError), Client(self.target, timeout=1.0) as c:
+                    self.peer_address = c.get_cluster_info().peer_address
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise DaemonStartError(f"kvbrokerd {self.cluster_id} not ready after {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def client(self, timeout: float | None = 30.0) -> Client:
+        return Client(self.target, timeout=timeout)
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code. Idempotent."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> LocalDaemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,202 @@
+"""Public value types, named like LLM-DataDist's (CacheDesc, CacheIndex, KvCacheExtParam, ClusterInfo)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbroker._status import LlmStatus
+
+
+class DataType(enum.IntEnum):
+    """Element type of a cache's tensors. Values equal the wire enum `kvbroker.v1.DataType`."""
+
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    FLOAT32 = 3
+    FLOAT64 = 4
+    INT8 = 5
+    UINT8 = 6
+    INT16 = 7
+    UINT16 = 8
+    INT32 = 9
+    UINT32 = 10
+    INT64 = 11
+    UINT64 = 12
+    BOOL = 13
+    FLOAT8_E4M3FN = 14
+    FLOAT8_E5M2 = 15
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _NUMPY_DTYPES[self].itemsize
+
+    @property
+    def numpy_dtype(self) -> np.dtype[np.generic]:
+        """The numpy dtype that views this type; types numpy lacks (bf16, fp8) are viewed as same-size integers."""
+        return _NUMPY_DTYPES[self]
+
+
+_NUMPY_DTYPES: dict[DataType, np.dtype[np.generic]] = {
+    DataType.FLOAT16: np.dtype(np.float16),
+    DataType.BFLOAT16: np.dtype(np.uint16),
+    DataType.FLOAT32: np.dtype(np.float32),
+    DataType.FLOAT64: np.dtype(np.float64),
+    DataType.INT8: np.dtype(np.int8),
+    DataType.UINT8: np.dtype(np.uint8),
+    DataType.INT16: np.dtype(np.int16),
+    DataType.UINT16: np.dtype(np.uint16),
+    DataType.INT32: np.dtype(np.int32),
+    DataType.UINT32: np.dtype(np.uint32),
+    DataType.INT64: np.dtype(np.int64),
+    DataType.UINT64: np.dtype(np.uint64),
+    DataType.BOOL: np.dtype(np.bool_),
+    DataType.FLOAT8_E4M3FN: np.dtype(np.uint8),
+    DataType.FLOAT8_E5M2: np.dtype(np.uint8),
+}
+
+
+class Placement(enum.IntEnum):
+    """Where a cache's memory lives. Values equal the wire enum `kvbroker.v1.Placement`."""
+
+    HOST = 1
+    DEVICE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDesc:
+    """`num_tensors` tensors of one `shape` and `data_type`; `shape[0]` is the number of blocks."""
+
+    num_tensors: int
+    shape: tuple[int, ...]
+    data_type: DataType = DataType.FLOAT16
+    placement: Placement = Placement.HOST
+    layout_tag: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "data_type", DataType(self.data_type))
+        object.__setattr__(self, "placement", Placement(self.placement))
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per tensor (`shape[0]`)."""
+        return self.shape[0]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one tensor."""
+        return math.prod(self.shape[1:]) * self.data_type.itemsize
+
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes of one tensor."""
+        return math.prod(self.shape) * self.data_type.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIndex:
+    """Names a cache on a remote cluster."""
+
+    cluster_id: int
+    cache_id: int
+    batch_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheExtParam:
+    """Layer selection: inclusive (first, second) ranges, (-1, -1) = all layers; `tensor_num_per_layer` tensors per
+    layer (K and V by default)."""
+
+    src_layer_range: tuple[int, int] = (-1, -1)
+    dst_layer_range: tuple[int, int] = (-1, -1)
+    tensor_num_per_layer: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """A remote cluster to link to: its id and its daemon's peer address ("host:port")."""
+
+    remote_cluster_id: int
+    remote_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterResult:
+    """Outcome of (un)linking one cluster."""
+
+    remote_cluster_id: int
+    status: LlmStatus
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == LlmStatus.LLM_SUCCESS
+
+
+class LinkState(enum.IntEnum):
+    """State of a link. Values equal the wire enum `kvbroker.v1.LinkState`."""
+
+    LINKING = 1
+    READY = 2
+    BROKEN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LinkInfo:
+    """A link as `list_links` reports it."""
+
+    remote_cluster_id: int
+    remote_address: str
+    state: LinkState
+    backend: str
+    remote_epoch: str
+    last_seen_unix: float
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """What `get_cluster_info` reports about the daemon."""
+
+    cluster_id: int
+    version: str
+    peer_address: str
+    backends: tuple[str, ...]
+    instance_epoch: str
+    num_caches: int
+    num_links: int
+    protocol_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """Outcome of a successful transfer."""
+
+    bytes_moved: int
+    backend: str
+    transfer_id: str
+    num_runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLocation:
+    """A tensor in a shared-memory segment: segment name (no slash) and byte offset."""
+
+    segment: str
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRecord:
+    """A cache as the daemon reports it (no memory mapped)."""
+
+    cache_id: int
+    desc: CacheDesc
+    tensors: tuple[TensorLocation, ...]
+    shm_dir: str
+    daemon_owned: bool

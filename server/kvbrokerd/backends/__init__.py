@@ -1,0 +1,1 @@
+"""Data-plane backends: one module per backend behind `base.Backend`."""

@@ -1,0 +1,53 @@
+"""The data-plane interface every backend implements, and the remote-cache view backends read from."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbroker._types import CacheDesc, TensorLocation
+
+if TYPE_CHECKING:
+    from kvbrokerd.planner import Plan
+    from kvbrokerd.registry import CacheEntry
+
+
+@dataclass(eq=False)
+class RemoteCache:
+    """What a linked peer told us about one of its caches (Peer.GetCacheInfo)."""
+
+    cache_id: int
+    desc: CacheDesc
+    tensors: tuple[TensorLocation, ...]
+    shm_dir: str
+    backend_state: dict[str, Any] = field(default_factory=dict)
+    """Per-backend handles (e.g. the shm backend's mappings), released with `Backend.forget`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    same_host_only: bool
+    one_sided_read: bool
+
+
+class PeerChannel(abc.ABC):
+    """A backend's per-link state: how to reach one peer's memory."""
+
+    name: str
+
+    @abc.abstractmethod
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, deadline: float) -> int:
+        """Copies every run of `plan` from the peer's `remote` cache into `dst` before `deadline` (time.monotonic).
+
+        Blocking: runs on a data-plane thread. Returns the bytes moved; raises LlmError (LLM_TIMEOUT,
+        LLM_LINK_FAILED, LLM_KV_CACHE_NOT_EXIST) and leaves bytes outside the plan's destination runs untouched.
+        """
+
+    def forget(self, remote: RemoteCache) -> None:
+        """Drops per-cache state (mappings) when the peer's cache is gone or the link closes."""
+        remote.backend_state.pop(self.name, None)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases connections and mappings; idempotent."""

@@ -1,0 +1,282 @@
+"""`tcp` backend: the cross-host path over the daemons' own data sockets (not gRPC).
+
+Wire format (little endian), one connection = one authenticated link, requests answered in order:
+
+    HELLO   client -> server   magic "KVHI", u16 version, u16 reserved, 32-byte link token
+    READY   server -> client   magic "KVOK"                     (or the connection is closed)
+    REQUEST client -> server   magic "KVRQ", u32 run count, i64 cache id, then per run:
+                               u32 tensor, u32 reserved, u64 offset, u64 length
+    REPLY   server -> client   magic "KVRS", u32 LLM status, u64 payload bytes,
+                               then the payload (every run's bytes in request order) or, on error, the message
+
+The server validates the whole request against its registry before it sends a byte, and pins the cache while it
+sends; the client reads each run with `recv_into` straight into the destination cache's memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kvbroker._status import LlmError
+
+from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
+from kvbrokerd.errors import LlmStatus, fail
+from kvbrokerd.planner import Run, split_runs
+
+if TYPE_CHECKING:
+    from kvbrokerd.planner import Plan
+    from kvbrokerd.registry import CacheEntry, Registry
+
+log = logging.getLogger(__name__)
+
+NAME = "tcp"
+CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=False)
+VERSION = 1
+TOKEN_BYTES = 32
+HELLO = struct.Struct("<4sHH32s")
+REQUEST = struct.Struct("<4sIq")
+REPLY = struct.Struct("<4sIQ")
+RUN = np.dtype([("tensor", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+MAX_RUNS_PER_REQUEST = 1 << 16
+HANDSHAKE_TIMEOUT_S = 5.0
+SOCKET_BUFFER_BYTES = 4 << 20
+# Pulls smaller than this use one connection; larger ones are spread over the pool.
+_SPLIT_MIN_BYTES = 4 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos, end = 0, len(view)
+    while pos < end:
+        got = sock.recv_into(view[pos:], end - pos)
+        if got == 0:
+            raise ConnectionError("peer closed the data connection")
+        pos += got
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+# -- serving side -------------------------------------------------------------------------------------------------
+class DataServer:
+    """Accepts data connections from linked peers and serves reads of registered caches (thread per connection)."""
+
+    def __init__(self, registry: Registry, authorize: Callable[[bytes], bool], host: str, port: int = 0) -> None:
+        self._registry = registry
+        self._authorize = authorize
+        self._listener = socket.create_server((host, port), family=_family(host), backlog=128, reuse_port=False)
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kvbroker-tcp-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvbroker-tcp-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            _tune(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            magic, version, _, token = HELLO.unpack(_recv_bytes(conn, HELLO.size))
+            if magic != b"KVHI" or version != VERSION or not self._authorize(token):
+                return  # A stranger gets nothing, not even an error message.
+            conn.sendall(b"KVOK")
+            conn.settimeout(None)
+            while not self._closed:
+                self._serve_request(conn)
+        except (ConnectionError, OSError, struct.error):
+            pass
+        except Exception:
+            log.exception("data connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_request(self, conn: socket.socket) -> None:
+        magic, count, cache_id = REQUEST.unpack(_recv_bytes(conn, REQUEST.size))
+        if magic != b"KVRQ" or not 0 < count <= MAX_RUNS_PER_REQUEST:
+            raise ConnectionError("bad request frame")
+        runs = np.frombuffer(_recv_bytes(conn, count * RUN.itemsize), dtype=RUN)
+        try:
+            with self._registry.pinned(cache_id) as entry:
+                _check_runs(runs, entry)
+                total = int(runs["length"].sum())
+                conn.sendall(REPLY.pack(b"KVRS", 0, total))
+                for t, off, n in zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(),
+                                     strict=True):
+                    conn.sendall(entry.views[t][off : off + n])
+        except LlmError as e:
+            msg = e.message.encode()
+            conn.sendall(REPLY.pack(b"KVRS", int(e.status), len(msg)) + msg)
+
+
+def _check_runs(runs: np.ndarray, entry: CacheEntry) -> None:
+    size = entry.desc.tensor_nbytes
+    if int(runs["tensor"].max()) >= entry.desc.num_tensors:
+        fail(LlmStatus.LLM_PARAM_INVALID, f"tensor index out of range (cache has {entry.desc.num_tensors})")
+    length, offset = runs["length"], runs["offset"]
+    if not (np.all(length > 0) and np.all(length <= size) and np.all(offset <= size - length)):
+        fail(LlmStatus.LLM_PARAM_INVALID, f"byte range outside the cache's tensors of {size} bytes")
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+# -- pulling side -------------------------------------------------------------------------------------------------
+class TcpChannel(PeerChannel):
+    """A pool of authenticated data connections to one peer."""
+
+    name = NAME
+
+    def __init__(self, host: str, port: int, token: bytes, executor: concurrent.futures.Executor,
+                 max_connections: int = 4) -> None:
+        self._addr = (host, port)
+        self._token = token
+        self._executor = executor
+        self._max = max_connections
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _connect(self, deadline: float) -> socket.socket:
+        timeout = max(0.001, deadline - time.monotonic())
+        try:
+            sock = socket.create_connection(self._addr, timeout=timeout)
+        except TimeoutError:
+            fail(LlmStatus.LLM_TIMEOUT, f"connecting to the peer's data port {self._addr} timed out")
+        except OSError as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"cannot connect to the peer's data port {self._addr}: {e}")
+        try:
+            _tune(sock)
+            sock.sendall(HELLO.pack(b"KVHI", VERSION, 0, self._token))
+            if _recv_bytes(sock, 4) != b"KVOK":
+                raise ConnectionError("unexpected handshake answer")
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            fail(LlmStatus.LLM_LINK_FAILED, f"the peer refused the data connection: {e}")
+        return sock
+
+    def _acquire(self, deadline: float) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                fail(LlmStatus.LLM_NOT_YET_LINK, "the link was closed")
+            if self._idle:
+                return self._idle.pop()
+        return self._connect(deadline)
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, deadline: float) -> int:
+        total = plan.total_bytes
+        parts = 1 if total < _SPLIT_MIN_BYTES else min(self._max, max(1, plan.num_runs))
+        runs = plan.runs()
+        chunks = split_runs(runs, parts)
+        futures = [self._executor.submit(self._pull_chunk, remote.cache_id, dst, c, deadline) for c in chunks[1:]]
+        errors: list[BaseException] = []
+        try:
+            self._pull_chunk(remote.cache_id, dst, chunks[0], deadline)
+        except BaseException as e:
+            errors.append(e)
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return total
+
+    def _pull_chunk(self, cache_id: int, dst: CacheEntry, runs: list[Run],
+                    deadline: float) -> None:
+        sock = self._acquire(deadline)
+        ok = False
+        try:
+            for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
+                self._request(sock, cache_id, dst, runs[i : i + MAX_RUNS_PER_REQUEST], deadline)
+            ok = True
+        except TimeoutError:
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed while receiving blocks over tcp")
+        except (OSError, ConnectionError) as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
+        finally:
+            if ok:
+                self._release(sock)
+            else:
+                sock.close()  # Its stream position is unknown now; never reuse it.
+
+    def _request(self, sock: socket.socket, cache_id: int, dst: CacheEntry,
+                 runs: list[Run], deadline: float) -> None:
+        frame = np.zeros(len(runs), dtype=RUN)
+        frame["tensor"] = [r[0] for r in runs]
+        frame["offset"] = [r[1] for r in runs]
+        frame["length"] = [r[4] for r in runs]
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.sendall(REQUEST.pack(b"KVRQ", len(runs), cache_id) + frame.tobytes())
+        magic, status, size = REPLY.unpack(_recv_bytes(sock, REPLY.size))
+        if magic != b"KVRS":
+            raise ConnectionError("bad reply frame")
+        if status != 0:
+            message = _recv_bytes(sock, min(size, 1 << 16)).decode(errors="replace")
+            try:
+                code = LlmStatus(status)
+            except ValueError:
+                code = LlmStatus.LLM_FAILED
+            fail(code, f"peer refused the read: {message}")
+        for _, _, dt, do, n in runs:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _recv_exact(sock, dst.views[dt][do : do + n])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()

@@ -1,0 +1,135 @@
+"""The daemon's configuration: one frozen object from flags > `KVBROKER_*` environment > TOML file > defaults,
+validated at start-up with errors that name the field and the bad value."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+KNOWN_BACKENDS = ("shm", "tcp")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster_id: int = field(metadata={"help": "this daemon's cluster id (uint64, unique among linked peers)"})
+    listen: str = field(default="unix:///run/kvbroker/kvbroker.sock",
+                        metadata={"help": "local API address: unix:///path (default) or host:port"})
+    peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
+    advertise_address: str = field(default="", metadata={"help": "address peers should dial, if not peer_listen"})
+    data_port: int = field(default=0, metadata={"help": "tcp data-plane port on the peer host (0 = any free port)"})
+    backends: tuple[str, ...] = field(default=KNOWN_BACKENDS,
+                                      metadata={"help": "data-plane backends allowed, in order of preference"})
+    shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of POSIX shared-memory segments"})
+    max_caches: int = field(default=4096, metadata={"help": "most caches this daemon holds at once"})
+    data_threads: int = field(default=8, metadata={"help": "threads that run data-plane copies and socket I/O"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    log_format: str = field(default="text", metadata={"help": "text or json"})
+
+    def validate(self) -> Config:
+        if not 0 <= self.cluster_id < 2**64:
+            raise ConfigError(f"cluster_id: {self.cluster_id} is not a uint64")
+        unknown = [b for b in self.backends if b not in KNOWN_BACKENDS]
+        if unknown or not self.backends:
+            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — choose from {KNOWN_BACKENDS}")
+        if not self.listen.startswith("unix://") and ":" not in self.listen:
+            raise ConfigError(f"listen: {self.listen!r} is neither unix:///path nor host:port")
+        for name in ("peer_listen", "advertise_address"):
+            value = getattr(self, name)
+            if value and not _is_host_port(value):
+                raise ConfigError(f"{name}: {value!r} is not host:port")
+        if not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port: {self.data_port} is not a port")
+        if self.max_caches < 1 or self.data_threads < 1:
+            raise ConfigError("max_caches and data_threads must be >= 1")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} — choose from {LOG_LEVELS}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: {self.log_format!r} — choose text or json")
+        return self
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) < 65536)
+
+
+def _coerce(name: str, raw: Any, kind: Any) -> Any:
+    try:
+        if kind in (int, "int"):
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        if kind in ("tuple[str, ...]",):
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return tuple(s.strip() for s in items if str(s).strip())
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {raw!r} is not a valid {kind}") from None
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[Config, bool]:
+    """(config, print_config) from the command line, `environ` and the TOML file named by --config/KVBROKER_CONFIG."""
+    environ = os.environ if environ is None else environ
+    fields = [f for f in dataclasses.fields(Config)]
+    parser = argparse.ArgumentParser(prog="kvbrokerd", description="kvbroker daemon: KV-cache block transfers "
+                                     "between LLM serving nodes (LLM-DataDist semantics).")
+    parser.add_argument("--config", help="TOML file with any of the keys below (env: KVBROKER_CONFIG)")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    for f in fields:
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                            help=f"{f.metadata['help']} (env: KVBROKER_{f.name.upper()})")
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    path = args.config or environ.get("KVBROKER_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config: cannot read {path}: {e}") from None
+        known = {f.name for f in fields}
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"config: unknown key {key!r} in {path}")
+            values[name] = value
+    for f in fields:
+        env = environ.get(f"KVBROKER_{f.name.upper()}")
+        if env is not None:
+            values[f.name] = env
+        cli = getattr(args, f.name)
+        if cli is not None:
+            values[f.name] = cli
+    if "cluster_id" not in values:
+        raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
+    typed = {f.name: _coerce(f.name, values[f.name], f.type) for f in fields if f.name in values}
+    return Config(**typed).validate(), bool(args.print_config)
+
+
+def to_toml(config: Config) -> str:
+    lines = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, tuple):
+            rendered = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+        elif isinstance(value, int):
+            rendered = str(value)
+        else:
+            rendered = f'"{value}"'
+        lines.append(f"{f.name} = {rendered}  # {f.metadata['help']}")
+    return "\n".join(lines)

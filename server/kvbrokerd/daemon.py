@@ -1,0 +1,174 @@
+"""Daemon lifecycle: start the registry, data plane and both gRPC listeners; drain and stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+from kvbrokerd.backends import tcp as tcp_backend
+from kvbrokerd.config import Config
+from kvbrokerd.links import LinkTable
+from kvbrokerd.node import Node
+from kvbrokerd.registry import Registry
+from kvbrokerd.service.local import KvBrokerService
+from kvbrokerd.service.peer import PeerService
+from kvbrokerd.transfers import TransferManager
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+_SERVICES = (
+    broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name,
+    peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name,
+)
+
+
+class Daemon:
+    """`await start()`, then `await wait()` (or `stop()`); `stop()` is idempotent. Constructor does no I/O."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.node: Node | None = None
+        self.local_address = ""
+        self.peer_address = ""
+        self._servers: list[grpc.aio.Server] = []
+        self._health: list[health.aio.HealthServicer] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._data_server: tcp_backend.DataServer | None = None
+        self._registry: Registry | None = None
+        self._links: LinkTable | None = None
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    async def start(self) -> None:
+        cfg = self.config
+        try:
+            self._registry = Registry(Path(cfg.shm_dir), cfg.max_caches)
+            self._registry.open()
+            epoch = self._registry.instance
+            self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-data")
+            self._links = LinkTable(cfg.cluster_id, epoch, cfg.backends, self._executor)
+            transfers = TransferManager(self._registry, self._links, self._executor)
+            peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
+            data_address = ""
+            if "tcp" in cfg.backends:
+                self._data_server = tcp_backend.DataServer(self._registry, self._links.token_is_valid, peer_host,
+                                                           cfg.data_port)
+                self._data_server.start()
+                data_address = f":{self._data_server.port}"
+            node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
+                        transfers)
+            peer_port = await self._serve(cfg.peer_listen, node)
+            self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
+            node.peer_address = self.peer_address
+            self.local_address = await self._serve_local(cfg.listen, node)
+            self.node = node
+            for h in self._health:
+                await h.set("", health_pb2.HealthCheckResponse.SERVING)
+                for name in _SERVICES:
+                    await h.set(name, health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
+                 self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
+
+    async def _serve(self, address: str, node: Node) -> int:
+        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
+        peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        port: int = server.add_insecure_port(address)
+        if port == 0 and not address.startswith("unix:"):
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+        self._servers.append(server)
+        self._health.append(health_servicer)
+        return port
+
+    async def _serve_local(self, listen: str, node: Node) -> str:
+        if not listen.startswith("unix://"):
+            port = await self._serve(listen, node)
+            return f"{listen.rpartition(':')[0]}:{port}"
+        _prepare_socket_path(listen)
+        old_umask = os.umask(0o177)  # The socket is born 0600: only this user may drive the daemon.
+        try:
+            await self._serve(listen, node)
+        finally:
+            os.umask(old_umask)
+        return listen
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        for h in self._health:
+            await h.enter_graceful_shutdown()
+        await asyncio.gather(*(s.stop(grace) for s in self._servers))
+        if self._links is not None:
+            await self._links.close()
+        if self._data_server is not None:
+            self._data_server.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._registry is not None:
+            self._registry.close()
+        if self.config.listen.startswith("unix://"):
+            _remove_socket(self.config.listen)
+        self._stopped.set()
+        log.info("kvbrokerd stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def run_until_signal(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received: draining")
+        await self.stop()
+
+
+def _prepare_socket_path(listen: str) -> None:
+    """Creates the socket's directory and removes a socket file left by a previous daemon (never a regular file)."""
+    path = Path(listen[len("unix://") :])
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+
+
+def _remove_socket(listen: str) -> None:
+    with contextlib.suppress(OSError):
+        Path(listen[len("unix://") :]).unlink()
+
+
+def _advertised(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

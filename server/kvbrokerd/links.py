@@ -1,0 +1,286 @@
+"""The link table: outbound links (we dialled a peer and may transfer with it) and inbound ones (a peer dialled us;
+its link token authorises its data connections and cache lookups).
+
+A link is made by a `Peer.Handshake` that checks the protocol version and both cluster ids, then picks the first
+backend of our `--backends` order that both sides can use (`shm` only after the probe proves shared memory).
+Heartbeats watch each outbound link: a silent peer or a new peer incarnation moves it to BROKEN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+from kvbroker._convert import desc_from_pb
+from kvbroker._types import LinkState, TensorLocation
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+
+from kvbrokerd.backends import shm as shm_backend
+from kvbrokerd.backends import tcp as tcp_backend
+from kvbrokerd.backends.base import PeerChannel, RemoteCache
+from kvbrokerd.errors import LlmError, LlmStatus, fail
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+"""Peer protocol history: 1 — first version (Handshake, GetCacheInfo, Heartbeat, Unlink; tcp data frames v1)."""
+MAX_LINKS = 1024
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_MISSES = 3
+
+
+@dataclass(eq=False)
+class Link:
+    remote_cluster_id: int
+    remote_address: str
+    state: LinkState = LinkState.LINKING
+    remote_epoch: str = ""
+    token: bytes = b""
+    backend: str = ""
+    channel: PeerChannel | None = None
+    grpc_channel: grpc.aio.Channel | None = None
+    stub: peer_pb2_grpc.PeerStub | None = None
+    last_seen: float = 0.0
+    reason: str = ""
+    remote_caches: dict[int, RemoteCache] = field(default_factory=dict)
+    heartbeat: asyncio.Task[None] | None = None
+
+    async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
+        """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon)."""
+        cached = self.remote_caches.get(cache_id)
+        if cached is not None:
+            return cached
+        assert self.stub is not None
+        try:
+            resp = await self.stub.GetCacheInfo(
+                peer_pb2.GetCacheInfoRequest(link_token=self.token, cache_id=cache_id), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST,
+                     f"remote cache {cache_id} does not exist on cluster {self.remote_cluster_id}")
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                fail(LlmStatus.LLM_TIMEOUT, f"cluster {self.remote_cluster_id} did not describe cache {cache_id} "
+                     "in time")
+            fail(LlmStatus.LLM_LINK_FAILED, f"cache lookup on cluster {self.remote_cluster_id} failed: "
+                 f"{e.code().name} {e.details()}")
+        if resp.instance_epoch != self.remote_epoch:
+            self.mark_broken("the peer restarted (new instance epoch)")
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
+                 "belonged to its previous incarnation")
+        remote = RemoteCache(cache_id=cache_id, desc=desc_from_pb(resp.desc), shm_dir=resp.shm_dir,
+                             tensors=tuple(TensorLocation(t.segment, t.offset) for t in resp.tensors))
+        self.remote_caches[cache_id] = remote
+        return remote
+
+    def forget_cache(self, cache_id: int) -> None:
+        remote = self.remote_caches.pop(cache_id, None)
+        if remote is not None and self.channel is not None:
+            self.channel.forget(remote)
+
+    def mark_broken(self, reason: str) -> None:
+        if self.state != LinkState.BROKEN:
+            log.warning("link to cluster %d is BROKEN: %s", self.remote_cluster_id, reason)
+        self.state = LinkState.BROKEN
+        self.reason = reason
+
+    async def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.heartbeat
+        if self.channel is not None:
+            for remote in self.remote_caches.values():
+                self.channel.forget(remote)
+            self.channel.close()
+        self.remote_caches.clear()
+        if self.grpc_channel is not None:
+            await self.grpc_channel.close()
+
+
+@dataclass(frozen=True, slots=True)
+class InboundLink:
+    remote_cluster_id: int
+    remote_epoch: str
+    created: float
+
+
+class LinkTable:
+    def __init__(self, cluster_id: int, epoch: str, backends: tuple[str, ...],
+                 executor: concurrent.futures.Executor) -> None:
+        self.cluster_id = cluster_id
+        self.epoch = epoch
+        self.backends = backends
+        self._executor = executor
+        self.links: dict[int, Link] = {}
+        self.inbound: dict[bytes, InboundLink] = {}
+
+    # -- outbound ------------------------------------------------------------------------------------------------
+    def get_ready(self, cluster_id: int) -> Link:
+        link = self.links.get(cluster_id)
+        if link is None or link.state == LinkState.LINKING:
+            fail(LlmStatus.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked; call LinkClusters first",
+                 cluster_id=cluster_id)
+        if link.state == LinkState.BROKEN:
+            fail(LlmStatus.LLM_LINK_FAILED, f"link to cluster {cluster_id} is BROKEN ({link.reason}); unlink and "
+                 "link again", cluster_id=cluster_id)
+        return link
+
+    async def link(self, cluster_id: int, address: str, timeout: float) -> Link:
+        if cluster_id == self.cluster_id:
+            fail(LlmStatus.LLM_PARAM_INVALID, f"cannot link to our own cluster id {cluster_id}")
+        if cluster_id in self.links:
+            existing = self.links[cluster_id]
+            if existing.state == LinkState.LINKING:
+                fail(LlmStatus.LLM_PROCESSING_LINK, f"a link to cluster {cluster_id} is being made")
+            fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
+        if len(self.links) >= MAX_LINKS:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({MAX_LINKS})")
+        link = self.links[cluster_id] = Link(cluster_id, address)
+        try:
+            await self._handshake(link, timeout)
+        except BaseException:
+            del self.links[cluster_id]
+            await link.close()
+            raise
+        link.heartbeat = asyncio.create_task(self._heartbeat_loop(link))
+        log.info("linked to cluster %d at %s (backend %s)", cluster_id, address, link.backend)
+        return link
+
+    async def _handshake(self, link: Link, timeout: float) -> None:
+        link.grpc_channel = grpc.aio.insecure_channel(link.remote_address)
+        link.stub = peer_pb2_grpc.PeerStub(link.grpc_channel)
+        req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
+                                        instance_epoch=self.epoch, expected_cluster_id=link.remote_cluster_id)
+        try:
+            resp = await link.stub.Handshake(req, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} did not "
+                     f"answer within {timeout:.3g} s")
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} refused: "
+                 f"{e.details() or e.code().name}")
+        if resp.protocol_version != PROTOCOL_VERSION:
+            fail(LlmStatus.LLM_LINK_FAILED, f"peer speaks protocol {resp.protocol_version}, we speak "
+                 f"{PROTOCOL_VERSION}")
+        if resp.cluster_id != link.remote_cluster_id:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{link.remote_address} is cluster {resp.cluster_id}, not "
+                 f"{link.remote_cluster_id}")
+        link.remote_epoch = resp.instance_epoch
+        link.token = resp.link_token
+        link.channel, link.backend = self._choose_backend(link, resp)
+        link.state = LinkState.READY
+        link.last_seen = time.time()
+
+    def _choose_backend(self, link: Link, resp: peer_pb2.HandshakeResponse) -> tuple[PeerChannel, str]:
+        peer_backends = set(resp.backends)
+        for name in self.backends:
+            if name not in peer_backends:
+                continue
+            if name == shm_backend.NAME:
+                control = shm_backend.probe(resp.shm_probe_path, resp.shm_probe_nonce)
+                if control is None:
+                    log.info("cluster %d: shm probe failed (no shared host memory); trying the next backend",
+                             link.remote_cluster_id)
+                    continue
+                return shm_backend.ShmChannel(control, self._executor), name
+            if name == tcp_backend.NAME:
+                host, _, port = resp.data_address.rpartition(":")
+                if not host:
+                    host = link.remote_address.rpartition(":")[0]
+                return tcp_backend.TcpChannel(host.strip("[]"), int(port), link.token, self._executor), name
+        fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
+             f"{link.remote_cluster_id} serves {sorted(peer_backends)}")
+
+    async def unlink(self, cluster_id: int, force: bool, timeout: float) -> None:
+        link = self.links.get(cluster_id)
+        if link is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
+        if link.state == LinkState.LINKING:
+            fail(LlmStatus.LLM_PROCESSING_LINK, f"a link to cluster {cluster_id} is being made")
+        notified = True
+        try:
+            assert link.stub is not None
+            await link.stub.Unlink(peer_pb2.PeerUnlinkRequest(link_token=link.token, cluster_id=self.cluster_id),
+                                   timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            notified = e.code() == grpc.StatusCode.FAILED_PRECONDITION  # The peer had already forgotten us.
+            if not notified and not force:
+                fail(LlmStatus.LLM_UNLINK_FAILED, f"cannot tell cluster {cluster_id}: {e.code().name}; use force "
+                     "to remove our side anyway")
+        del self.links[cluster_id]
+        await link.close()
+        log.info("unlinked cluster %d%s", cluster_id, "" if notified else " (forced; peer not told)")
+
+    async def _heartbeat_loop(self, link: Link) -> None:
+        misses = 0
+        assert link.stub is not None
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                resp = await link.stub.Heartbeat(peer_pb2.HeartbeatRequest(link_token=link.token),
+                                                 timeout=HEARTBEAT_INTERVAL_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    link.mark_broken("the peer no longer knows this link")
+                    continue
+                misses += 1
+                if misses >= HEARTBEAT_MISSES:
+                    link.mark_broken(f"no heartbeat answer {misses} times ({e.code().name})")
+                continue
+            misses = 0
+            link.last_seen = time.time()
+            if resp.instance_epoch != link.remote_epoch:
+                link.mark_broken("the peer restarted (new instance epoch)")
+            elif link.state == LinkState.BROKEN and link.reason.startswith("no heartbeat"):
+                link.state, link.reason = LinkState.READY, ""
+                log.info("link to cluster %d is READY again", link.remote_cluster_id)
+
+    async def close(self) -> None:
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()
+        self.inbound.clear()
+
+    # -- inbound -------------------------------------------------------------------------------------------------
+    def accept(self, req: peer_pb2.HandshakeRequest) -> bytes:
+        """Checks a peer's handshake; returns the link token it will present."""
+        if req.protocol_version != PROTOCOL_VERSION:
+            fail(LlmStatus.LLM_LINK_FAILED, f"protocol {req.protocol_version} is not supported (we speak "
+                 f"{PROTOCOL_VERSION})")
+        if req.expected_cluster_id != self.cluster_id:
+            fail(LlmStatus.LLM_LINK_FAILED, f"this is cluster {self.cluster_id}, not {req.expected_cluster_id}")
+        if req.cluster_id == self.cluster_id:
+            fail(LlmStatus.LLM_LINK_FAILED, f"the caller uses our own cluster id {self.cluster_id}")
+        if len(self.inbound) >= MAX_LINKS:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({MAX_LINKS})")
+        # A peer that re-links (e.g. after a restart) replaces its older inbound links.
+        for token, old in list(self.inbound.items()):
+            if old.remote_cluster_id == req.cluster_id:
+                del self.inbound[token]
+        token = secrets.token_bytes(tcp_backend.TOKEN_BYTES)
+        self.inbound[token] = InboundLink(req.cluster_id, req.instance_epoch, time.time())
+        return token
+
+    def authorize(self, token: bytes) -> InboundLink:
+        link = self.inbound.get(bytes(token))
+        if link is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "unknown link token: link first")
+        return link
+
+    def token_is_valid(self, token: bytes) -> bool:
+        """Thread-safe check for the data plane (dict lookups are atomic)."""
+        return bytes(token) in self.inbound
+
+    def drop_inbound(self, token: bytes) -> None:
+        self.inbound.pop(bytes(token), None)
+
+
+__all__ = ["PROTOCOL_VERSION", "InboundLink", "Link", "LinkTable", "LlmError"]

@@ -1,0 +1,21 @@
+"""The state one daemon owns, handed to the servicers: identity, cache registry, link table, transfer manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbrokerd.links import LinkTable
+from kvbrokerd.registry import Registry
+from kvbrokerd.transfers import TransferManager
+
+
+@dataclass(eq=False)
+class Node:
+    cluster_id: int
+    epoch: str
+    peer_address: str
+    data_address: str
+    backends: tuple[str, ...]
+    registry: Registry
+    links: LinkTable
+    transfers: TransferManager

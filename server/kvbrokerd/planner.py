@@ -1,0 +1,165 @@
+"""Validation rules of block transfers (LLM-DataDist V2 semantics) and the transfer plan: arrays of byte runs.
+
+A plan never holds per-block Python objects: block lists become numpy arrays, contiguous (src, dst) block pairs are
+merged into runs, and runs are crossed with the selected tensor pairs into flat arrays of byte ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvbroker._types import CacheDesc
+
+from kvbrokerd.errors import param_invalid
+
+DEFAULT_TENSOR_NUM_PER_LAYER = 2
+ALL_LAYERS = (-1, -1)
+MAX_BLOCKS_PER_REQUEST = 1 << 20
+
+Run = tuple[int, int, int, int, int]
+"""(src tensor, src offset, dst tensor, dst offset, length) of one byte run, as plain ints for copy loops."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSelection:
+    src_layer_range: tuple[int, int] = ALL_LAYERS
+    dst_layer_range: tuple[int, int] = ALL_LAYERS
+    tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Byte runs: run i copies `length[i]` bytes from (src_tensor[i], src_offset[i]) to (dst_tensor[i],
+    dst_offset[i]). Offsets are relative to the start of the tensor."""
+
+    src_tensor: np.ndarray
+    src_offset: np.ndarray
+    dst_tensor: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    dst_blocks: np.ndarray
+    """Destination blocks touched (for failure reports)."""
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.length)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def runs(self) -> list[Run]:
+        return list(zip(self.src_tensor.tolist(), self.src_offset.tolist(), self.dst_tensor.tolist(),
+                        self.dst_offset.tolist(), self.length.tolist(), strict=True))
+
+
+def block_array(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """uint64 array of block indices; refuses values that are negative or do not fit 64 bits."""
+    if len(blocks) > MAX_BLOCKS_PER_REQUEST:
+        param_invalid(f"{name} has {len(blocks)} entries; at most {MAX_BLOCKS_PER_REQUEST}")
+    try:
+        return np.asarray(blocks, dtype=np.uint64) if len(blocks) else np.zeros(0, dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError):
+        param_invalid(f"{name} holds a value that is not a block index in [0, 2^64)")
+
+
+def check_block_lists(src: np.ndarray, dst: np.ndarray) -> None:
+    if len(src) == 0:
+        param_invalid("src_blocks is empty")
+    if len(src) != len(dst):
+        param_invalid(f"src_blocks has {len(src)} entries but dst_blocks has {len(dst)}")
+
+
+def _tensor_range(desc: CacheDesc, layer_range: tuple[int, int], per_layer: int, side: str) -> tuple[int, int]:
+    """[first, last) tensor indices selected by an inclusive layer range."""
+    first, second = layer_range
+    if (first, second) == ALL_LAYERS:
+        return 0, desc.num_tensors
+    if first < 0 or second < 0:
+        param_invalid(f"{side}_layer_range ({first}, {second}): use (-1, -1) for all layers or two indices >= 0")
+    if first > second:
+        param_invalid(f"{side}_layer_range ({first}, {second}): first must be <= second")
+    if desc.num_tensors % per_layer != 0:
+        param_invalid(f"tensor_num_per_layer={per_layer} does not divide the {side} cache's "
+                      f"num_tensors={desc.num_tensors}")
+    max_layer = desc.num_tensors // per_layer - 1
+    if second > max_layer:
+        param_invalid(f"{side}_layer_range ({first}, {second}) exceeds the last layer {max_layer} "
+                      f"({desc.num_tensors} tensors / {per_layer} per layer)")
+    return first * per_layer, (second + 1) * per_layer
+
+
+def select_tensors(src: CacheDesc, dst: CacheDesc, layers: LayerSelection) -> tuple[int, int, int]:
+    """(first src tensor, first dst tensor, count) after every layer-range rule."""
+    per_layer = layers.tensor_num_per_layer
+    ranged = layers.src_layer_range != ALL_LAYERS or layers.dst_layer_range != ALL_LAYERS
+    if ranged and not 1 <= per_layer <= min(src.num_tensors, dst.num_tensors):
+        param_invalid(f"tensor_num_per_layer={per_layer} must be in [1, num_tensors]")
+    s0, s1 = _tensor_range(src, layers.src_layer_range, per_layer, "src")
+    d0, d1 = _tensor_range(dst, layers.dst_layer_range, per_layer, "dst")
+    if s1 - s0 != d1 - d0:
+        if ranged:
+            param_invalid(f"layer ranges select {s1 - s0} source tensors but {d1 - d0} destination tensors "
+                          f"(src {layers.src_layer_range}, dst {layers.dst_layer_range}); spans must be equal")
+        param_invalid(f"source cache has {src.num_tensors} tensors, destination has {dst.num_tensors}")
+    return s0, d0, s1 - s0
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merges consecutive pairs where both src and dst advance by one: (src starts, dst starts, run lengths)."""
+    if len(src) == 1:
+        return src.copy(), dst.copy(), np.ones(1, dtype=np.uint64)
+    # Differences in int64 wrap for indices >= 2^63; those were refused by the bounds check before we get here.
+    step_ok = (np.diff(src.astype(np.int64)) == 1) & (np.diff(dst.astype(np.int64)) == 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~step_ok)))
+    lengths = np.diff(np.append(starts, len(src))).astype(np.uint64)
+    return src[starts], dst[starts], lengths
+
+
+def plan_blocks(
+    src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray, layers: LayerSelection
+) -> Plan:
+    """Validates a block transfer between two caches and returns its plan. Raises LLM_PARAM_INVALID."""
+    check_block_lists(src_blocks, dst_blocks)
+    if int(src_blocks.max()) >= src.num_blocks:
+        param_invalid(f"src block {int(src_blocks.max())} is out of range: the source cache has {src.num_blocks} "
+                      "blocks")
+    if int(dst_blocks.max()) >= dst.num_blocks:
+        param_invalid(f"dst block {int(dst_blocks.max())} is out of range: the destination cache has "
+                      f"{dst.num_blocks} blocks")
+    if len(np.unique(dst_blocks)) != len(dst_blocks):
+        param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
+    if src.block_nbytes != dst.block_nbytes:
+        param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
+    s0, d0, count = select_tensors(src, dst, layers)
+    run_src, run_dst, run_len = coalesce(src_blocks, dst_blocks)
+    bpb = np.uint64(dst.block_nbytes)
+    n_runs = len(run_len)
+    tensor_idx = np.arange(count, dtype=np.uint32)
+    return Plan(
+        src_tensor=np.repeat(tensor_idx + s0, n_runs),
+        src_offset=np.tile(run_src * bpb, count),
+        dst_tensor=np.repeat(tensor_idx + d0, n_runs),
+        dst_offset=np.tile(run_dst * bpb, count),
+        length=np.tile(run_len * bpb, count),
+        dst_blocks=dst_blocks,
+    )
+
+
+def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
+    """Splits runs (whose last field is a length) into `parts` lists of about equal bytes; large runs are cut."""
+    total = sum(r[4] for r in runs)
+    target = -(-total // parts)
+    out: list[list[Run]] = [[]]
+    room = target
+    for st, so, dt, do, n in runs:
+        while n > 0:
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = target
+            take = n if len(out) == parts else min(n, room)
+            out[-1].append((st, so, dt, do, take))
+            so, do, n, room = so + take, do + take, n - take, max(0, room - take)
+    return [c for c in out if c]

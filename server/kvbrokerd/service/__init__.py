@@ -1,0 +1,1 @@
+"""gRPC servicers: translate protobuf <-> domain objects, and domain errors -> gRPC status. Nothing else."""

@@ -1,0 +1,171 @@
+"""`kvbroker.v1.KvBroker`: the local API for model servers."""
+
+from __future__ import annotations
+
+import grpc.aio
+from kvbroker._convert import desc_to_pb, tensor_location_to_pb
+from kvbroker._status import LlmStatus
+from kvbroker._types import TensorLocation
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
+
+import kvbrokerd
+from kvbrokerd.errors import LlmError, fail
+from kvbrokerd.links import PROTOCOL_VERSION
+from kvbrokerd.node import Node
+from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
+from kvbrokerd.registry import CacheEntry, desc_from_wire
+from kvbrokerd.service.errors import llm_errors, time_remaining
+from kvbrokerd.transfers import PullBlocksRequest
+
+MAX_CLUSTERS_PER_CALL = 16
+DEFAULT_LINK_TIMEOUT_S = 3.0
+
+
+def cache_info(entry: CacheEntry, shm_dir: str) -> broker_pb2.CacheInfo:
+    return broker_pb2.CacheInfo(
+        cache_id=entry.cache_id,
+        desc=desc_to_pb(entry.desc),
+        tensors=[tensor_location_to_pb(t) for t in entry.tensors],
+        shm_dir=shm_dir,
+        daemon_owned=entry.daemon_owned,
+        tensor_nbytes=entry.desc.tensor_nbytes,
+    )
+
+
+def _desc(msg: types_pb2.CacheDesc) -> object:
+    return desc_from_wire(msg.num_tensors, msg.data_type, msg.shape, msg.placement, msg.layout_tag)
+
+
+def _layers(ext: types_pb2.KvCacheExtParam, present: bool) -> LayerSelection:
+    if not present:
+        return LayerSelection()
+    src = (ext.src_layer_range.first, ext.src_layer_range.second) if ext.HasField("src_layer_range") else (-1, -1)
+    dst = (ext.dst_layer_range.first, ext.dst_layer_range.second) if ext.HasField("dst_layer_range") else (-1, -1)
+    return LayerSelection(src, dst, ext.tensor_num_per_layer or DEFAULT_TENSOR_NUM_PER_LAYER)
+
+
+def _result(cluster_id: int, err: LlmError | None) -> broker_pb2.ClusterResult:
+    status = LlmStatus.LLM_SUCCESS if err is None else err.status
+    return broker_pb2.ClusterResult(remote_cluster_id=cluster_id, status=status.name, status_code=int(status),
+                                    message="" if err is None else err.message)
+
+
+def _check_cluster_count(n: int) -> None:
+    if n > MAX_CLUSTERS_PER_CALL:
+        fail(LlmStatus.LLM_CLUSTER_NUM_EXCEED_LIMIT, f"{n} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}")
+
+
+class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @property
+    def _shm_dir(self) -> str:
+        return str(self.node.registry.shm_dir)
+
+    @llm_errors
+    async def GetClusterInfo(self, request: broker_pb2.GetClusterInfoRequest, context: grpc.aio.ServicerContext
+                             ) -> broker_pb2.GetClusterInfoResponse:
+        n = self.node
+        return broker_pb2.GetClusterInfoResponse(
+            cluster_id=n.cluster_id, version=kvbrokerd.__version__, peer_address=n.peer_address,
+            backends=list(n.backends), instance_epoch=n.epoch, num_caches=len(n.registry),
+            num_links=len(n.links.links), protocol_version=PROTOCOL_VERSION,
+        )
+
+    async def Ping(self, request: broker_pb2.PingRequest, context: grpc.aio.ServicerContext
+                   ) -> broker_pb2.PingResponse:
+        return broker_pb2.PingResponse()
+
+    @llm_errors
+    async def AllocateCache(self, request: broker_pb2.AllocateCacheRequest, context: grpc.aio.ServicerContext
+                            ) -> broker_pb2.AllocateCacheResponse:
+        entry = self.node.registry.allocate(_desc(request.desc))  # type: ignore[arg-type]
+        return broker_pb2.AllocateCacheResponse(cache=cache_info(entry, self._shm_dir))
+
+    @llm_errors
+    async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
+                              ) -> broker_pb2.DeallocateCacheResponse:
+        await self.node.registry.remove(request.cache_id, daemon_owned=True, wait_s=_wait(context))
+        return broker_pb2.DeallocateCacheResponse()
+
+    @llm_errors
+    async def RegisterKvCache(self, request: broker_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext
+                              ) -> broker_pb2.RegisterKvCacheResponse:
+        tensors = [TensorLocation(t.segment, t.offset) for t in request.tensors]
+        entry = self.node.registry.register(_desc(request.desc), tensors)  # type: ignore[arg-type]
+        return broker_pb2.RegisterKvCacheResponse(cache=cache_info(entry, self._shm_dir))
+
+    @llm_errors
+    async def UnregisterKvCache(self, request: broker_pb2.UnregisterKvCacheRequest,
+                                context: grpc.aio.ServicerContext) -> broker_pb2.UnregisterKvCacheResponse:
+        await self.node.registry.remove(request.cache_id, daemon_owned=False, wait_s=_wait(context))
+        return broker_pb2.UnregisterKvCacheResponse()
+
+    @llm_errors
+    async def ListCaches(self, request: broker_pb2.ListCachesRequest, context: grpc.aio.ServicerContext
+                         ) -> broker_pb2.ListCachesResponse:
+        return broker_pb2.ListCachesResponse(caches=[cache_info(e, self._shm_dir) for e in self.node.registry.list()])
+
+    @llm_errors
+    async def LinkClusters(self, request: broker_pb2.LinkClustersRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.LinkClustersResponse:
+        _check_cluster_count(len(request.clusters))
+        timeout = _timeout(request.timeout_ms, context)
+        results = []
+        for c in request.clusters:
+            try:
+                await self.node.links.link(c.remote_cluster_id, c.remote_address, timeout)
+                results.append(_result(c.remote_cluster_id, None))
+            except LlmError as err:
+                results.append(_result(c.remote_cluster_id, err))
+        return broker_pb2.LinkClustersResponse(results=results)
+
+    @llm_errors
+    async def UnlinkClusters(self, request: broker_pb2.UnlinkClustersRequest, context: grpc.aio.ServicerContext
+                             ) -> broker_pb2.UnlinkClustersResponse:
+        _check_cluster_count(len(request.clusters))
+        timeout = _timeout(request.timeout_ms, context)
+        results = []
+        for c in request.clusters:
+            try:
+                await self.node.links.unlink(c.remote_cluster_id, request.force, timeout)
+                results.append(_result(c.remote_cluster_id, None))
+            except LlmError as err:
+                results.append(_result(c.remote_cluster_id, err))
+        return broker_pb2.UnlinkClustersResponse(results=results)
+
+    @llm_errors
+    async def ListLinks(self, request: broker_pb2.ListLinksRequest, context: grpc.aio.ServicerContext
+                        ) -> broker_pb2.ListLinksResponse:
+        links = sorted(self.node.links.links.values(), key=lambda link: link.remote_cluster_id)
+        return broker_pb2.ListLinksResponse(links=[
+            broker_pb2.LinkInfo(remote_cluster_id=link.remote_cluster_id, remote_address=link.remote_address,
+                                state=int(link.state), backend=link.backend,  # type: ignore[arg-type]
+                                remote_epoch=link.remote_epoch, last_seen_unix=link.last_seen, reason=link.reason)
+            for link in links
+        ])
+
+    @llm_errors
+    async def PullKvBlocks(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.PullKvBlocksResponse:
+        idx = request.src_cache_index
+        req = PullBlocksRequest(
+            src_cluster_id=idx.cluster_id, src_cache_id=idx.cache_id, src_batch_index=idx.batch_index,
+            dst_cache_id=request.dst_cache_id, src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+            layers=_layers(request.ext_param, request.HasField("ext_param")),
+        )
+        result = await self.node.transfers.pull_blocks(req, time_remaining(context))
+        return broker_pb2.PullKvBlocksResponse(bytes_moved=result.bytes_moved, backend=result.backend,
+                                               transfer_id=result.transfer_id, num_runs=result.num_runs)
+
+
+def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
+    remaining = time_remaining(context)
+    timeout = timeout_ms / 1000 if timeout_ms else DEFAULT_LINK_TIMEOUT_S
+    return min(timeout, remaining) if remaining is not None else timeout
+
+
+def _wait(context: grpc.aio.ServicerContext) -> float:
+    remaining = time_remaining(context)
+    return 10.0 if remaining is None else min(10.0, remaining)

@@ -1,0 +1,41 @@
+"""Shared fixtures: real kvbrokerd daemons (child processes) on unix sockets and loopback ports chosen by the OS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvbroker import ClusterInfo
+from kvbroker._local import LocalDaemon
+
+
+@pytest.fixture(scope="session")
+def daemon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("daemons")
+
+
+def _pair(workdir: Path, backends: tuple[str, ...], first_id: int) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
+    src = LocalDaemon(workdir, first_id, backends=backends).start()
+    try:
+        dst = LocalDaemon(workdir, first_id + 1, backends=backends).start()
+        try:
+            with dst.client() as c:
+                result = c.link_clusters([cluster_of(src)])[0]
+                assert result.ok, result
+            yield src, dst
+        finally:
+            assert dst.stop() == 0, dst.log_tail()
+    finally:
+        assert src.stop() == 0, src.log_tail()
+
+
+def cluster_of(d: LocalDaemon) -> ClusterInfo:
+    return ClusterInfo(remote_cluster_id=d.cluster_id, remote_address=d.peer_address)
+
+
+@pytest.fixture(scope="session", params=["shm", "tcp"])
+def linked_pair(request: pytest.FixtureRequest, daemon_dir: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
+    """(source daemon, destination daemon) linked dst -> src, both allowing only the parametrised backend."""
+    first = 100 if request.param == "shm" else 200
+    yield from _pair(daemon_dir / request.param, (request.param,), first)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): installs the test dependencies into .venv, then runs the linter,
+# the type checker and the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "== ruff"; .venv/bin/ruff check .
+echo "== mypy"; .venv/bin/mypy
+echo "== pytest"; .venv/bin/pytest "$@"
