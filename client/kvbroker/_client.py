@@ -34,6 +34,7 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 30.0
 MAX_CLUSTERS_PER_CALL = 16
+LINK_CALL_MARGIN_S = 5.0
 
 CacheRef = Cache | int
 _CHANNEL_OPTIONS = [
@@ -58,6 +59,12 @@ def _clusters_pb(clusters: Sequence[ClusterInfo]) -> list[broker_pb2.ClusterInfo
 
 def _ms(timeout: float | None) -> int:
     return 0 if timeout is None else max(1, int(timeout * 1000))
+
+
+def _rpc_deadline(handshake_timeout: float | None) -> float | None:
+    """(Un)link `timeout` bounds each peer handshake (LLM-DataDist's timeout_in_millis); the call itself gets a
+    margin on top so that per-cluster results come back instead of a bare deadline error."""
+    return None if handshake_timeout is None else handshake_timeout + LINK_CALL_MARGIN_S
 
 
 class _Calls:
@@ -178,13 +185,13 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
     ) -> list[ClusterResult]:
         """Links to each cluster; returns one result per cluster (like LLM-DataDist, failures do not raise)."""
         req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in self._call("LinkClusters", req, timeout).results]
+        return [cv.cluster_result_from_pb(r) for r in self._call("LinkClusters", req, _rpc_deadline(timeout)).results]
 
     def unlink_clusters(
         self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
     ) -> list[ClusterResult]:
         req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in self._call("UnlinkClusters", req, timeout).results]
+        return [cv.cluster_result_from_pb(r) for r in self._call("UnlinkClusters", req, _rpc_deadline(timeout)).results]
 
     def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
         resp = self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
@@ -274,13 +281,15 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         self, clusters: Sequence[ClusterInfo], *, timeout: float | None = None
     ) -> list[ClusterResult]:
         req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in (await self._call("LinkClusters", req, timeout)).results]
+        resp = await self._call("LinkClusters", req, _rpc_deadline(timeout))
+        return [cv.cluster_result_from_pb(r) for r in resp.results]
 
     async def unlink_clusters(
         self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
     ) -> list[ClusterResult]:
         req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in (await self._call("UnlinkClusters", req, timeout)).results]
+        resp = await self._call("UnlinkClusters", req, _rpc_deadline(timeout))
+        return [cv.cluster_result_from_pb(r) for r in resp.results]
 
     async def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
         resp = await self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)

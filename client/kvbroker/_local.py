@@ -27,7 +27,9 @@ class LocalDaemon:
     """One `python -m kvbrokerd` child: local API on a unix socket in `workdir`, peer API on a free loopback port."""
 
     def __init__(self, workdir: Path, cluster_id: int, *, backends: Sequence[str] = ("shm", "tcp"),
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 wrapper: Sequence[str] = ()) -> None:
+        """`wrapper`: a command prefix (e.g. `unshare ...`) to run the daemon in another namespace."""
         self.workdir = Path(workdir)
         self.cluster_id = cluster_id
         self.socket_path = self.workdir / f"kvbroker-{cluster_id}.sock"
@@ -36,13 +38,14 @@ class LocalDaemon:
         self.args = ["--cluster-id", str(cluster_id), "--listen", self.target, "--peer-listen", "127.0.0.1:0",
                      "--backends", ",".join(backends), *extra_args]
         self.env = env
+        self.wrapper = list(wrapper)
         self.peer_address = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalDaemon:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbrokerd", *self.args], stdout=log,
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "kvbrokerd", *self.args], stdout=log,
                                          stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:

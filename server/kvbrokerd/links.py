@@ -160,7 +160,7 @@ class LinkTable:
         req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
                                         instance_epoch=self.epoch, expected_cluster_id=link.remote_cluster_id)
         try:
-            resp = await link.stub.Handshake(req, timeout=timeout, wait_for_ready=True)
+            resp = await link.stub.Handshake(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} did not "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc.aio
 from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
@@ -112,28 +114,31 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                            ) -> broker_pb2.LinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-        results = []
-        for c in request.clusters:
+
+        async def link_one(c: broker_pb2.ClusterInfo) -> broker_pb2.ClusterResult:
             try:
                 await self.node.links.link(c.remote_cluster_id, c.remote_address, timeout)
-                results.append(_result(c.remote_cluster_id, None))
+                return _result(c.remote_cluster_id, None)
             except LlmError as err:
-                results.append(_result(c.remote_cluster_id, err))
-        return broker_pb2.LinkClustersResponse(results=results)
+                return _result(c.remote_cluster_id, err)
+
+        # Handshakes run concurrently: one unreachable peer does not delay the others.
+        return broker_pb2.LinkClustersResponse(results=await asyncio.gather(*map(link_one, request.clusters)))
 
     @llm_errors
     async def UnlinkClusters(self, request: broker_pb2.UnlinkClustersRequest, context: grpc.aio.ServicerContext
                              ) -> broker_pb2.UnlinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-        results = []
-        for c in request.clusters:
+
+        async def unlink_one(c: broker_pb2.ClusterInfo) -> broker_pb2.ClusterResult:
             try:
                 await self.node.links.unlink(c.remote_cluster_id, request.force, timeout)
-                results.append(_result(c.remote_cluster_id, None))
+                return _result(c.remote_cluster_id, None)
             except LlmError as err:
-                results.append(_result(c.remote_cluster_id, err))
-        return broker_pb2.UnlinkClustersResponse(results=results)
+                return _result(c.remote_cluster_id, err)
+
+        return broker_pb2.UnlinkClustersResponse(results=await asyncio.gather(*map(unlink_one, request.clusters)))
 
     @llm_errors
     async def ListLinks(self, request: broker_pb2.ListLinksRequest, context: grpc.aio.ServicerContext
@@ -161,9 +166,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
 
 
 def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
+    """Per-handshake timeout, kept inside the call's own deadline so that results get back in time."""
     remaining = time_remaining(context)
     timeout = timeout_ms / 1000 if timeout_ms else DEFAULT_LINK_TIMEOUT_S
-    return min(timeout, remaining) if remaining is not None else timeout
+    return timeout if remaining is None else max(0.001, min(timeout, remaining - 0.1))
 
 
 def _wait(context: grpc.aio.ServicerContext) -> float:

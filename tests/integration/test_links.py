@@ -1,0 +1,115 @@
+"""Link lifecycle between real daemons: link, double link, unlink, pull after unlink, unreachable or wrong peers."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmStatus, NotYetLinkError
+from kvbroker._local import LocalDaemon
+
+from tests.conftest import cluster_of
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
+    with LocalDaemon(tmp_path, 1) as a, LocalDaemon(tmp_path, 2) as b:
+        yield a, b
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_link_double_link_unlink_and_pull_after_unlink(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    a, b = pair
+    desc = CacheDesc(num_tensors=2, shape=(4, 8))
+    with a.client() as ca, b.client() as cb:
+        src, dst = ca.allocate_cache(desc), cb.allocate_cache(desc)
+        [first] = cb.link_clusters([cluster_of(a)])
+        assert first.ok and first.status == LlmStatus.LLM_SUCCESS
+        [again] = cb.link_clusters([cluster_of(a)])
+        assert again.status == LlmStatus.LLM_ALREADY_LINK
+        [link] = cb.list_links()
+        assert link.remote_cluster_id == 1 and link.state == LinkState.READY and link.backend == "shm"
+        assert link.remote_epoch == ca.get_cluster_info().instance_epoch
+        cb.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [1])
+        [gone] = cb.unlink_clusters([cluster_of(a)])
+        assert gone.ok
+        assert cb.list_links() == []
+        with pytest.raises(NotYetLinkError) as info:
+            cb.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [1])
+        assert info.value.details["grpc_code"] == "FAILED_PRECONDITION"
+        [twice] = cb.unlink_clusters([cluster_of(a)])
+        assert twice.status == LlmStatus.LLM_NOT_YET_LINK
+        [relink] = cb.link_clusters([cluster_of(a)])
+        assert relink.ok
+        cb.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [1])
+
+
+def test_unreachable_peer_fails_within_timeout(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    _, b = pair
+    with b.client() as cb:
+        [result] = cb.link_clusters([ClusterInfo(9, f"127.0.0.1:{_free_port()}")], timeout=1.0)
+        assert result.status == LlmStatus.LLM_LINK_FAILED and "9" in result.message
+        assert cb.list_links() == []
+
+
+def test_peer_with_another_cluster_id_is_refused(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    a, b = pair
+    with b.client() as cb:
+        [result] = cb.link_clusters([ClusterInfo(7, a.peer_address)])
+        assert result.status == LlmStatus.LLM_LINK_FAILED
+        assert "cluster 1" in result.message
+
+
+def test_linking_to_own_cluster_id_is_refused(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    a, b = pair
+    with b.client() as cb:
+        [result] = cb.link_clusters([ClusterInfo(2, a.peer_address)])
+        assert result.status == LlmStatus.LLM_PARAM_INVALID
+
+
+def test_per_cluster_results_in_request_order(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    a, b = pair
+    with b.client() as cb:
+        results = cb.link_clusters([ClusterInfo(5, f"127.0.0.1:{_free_port()}"), cluster_of(a)], timeout=1.0)
+        assert [r.remote_cluster_id for r in results] == [5, 1]
+        assert [r.status for r in results] == [LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_SUCCESS]
+
+
+def test_force_unlink_of_a_dead_peer(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 2) as b:
+        a = LocalDaemon(tmp_path, 1).start()
+        with b.client() as cb:
+            assert cb.link_clusters([cluster_of(a)])[0].ok
+            a.stop()
+            [soft] = cb.unlink_clusters([cluster_of(a)], timeout=0.5)
+            assert soft.status == LlmStatus.LLM_UNLINK_FAILED
+            [hard] = cb.unlink_clusters([cluster_of(a)], force=True, timeout=0.5)
+            assert hard.ok
+            assert cb.list_links() == []
+
+
+def test_peer_death_breaks_the_link(tmp_path: Path) -> None:
+    """A stopped peer stops answering heartbeats: the link turns BROKEN and transfers say so."""
+    import time
+
+    with LocalDaemon(tmp_path, 2) as b:
+        a = LocalDaemon(tmp_path, 1).start()
+        with b.client() as cb:
+            assert cb.link_clusters([cluster_of(a)])[0].ok
+            a.stop()
+            deadline = time.monotonic() + 15
+            while cb.list_links()[0].state != LinkState.BROKEN and time.monotonic() < deadline:
+                time.sleep(0.2)
+            [link] = cb.list_links()
+            assert link.state == LinkState.BROKEN and link.reason
+            dst = cb.allocate_cache(CacheDesc(num_tensors=2, shape=(4, 8)))
+            with pytest.raises(Exception) as info:
+                cb.pull_kv_blocks(CacheIndex(1, 1), dst, [0], [0])
+            assert getattr(info.value, "status", None) == LlmStatus.LLM_LINK_FAILED

@@ -1,0 +1,42 @@
+"""The client package stays light: importing it pulls in none of the daemon's dependencies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_client_imports_no_server_dependencies() -> None:
+    code = (
+        "import sys, kvbroker\n"
+        "kv = kvbroker.Client('unix:///nonexistent.sock')\n"  # no I/O in the constructor
+        # grpc itself imports grpc_health/grpc_reflection when they are installed, so only ours are checked.
+        "bad = [m for m in ('kvbrokerd', 'uvloop') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_client_sources_import_only_light_dependencies() -> None:
+    import ast
+    from pathlib import Path
+
+    import kvbroker
+
+    allowed = {"grpc", "google", "numpy", "kvbroker", "__future__"}
+    for path in Path(kvbroker.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                for name in names:
+                    top = name.split(".")[0]
+                    assert top in allowed or top in sys.stdlib_module_names, f"{path.name} imports {name}"
+
+
+def test_public_names() -> None:
+    import kvbroker
+
+    for name in ("Client", "AsyncClient", "CacheDesc", "CacheIndex", "ClusterInfo", "KvCacheExtParam", "DataType",
+                 "LlmStatus", "LlmError", "ParamInvalidError", "NotYetLinkError", "KvCacheNotExistError",
+                 "LlmTimeoutError"):
+        assert hasattr(kvbroker, name), name

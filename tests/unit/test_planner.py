@@ -1,0 +1,96 @@
+"""The planner: block-run coalescing, layer selection, and its refusals (LLM_PARAM_INVALID)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
+from kvbrokerd.planner import LayerSelection, block_array, coalesce, plan_blocks, split_runs
+
+DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
+
+
+def arr(xs: list[int]) -> np.ndarray:
+    return np.asarray(xs, dtype=np.uint64)
+
+
+def test_coalesce_merges_runs_that_advance_together() -> None:
+    s, d, n = coalesce(arr([0, 1, 2, 7, 8, 3]), arr([5, 6, 7, 1, 2, 9]))
+    assert s.tolist() == [0, 7, 3] and d.tolist() == [5, 1, 9] and n.tolist() == [3, 2, 1]
+
+
+def test_coalesce_splits_when_only_one_side_is_contiguous() -> None:
+    s, d, n = coalesce(arr([0, 1, 2]), arr([4, 6, 7]))
+    assert s.tolist() == [0, 1] and d.tolist() == [4, 6] and n.tolist() == [1, 2]
+
+
+def test_plan_bytes_and_tensor_pairs() -> None:
+    plan = plan_blocks(DESC, DESC, arr([2, 3]), arr([10, 11]), LayerSelection((1, 1), (0, 0), 2))
+    assert plan.src_tensor.tolist() == [2, 3] and plan.dst_tensor.tolist() == [0, 1]
+    assert plan.src_offset.tolist() == [32, 32] and plan.dst_offset.tolist() == [160, 160]
+    assert plan.length.tolist() == [32, 32] and plan.total_bytes == 64
+
+
+@pytest.mark.parametrize(("src", "dst", "layers", "match"), [
+    ([], [], LayerSelection(), "empty"),
+    ([1], [1, 2], LayerSelection(), "entries"),
+    ([16], [0], LayerSelection(), "out of range"),
+    ([0], [16], LayerSelection(), "out of range"),
+    ([0, 1], [3, 3], LayerSelection(), "duplicates"),
+    ([0], [0], LayerSelection((0, -1), (0, 0), 2), "-1"),
+    ([0], [0], LayerSelection((1, 0), (1, 0), 2), "first must be <= second"),
+    ([0], [0], LayerSelection((0, 2), (0, 2), 2), "exceeds"),
+    ([0], [0], LayerSelection((0, 0), (0, 0), 3), "does not divide"),
+    ([0], [0], LayerSelection((0, 0), (0, 0), 5), "tensor_num_per_layer"),
+    ([0], [0], LayerSelection((0, 0), (0, 1), 2), "spans must be equal"),
+])
+def test_refusals(src: list[int], dst: list[int], layers: LayerSelection, match: str) -> None:
+    with pytest.raises(ParamInvalidError, match=match) as info:
+        from kvbrokerd.planner import check_block_lists
+
+        check_block_lists(arr(src), arr(dst))
+        plan_blocks(DESC, DESC, arr(src), arr(dst), layers)
+    assert info.value.status == LlmStatus.LLM_PARAM_INVALID
+
+
+def test_bytes_per_block_and_tensor_count_must_match() -> None:
+    other = CacheDesc(num_tensors=4, shape=(16, 4), data_type=DataType.FLOAT32)
+    assert plan_blocks(DESC, other, arr([0]), arr([0]), LayerSelection()).total_bytes == 64  # same bytes per block
+    with pytest.raises(ParamInvalidError, match="bytes per block"):
+        plan_blocks(DESC, CacheDesc(4, (16, 9)), arr([0]), arr([0]), LayerSelection())
+    with pytest.raises(ParamInvalidError, match="tensors"):
+        plan_blocks(DESC, CacheDesc(2, (16, 8)), arr([0]), arr([0]), LayerSelection())
+
+
+def test_block_array_refuses_negative_and_overflowing() -> None:
+    with pytest.raises(ParamInvalidError):
+        block_array([-1], "src_blocks")
+    with pytest.raises(ParamInvalidError):
+        block_array([2**64], "src_blocks")
+    assert block_array([2**64 - 1], "src_blocks").tolist() == [2**64 - 1]
+
+
+def test_split_runs_preserves_bytes_and_order() -> None:
+    runs = [(0, 0, 0, 100, 10), (1, 50, 1, 0, 7), (2, 0, 2, 0, 1)]
+    parts = split_runs(runs, 3)
+    assert len(parts) == 3
+    flat = [r for p in parts for r in p]
+    assert sum(r[4] for r in flat) == 18
+    rebuilt: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for st, so, dt, do, n in flat:
+        rebuilt.setdefault((st, dt), []).append((so, do, n))
+    for pieces in rebuilt.values():
+        for (so, do, n), (so2, do2, _) in itertools.pairwise(pieces):
+            assert so + n == so2 and do + n == do2
+
+
+def test_plan_for_80_layers_4096_scattered_blocks() -> None:
+    """Runs are tensor pairs x coalesced block runs (its speed is measured in bench/, not here)."""
+    desc = CacheDesc(num_tensors=160, shape=(8192, 16, 8, 128), data_type=DataType.FLOAT16)
+    rng = np.random.default_rng(0)
+    src = rng.permutation(8192)[:4096].astype(np.uint64)
+    dst = rng.permutation(8192)[:4096].astype(np.uint64)
+    plan = plan_blocks(desc, desc, src, dst, LayerSelection())
+    assert plan.num_runs == 160 * len(coalesce(src, dst)[2])
