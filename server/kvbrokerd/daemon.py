@@ -22,6 +22,7 @@ from kvbrokerd.backends import tcp as tcp_backend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
 from kvbrokerd.node import Node
+from kvbrokerd.reflection import commented_pool
 from kvbrokerd.registry import Registry
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
@@ -98,7 +99,8 @@ class Daemon:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (*_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+            (*_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
+            pool=commented_pool())
         port: int = server.add_insecure_port(address)
         if port == 0 and not address.startswith("unix:"):
             raise OSError(f"cannot listen on {address}")

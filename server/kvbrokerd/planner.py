@@ -118,6 +118,12 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return src[starts], dst[starts], lengths
 
 
+def _has_duplicates(blocks: np.ndarray) -> bool:
+    if len(blocks) < 64:  # np.unique's sort costs more than a set for the common short lists
+        return len(set(blocks.tolist())) != len(blocks)
+    return len(np.unique(blocks)) != len(blocks)
+
+
 def plan_blocks(
     src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray, layers: LayerSelection
 ) -> Plan:
@@ -129,7 +135,7 @@ def plan_blocks(
     if int(dst_blocks.max()) >= dst.num_blocks:
         param_invalid(f"dst block {int(dst_blocks.max())} is out of range: the destination cache has "
                       f"{dst.num_blocks} blocks")
-    if len(np.unique(dst_blocks)) != len(dst_blocks):
+    if _has_duplicates(dst_blocks):
         param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
     if src.block_nbytes != dst.block_nbytes:
         param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")

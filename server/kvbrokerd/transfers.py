@@ -61,13 +61,22 @@ class TransferManager:
         channel = link.channel
         assert channel is not None
         pinned_dst = self._registry.pin(req.dst_cache_id)
-        work = asyncio.get_running_loop().run_in_executor(self._executor, channel.pull, remote, pinned_dst, plan,
-                                                          deadline)
+        work: asyncio.Future[int]
+        if channel.runs_inline(plan):
+            work = asyncio.get_running_loop().create_future()
+            try:
+                work.set_result(channel.pull(remote, pinned_dst, plan, deadline))
+            except Exception as e:
+                work.set_exception(e)
+        else:
+            work = asyncio.get_running_loop().run_in_executor(self._executor, channel.pull, remote, pinned_dst, plan,
+                                                              deadline)
         self.in_flight += 1
         try:
             # The worker honours the same deadline; the grace only guards against a stuck system call.
-            done, _ = await asyncio.wait({work}, timeout=max(0.0, deadline - time.monotonic()) + GRACE_S)
-            if not done:
+            if not work.done():
+                await asyncio.wait({work}, timeout=max(0.0, deadline - time.monotonic()) + GRACE_S)
+            if not work.done():
                 fail(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} passed its deadline")
             moved = work.result()
         except LlmError as e:

@@ -14,8 +14,9 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fresh = {p.name: p.read_text() for p in module.generate(tmp_path)}
-    checked_in = {p.name: p.read_text() for p in sorted((ROOT / "client" / "kvbroker" / "v1").glob("*_pb2*"))}
+    fresh = {p.name: p.read_bytes() for p in module.generate(tmp_path)}
+    v1 = ROOT / "client" / "kvbroker" / "v1"
+    checked_in = {p.name: p.read_bytes() for p in [*v1.glob("*_pb2*"), v1 / module.DESCRIPTOR_SET] if p.exists()}
     assert fresh, "generation produced nothing"
     assert sorted(fresh) == sorted(checked_in), "generated file set differs: run `python proto/generate.py`"
     stale = [name for name in fresh if fresh[name] != checked_in[name]]

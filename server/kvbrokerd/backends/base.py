@@ -44,6 +44,11 @@ class PeerChannel(abc.ABC):
         LLM_LINK_FAILED, LLM_KV_CACHE_NOT_EXIST) and leaves bytes outside the plan's destination runs untouched.
         """
 
+    def runs_inline(self, plan: Plan) -> bool:
+        """True when `pull` is cheap and never waits on a peer, so the event loop may call it directly: a thread
+        hand-off would cost more than the copy."""
+        return False
+
     def forget(self, remote: RemoteCache) -> None:
         """Drops per-cache state (mappings) when the peer's cache is gone or the link closes."""
         remote.backend_state.pop(self.name, None)

@@ -28,6 +28,8 @@ NAME = "shm"
 CAPABILITIES = Capabilities(same_host_only=True, one_sided_read=True)
 # Below this many bytes a second copying thread costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 << 20
+# A memcpy this small (tens of microseconds) is cheaper on the event loop than a hand-off to a worker thread.
+_INLINE_MAX_BYTES = 512 << 10
 
 
 def probe(control_path: str, nonce: bytes) -> SegmentMap | None:
@@ -50,6 +52,9 @@ class ShmChannel(PeerChannel):
         self._live = control_view(control)[1]
         self._executor = executor
         self._copy_threads = copy_threads
+
+    def runs_inline(self, plan: Plan) -> bool:
+        return plan.total_bytes <= _INLINE_MAX_BYTES
 
     def _source_arrays(self, remote: RemoteCache) -> list[np.ndarray]:
         state = remote.backend_state.get(NAME)
