@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvbroker import ClusterInfo
 from kvbroker._local import LocalDaemon
 

@@ -105,6 +105,14 @@ class LlmError(Exception):
         self.message = message
         self.details: dict[str, Any] = dict(details or {})
 
+    @property
+    def failed_dst_blocks(self) -> list[int] | None:
+        """For a failed transfer: destination blocks that did not (completely) land; every other requested block
+        holds the source's bytes. None when the error says nothing about blocks (e.g. a refused request, for
+        which no byte was written at all)."""
+        report = self.details.get("transfer_report")
+        return None if report is None else [int(b) for b in report.failed_dst_blocks]
+
 
 class ParamInvalidError(LlmError):
     """LLM_PARAM_INVALID: the request broke a validation rule; nothing was written."""

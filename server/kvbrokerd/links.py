@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
+
 from kvbroker._convert import desc_from_pb
 from kvbroker._types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-
 from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends import tcp as tcp_backend
 from kvbrokerd.backends.base import PeerChannel, RemoteCache

@@ -10,16 +10,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from kvbroker._types import CacheDesc
 
+from kvbroker._types import CacheDesc
 from kvbrokerd.errors import param_invalid
 
 DEFAULT_TENSOR_NUM_PER_LAYER = 2
 ALL_LAYERS = (-1, -1)
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 
-Run = tuple[int, int, int, int, int]
-"""(src tensor, src offset, dst tensor, dst offset, length) of one byte run, as plain ints for copy loops."""
+Run = tuple[int, int, int, int, int, int]
+"""(run index, src tensor, src offset, dst tensor, dst offset, length), as plain ints for copy loops; a piece of a
+split run keeps its run's index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class Plan:
     length: np.ndarray
     dst_blocks: np.ndarray
     """Destination blocks touched (for failure reports)."""
+    block_nbytes: int
 
     @property
     def num_runs(self) -> int:
@@ -51,8 +53,8 @@ class Plan:
         return int(self.length.sum())
 
     def runs(self) -> list[Run]:
-        return list(zip(self.src_tensor.tolist(), self.src_offset.tolist(), self.dst_tensor.tolist(),
-                        self.dst_offset.tolist(), self.length.tolist(), strict=True))
+        return list(zip(range(self.num_runs), self.src_tensor.tolist(), self.src_offset.tolist(),
+                        self.dst_tensor.tolist(), self.dst_offset.tolist(), self.length.tolist(), strict=True))
 
 
 def block_array(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
@@ -151,21 +153,55 @@ def plan_blocks(
         dst_offset=np.tile(run_dst * bpb, count),
         length=np.tile(run_len * bpb, count),
         dst_blocks=dst_blocks,
+        block_nbytes=dst.block_nbytes,
     )
 
 
 def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
     """Splits runs (whose last field is a length) into `parts` lists of about equal bytes; large runs are cut."""
-    total = sum(r[4] for r in runs)
+    total = sum(r[5] for r in runs)
     target = -(-total // parts)
     out: list[list[Run]] = [[]]
     room = target
-    for st, so, dt, do, n in runs:
+    for idx, st, so, dt, do, n in runs:
         while n > 0:
             if room == 0 and len(out) < parts:
                 out.append([])
                 room = target
             take = n if len(out) == parts else min(n, room)
-            out[-1].append((st, so, dt, do, take))
+            out[-1].append((idx, st, so, dt, do, take))
             so, do, n, room = so + take, do + take, n - take, max(0, room - take)
     return [c for c in out if c]
+
+
+class Progress:
+    """What landed of a plan, recorded by backends as runs (or pieces of runs) complete, from any thread."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._landed: list[tuple[int, int]] = []  # list.append is atomic: no lock needed between copy threads
+
+    def mark(self, run_index: int, nbytes: int) -> None:
+        self._landed.append((run_index, nbytes))
+
+    def _per_run(self) -> np.ndarray:
+        landed = np.zeros(self.plan.num_runs, dtype=np.uint64)
+        if self._landed:
+            idx, n = zip(*self._landed, strict=True)
+            np.add.at(landed, np.asarray(idx), np.asarray(n, dtype=np.uint64))
+        return landed
+
+    @property
+    def bytes_moved(self) -> int:
+        return int(self._per_run().sum())
+
+    def failed_dst_blocks(self) -> np.ndarray:
+        """Destination blocks of which at least one tensor's bytes did not (completely) land."""
+        incomplete = self._per_run() < self.plan.length
+        bpb = np.uint64(self.plan.block_nbytes)
+        starts = self.plan.dst_offset[incomplete] // bpb
+        counts = (self.plan.length[incomplete] // bpb).astype(np.int64)
+        if not len(counts):
+            return np.zeros(0, dtype=np.uint64)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.unique(np.repeat(starts, counts) + offsets.astype(np.uint64))

@@ -11,10 +11,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import kvbroker.v1
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
+
+import kvbroker.v1
 
 DESCRIPTOR_SET = Path(kvbroker.v1.__file__).parent / "descriptors.binpb"
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from kvbroker._shm import SegmentMap
 from kvbroker._types import CacheDesc, DataType, Placement, TensorLocation
-
 from kvbrokerd import shmseg
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 

@@ -12,16 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbroker._types import TransferResult
-
+from kvbroker.v1 import errors_pb2
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links import LinkTable
-from kvbrokerd.planner import LayerSelection, block_array, check_block_lists, plan_blocks
+from kvbrokerd.planner import LayerSelection, Progress, block_array, check_block_lists, plan_blocks
 from kvbrokerd.registry import Registry
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 60.0
 GRACE_S = 1.0
+REPLY_MARGIN_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,9 @@ class TransferManager:
     async def pull_blocks(self, req: PullBlocksRequest, timeout: float | None) -> TransferResult:
         transfer_id = uuid.uuid4().hex[:12]
         started = time.monotonic()
-        deadline = started + (DEFAULT_DEADLINE_S if timeout is None else timeout)
+        # Give up a little before the caller's deadline so that the caller gets our report, not a bare timeout.
+        budget = DEFAULT_DEADLINE_S if timeout is None else timeout
+        deadline = started + budget - min(REPLY_MARGIN_S, budget * 0.1)
         # LLM-DataDist's order of checks: request shape, then local cache, link, remote cache, then the plan.
         if req.src_batch_index != 0:
             param_invalid(f"src_cache_index.batch_index must be 0 for block pulls, got {req.src_batch_index}")
@@ -61,16 +64,17 @@ class TransferManager:
         channel = link.channel
         assert channel is not None
         pinned_dst = self._registry.pin(req.dst_cache_id)
+        progress = Progress(plan)
         work: asyncio.Future[int]
         if channel.runs_inline(plan):
             work = asyncio.get_running_loop().create_future()
             try:
-                work.set_result(channel.pull(remote, pinned_dst, plan, deadline))
+                work.set_result(channel.pull(remote, pinned_dst, plan, progress, deadline))
             except Exception as e:
                 work.set_exception(e)
         else:
             work = asyncio.get_running_loop().run_in_executor(self._executor, channel.pull, remote, pinned_dst, plan,
-                                                              deadline)
+                                                              progress, deadline)
         self.in_flight += 1
         try:
             # The worker honours the same deadline; the grace only guards against a stuck system call.
@@ -86,6 +90,9 @@ class TransferManager:
                 link.mark_broken(e.message)
             e.details.update(transfer_id=transfer_id, backend=link.backend, stage="transfer",
                              cluster_id=str(req.src_cluster_id))
+            e.details["transfer_report"] = errors_pb2.TransferReport(
+                transfer_id=transfer_id, backend=link.backend, stage="transfer",
+                failed_dst_blocks=progress.failed_dst_blocks().tolist(), bytes_moved=progress.bytes_moved)
             log.warning("transfer %s from cluster %d failed on %s: %s", transfer_id, req.src_cluster_id,
                         link.backend, e)
             raise

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvbroker import CacheDesc, CacheIndex, LlmStatus
 from kvbroker._local import LocalDaemon
-
 from tests.conftest import cluster_of
 from tests.helpers import fill
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvbroker import CacheDesc, DataType, KvCacheNotExistError, ParamInvalidError, TensorLocation
 from kvbroker._local import LocalDaemon
 

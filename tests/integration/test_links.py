@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmStatus, NotYetLinkError
 from kvbroker._local import LocalDaemon
-
 from tests.conftest import cluster_of
 
 

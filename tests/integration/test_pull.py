@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvbroker import CacheDesc, CacheIndex, DataType, KvCacheExtParam
 from kvbroker._local import LocalDaemon
-
 from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
 
 Pair = tuple[LocalDaemon, LocalDaemon]

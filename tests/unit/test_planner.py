@@ -6,8 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
-from kvbrokerd.planner import LayerSelection, block_array, coalesce, plan_blocks, split_runs
+from kvbrokerd.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks, split_runs
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -73,17 +74,32 @@ def test_block_array_refuses_negative_and_overflowing() -> None:
 
 
 def test_split_runs_preserves_bytes_and_order() -> None:
-    runs = [(0, 0, 0, 100, 10), (1, 50, 1, 0, 7), (2, 0, 2, 0, 1)]
+    runs = [(0, 0, 0, 0, 100, 10), (1, 1, 50, 1, 0, 7), (2, 2, 0, 2, 0, 1)]
     parts = split_runs(runs, 3)
     assert len(parts) == 3
     flat = [r for p in parts for r in p]
-    assert sum(r[4] for r in flat) == 18
-    rebuilt: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for st, so, dt, do, n in flat:
-        rebuilt.setdefault((st, dt), []).append((so, do, n))
+    assert sum(r[5] for r in flat) == 18
+    rebuilt: dict[int, list[tuple[int, int, int]]] = {}
+    for idx, _, so, _, do, n in flat:
+        rebuilt.setdefault(idx, []).append((so, do, n))
     for pieces in rebuilt.values():
         for (so, do, n), (so2, do2, _) in itertools.pairwise(pieces):
             assert so + n == so2 and do + n == do2
+
+
+def test_progress_reports_blocks_of_incomplete_runs() -> None:
+    plan = plan_blocks(DESC, DESC, arr([0, 1, 2, 9]), arr([4, 5, 6, 1]), LayerSelection((0, 0), (1, 1), 2))
+    # runs: tensor pair (0->2): blocks 4-6, block 1; tensor pair (1->3): blocks 4-6, block 1
+    progress = Progress(plan)
+    assert progress.failed_dst_blocks().tolist() == [1, 4, 5, 6]
+    progress.mark(0, 48)  # first run whole (3 blocks x 16 bytes)
+    progress.mark(1, 16)
+    progress.mark(2, 16)  # third run only a third
+    assert progress.failed_dst_blocks().tolist() == [1, 4, 5, 6]
+    progress.mark(2, 32)
+    progress.mark(3, 16)
+    assert progress.failed_dst_blocks().tolist() == []
+    assert progress.bytes_moved == plan.total_bytes == 128
 
 
 def test_plan_for_80_layers_4096_scattered_blocks() -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import grpc
-import kvbroker
 import pytest
+
+import kvbroker
 from kvbroker import LlmStatus
 from kvbroker._status import grpc_code_for, make_error
 

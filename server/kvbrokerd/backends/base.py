@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvbroker._types import CacheDesc, TensorLocation
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan
+    from kvbrokerd.planner import Plan, Progress
     from kvbrokerd.registry import CacheEntry
 
 
@@ -37,8 +37,9 @@ class PeerChannel(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, deadline: float) -> int:
-        """Copies every run of `plan` from the peer's `remote` cache into `dst` before `deadline` (time.monotonic).
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
+        """Copies every run of `plan` from the peer's `remote` cache into `dst` before `deadline` (time.monotonic),
+        marking each run in `progress` as it lands.
 
         Blocking: runs on a data-plane thread. Returns the bytes moved; raises LlmError (LLM_TIMEOUT,
         LLM_LINK_FAILED, LLM_KV_CACHE_NOT_EXIST) and leaves bytes outside the plan's destination runs untouched.

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvbroker._shm import SegmentMap
 
+from kvbroker._shm import SegmentMap
 from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Run, split_runs
+from kvbrokerd.planner import Progress, Run, split_runs
 from kvbrokerd.registry import control_view, is_live
 
 if TYPE_CHECKING:
@@ -78,17 +78,18 @@ class ShmChannel(PeerChannel):
             self.forget(remote)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} no longer exists")
 
-    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, deadline: float) -> int:
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
         src_arrays = self._source_arrays(remote)
         dst_arrays = [np.frombuffer(v, np.uint8) for v in dst.views]
         runs = plan.runs()
 
         def copy(chunk: list[Run]) -> None:
-            for st, so, dt, do, n in chunk:
+            for idx, st, so, dt, do, n in chunk:
                 if time.monotonic() > deadline:
                     fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the shm copy")
                 np.copyto(dst_arrays[dt][do : do + n], src_arrays[st][so : so + n])
+                progress.mark(idx, n)
 
         threads = self._copy_threads if plan.total_bytes >= _PARALLEL_MIN_BYTES and len(runs) > 1 else 1
         if threads == 1:
@@ -96,7 +97,11 @@ class ShmChannel(PeerChannel):
         else:
             chunks = split_runs(runs, threads)
             futures = [self._executor.submit(copy, c) for c in chunks[1:]]
-            copy(chunks[0])
+            try:
+                copy(chunks[0])
+            finally:
+                # Every copier stops before we return: the caller unpins the destination after that.
+                concurrent.futures.wait(futures)
             for f in futures:
                 f.result()
         self._check_live(remote)

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvbroker._status import LlmError
 
+from kvbroker._status import LlmError
 from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Run, split_runs
+from kvbrokerd.planner import Progress, Run, split_runs
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan
@@ -214,15 +214,16 @@ class TcpChannel(PeerChannel):
                 return
         sock.close()
 
-    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, deadline: float) -> int:
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         total = plan.total_bytes
         parts = 1 if total < _SPLIT_MIN_BYTES else min(self._max, max(1, plan.num_runs))
         runs = plan.runs()
         chunks = split_runs(runs, parts)
-        futures = [self._executor.submit(self._pull_chunk, remote.cache_id, dst, c, deadline) for c in chunks[1:]]
+        futures = [self._executor.submit(self._pull_chunk, remote.cache_id, dst, c, progress, deadline)
+                   for c in chunks[1:]]
         errors: list[BaseException] = []
         try:
-            self._pull_chunk(remote.cache_id, dst, chunks[0], deadline)
+            self._pull_chunk(remote.cache_id, dst, chunks[0], progress, deadline)
         except BaseException as e:
             errors.append(e)
         for f in futures:
@@ -234,13 +235,13 @@ class TcpChannel(PeerChannel):
             raise errors[0]
         return total
 
-    def _pull_chunk(self, cache_id: int, dst: CacheEntry, runs: list[Run],
+    def _pull_chunk(self, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
                     deadline: float) -> None:
         sock = self._acquire(deadline)
         ok = False
         try:
             for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
-                self._request(sock, cache_id, dst, runs[i : i + MAX_RUNS_PER_REQUEST], deadline)
+                self._request(sock, cache_id, dst, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
             ok = True
         except TimeoutError:
             fail(LlmStatus.LLM_TIMEOUT, "deadline passed while receiving blocks over tcp")
@@ -252,12 +253,12 @@ class TcpChannel(PeerChannel):
             else:
                 sock.close()  # Its stream position is unknown now; never reuse it.
 
-    def _request(self, sock: socket.socket, cache_id: int, dst: CacheEntry,
-                 runs: list[Run], deadline: float) -> None:
+    def _request(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
+                 deadline: float) -> None:
         frame = np.zeros(len(runs), dtype=RUN)
-        frame["tensor"] = [r[0] for r in runs]
-        frame["offset"] = [r[1] for r in runs]
-        frame["length"] = [r[4] for r in runs]
+        frame["tensor"] = [r[1] for r in runs]
+        frame["offset"] = [r[2] for r in runs]
+        frame["length"] = [r[5] for r in runs]
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(REQUEST.pack(b"KVRQ", len(runs), cache_id) + frame.tobytes())
         magic, status, size = REPLY.unpack(_recv_bytes(sock, REPLY.size))
@@ -270,9 +271,10 @@ class TcpChannel(PeerChannel):
             except ValueError:
                 code = LlmStatus.LLM_FAILED
             fail(code, f"peer refused the read: {message}")
-        for _, _, dt, do, n in runs:
+        for idx, _, _, dt, do, n in runs:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             _recv_exact(sock, dst.views[dt][do : do + n])
+            progress.mark(idx, n)
 
     def close(self) -> None:
         with self._lock:

@@ -13,8 +13,8 @@ import grpc.aio
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from kvbroker._status import ERROR_DOMAIN, grpc_code_for
 
+from kvbroker._status import ERROR_DOMAIN, grpc_code_for
 from kvbrokerd.errors import LlmError, LlmStatus
 
 log = logging.getLogger(__name__)
@@ -26,15 +26,18 @@ Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
 
 def to_rpc_status(err: LlmError) -> grpc.Status:
     code = grpc_code_for(err.status)
+    metadata = {k: str(v) for k, v in err.details.items() if isinstance(v, str | int | float)}
     info = error_details_pb2.ErrorInfo(
-        reason=err.status.name,
-        domain=ERROR_DOMAIN,
-        metadata={"status_code": str(int(err.status)), **{k: str(v) for k, v in err.details.items()}},
+        reason=err.status.name, domain=ERROR_DOMAIN, metadata={"status_code": str(int(err.status)), **metadata}
     )
-    detail = any_pb2.Any()
-    detail.Pack(info)
+    details = []
+    for message in (info, err.details.get("transfer_report")):
+        if message is not None:
+            packed = any_pb2.Any()
+            packed.Pack(message)
+            details.append(packed)
     status = status_pb2.Status(
-        code=getattr(code_pb2, code.name), message=f"{err.status.name}: {err.message}", details=[detail]
+        code=getattr(code_pb2, code.name), message=f"{err.status.name}: {err.message}", details=details
     )
     return rpc_status.to_status(status)
 

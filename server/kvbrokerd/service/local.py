@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc.aio
+
+import kvbrokerd
 from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
 from kvbroker._types import TensorLocation
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-
-import kvbrokerd
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node

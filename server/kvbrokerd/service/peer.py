@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import grpc.aio
+
 from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors

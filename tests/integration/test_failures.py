@@ -1,0 +1,77 @@
+"""A failed transfer ends within its deadline with the right status and leaves the daemon healthy."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbroker import CacheDesc, CacheIndex, DataType, LinkState, LlmError, LlmStatus
+from kvbroker._local import LocalDaemon
+from tests.conftest import cluster_of
+from tests.helpers import fill
+
+DESC = CacheDesc(num_tensors=2, shape=(256, 64 << 10), data_type=DataType.UINT8)  # 32 MiB
+BLOCKS = list(range(256))
+
+
+def _setup(src: LocalDaemon, dst: LocalDaemon) -> tuple[int, int]:
+    with src.client() as s, dst.client() as d:
+        a, b = s.allocate_cache(DESC), d.allocate_cache(DESC)
+        fill(a, 1)
+        assert d.link_clusters([cluster_of(src)])[0].ok
+        d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, BLOCKS, BLOCKS)  # warm: lookup + connections
+        return a.cache_id, b.cache_id
+
+
+def _assert_healthy(dst: LocalDaemon, tmp_path: Path) -> None:
+    """The daemon still serves: a fresh peer links and a pull from it succeeds."""
+    with LocalDaemon(tmp_path, 9, backends=("tcp",)) as other, other.client() as o, dst.client() as d:
+        assert d.get_cluster_info().cluster_id == dst.cluster_id
+        assert d.link_clusters([cluster_of(other)])[0].ok
+        src = o.allocate_cache(CacheDesc(num_tensors=2, shape=(4, 16)))
+        dst_cache = d.allocate_cache(CacheDesc(num_tensors=2, shape=(4, 16)))
+        assert d.pull_kv_blocks(CacheIndex(9, src.cache_id), dst_cache, [0], [1]).bytes_moved == 2 * 16 * 2
+
+
+def test_hung_peer_gives_timeout_within_the_deadline(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst:
+        src_id, dst_id = _setup(src, dst)
+        src.signal(signal.SIGSTOP)
+        try:
+            with dst.client() as d:
+                t0 = time.monotonic()
+                with pytest.raises(LlmError) as info:
+                    d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS, timeout=1.0)
+                elapsed = time.monotonic() - t0
+            assert info.value.status == LlmStatus.LLM_TIMEOUT
+            assert info.value.failed_dst_blocks == BLOCKS  # the frozen peer sent nothing
+            assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s for a 1 s deadline"
+        finally:
+            src.signal(signal.SIGCONT)
+        _assert_healthy(dst, tmp_path)
+
+
+def test_peer_killed_mid_transfer_gives_link_failed(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst:
+        src_id, dst_id = _setup(src, dst)
+        src.signal(signal.SIGSTOP)  # the pull starts and then waits on the frozen peer...
+        with dst.client() as d, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(d.pull_kv_blocks, CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS, timeout=20.0)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            src.signal(signal.SIGKILL)  # ...until the kernel resets its connections
+            with pytest.raises(LlmError) as info:
+                pending.result()
+            assert time.monotonic() - t0 < 5.0
+        assert info.value.status == LlmStatus.LLM_LINK_FAILED
+        assert info.value.details.get("backend") == "tcp" and info.value.details.get("transfer_id")
+        failed = info.value.failed_dst_blocks
+        assert failed is not None and 0 < len(failed) <= len(BLOCKS) and set(failed) <= set(BLOCKS)
+        with dst.client() as d:
+            [link] = d.list_links()
+            assert link.state == LinkState.BROKEN
+        _assert_healthy(dst, tmp_path)
