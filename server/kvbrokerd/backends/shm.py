@@ -8,6 +8,7 @@ peer's live cache ids, checked before and after each copy, so a deallocated cach
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,7 +70,13 @@ class ShmChannel(PeerChannel):
                     m.close()
                 fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: cannot map its memory ({e})")
             n = remote.desc.tensor_nbytes
-            arrays = [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors]
+            try:
+                arrays = [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors]
+            except ValueError:
+                for m in maps.values():
+                    m.close()
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: its segments are smaller "
+                     "than its descriptor says")
             state = remote.backend_state[NAME] = (maps, arrays)
         return state[1]
 
@@ -82,13 +89,17 @@ class ShmChannel(PeerChannel):
         self._check_live(remote)
         src_arrays = self._source_arrays(remote)
         dst_arrays = [np.frombuffer(v, np.uint8) for v in dst.views]
+        # Raw addresses: the planner has checked every run against both caches' sizes, the arrays above keep the
+        # mappings alive, and ctypes.memmove releases the GIL, so two copiers really run in parallel.
+        src_addr = [a.ctypes.data for a in src_arrays]
+        dst_addr = [a.ctypes.data for a in dst_arrays]
         runs = plan.runs()
 
         def copy(chunk: list[Run]) -> None:
-            for idx, st, so, dt, do, n in chunk:
-                if time.monotonic() > deadline:
+            for i, (idx, st, so, dt, do, n) in enumerate(chunk):
+                if i % 256 == 0 and time.monotonic() > deadline:
                     fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the shm copy")
-                np.copyto(dst_arrays[dt][do : do + n], src_arrays[st][so : so + n])
+                ctypes.memmove(dst_addr[dt] + do, src_addr[st] + so, n)
                 progress.mark(idx, n)
 
         threads = self._copy_threads if plan.total_bytes >= _PARALLEL_MIN_BYTES and len(runs) > 1 else 1

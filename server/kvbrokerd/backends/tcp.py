@@ -69,6 +69,43 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         pos += got
 
 
+IOV_BATCH = 512
+"""Buffers per sendmsg/recvmsg_into call: one system call moves many small runs (Linux allows 1024)."""
+
+
+def _advance(views: list[memoryview], i: int, done: int) -> tuple[int, int, list[int]]:
+    """After `done` more bytes of views[i:], returns (new i, bytes into views[i], indices of views completed)."""
+    completed = []
+    while done and done >= len(views[i]):
+        done -= len(views[i])
+        completed.append(i)
+        i += 1
+    if done:
+        views[i] = views[i][done:]
+    return i, done, completed
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_BATCH])
+        i, _, _ = _advance(views, i, sent)
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview], on_complete: Callable[[int], None],
+                deadline: float) -> None:
+    """Fills `views` in order straight from the socket before `deadline`; calls on_complete(index) as each fills."""
+    i = 0
+    while i < len(views):
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        got = sock.recvmsg_into(views[i : i + IOV_BATCH])[0]
+        if got == 0:
+            raise ConnectionError("peer closed the data connection")
+        i, _, completed = _advance(views, i, got)
+        for k in completed:
+            on_complete(k)
+
+
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     _recv_exact(sock, memoryview(buf))
@@ -144,9 +181,9 @@ class DataServer:
                 _check_runs(runs, entry)
                 total = int(runs["length"].sum())
                 conn.sendall(REPLY.pack(b"KVRS", 0, total))
-                for t, off, n in zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(),
-                                     strict=True):
-                    conn.sendall(entry.views[t][off : off + n])
+                views = [entry.views[t][off : off + n] for t, off, n in
+                         zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(), strict=True)]
+                _send_views(conn, views)
         except LlmError as e:
             msg = e.message.encode()
             conn.sendall(REPLY.pack(b"KVRS", int(e.status), len(msg)) + msg)
@@ -271,10 +308,8 @@ class TcpChannel(PeerChannel):
             except ValueError:
                 code = LlmStatus.LLM_FAILED
             fail(code, f"peer refused the read: {message}")
-        for idx, _, _, dt, do, n in runs:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            _recv_exact(sock, dst.views[dt][do : do + n])
-            progress.mark(idx, n)
+        views = [dst.views[dt][do : do + n] for _, _, _, dt, do, n in runs]
+        _recv_views(sock, views, lambda k: progress.mark(runs[k][0], runs[k][5]), deadline)
 
     def close(self) -> None:
         with self._lock:
