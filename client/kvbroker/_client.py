@@ -6,7 +6,7 @@ Constructors do no I/O: the channel is created on first use (inside the running 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -15,7 +15,7 @@ import grpc.aio
 from kvbroker import _convert as cv
 from kvbroker._errors import error_from_rpc
 from kvbroker._shm import Cache
-from kvbroker._status import ClusterNumExceedLimitError, LlmStatus
+from kvbroker._status import ClusterNumExceedLimitError, LlmError, LlmStatus, ParamInvalidError
 from kvbroker._types import (
     CacheDesc,
     CacheIndex,
@@ -24,7 +24,10 @@ from kvbroker._types import (
     ClusterResult,
     ClusterStatus,
     KvCacheExtParam,
+    LayerLanded,
     LinkInfo,
+    PullBlocks,
+    PushBlocks,
     TensorLocation,
     TransferResult,
 )
@@ -67,6 +70,12 @@ def _rpc_deadline(handshake_timeout: float | None) -> float | None:
     return None if handshake_timeout is None else handshake_timeout + LINK_CALL_MARGIN_S
 
 
+def _check_size(size: int) -> None:
+    # On the wire 0 means "unset" (= -1), so an explicit 0 is refused here, as LLM-DataDist refuses it.
+    if size == 0 or size < -1:
+        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"size must be -1 or > 0 bytes per tensor, got {size}")
+
+
 class _Calls:
     """Request builders and response decoders shared by both clients."""
 
@@ -85,6 +94,56 @@ class _Calls:
             dst_blocks=[int(b) for b in dst_blocks],
             ext_param=cv.ext_param_to_pb(ext_param),
         )
+
+    @staticmethod
+    def pull_kv_cache(src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int, size: int,
+                      ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvCacheRequest:
+        _check_size(size)
+        return broker_pb2.PullKvCacheRequest(
+            src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
+            batch_index=batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
+
+    @staticmethod
+    def push_kv_blocks(src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvBlocksRequest:
+        return broker_pb2.PushKvBlocksRequest(
+            src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
+            src_blocks=[int(b) for b in src_blocks], dst_blocks=[int(b) for b in dst_blocks],
+            ext_param=cv.ext_param_to_pb(ext_param))
+
+    @staticmethod
+    def push_kv_cache(src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
+                      ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvCacheRequest:
+        _check_size(size)
+        return broker_pb2.PushKvCacheRequest(
+            src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
+            src_batch_index=src_batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
+
+    @staticmethod
+    def copy_kv_blocks(src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
+                       dst_blocks_list: Sequence[Sequence[int]]) -> broker_pb2.CopyKvBlocksRequest:
+        return broker_pb2.CopyKvBlocksRequest(
+            src_cache_id=_cache_id(src_cache), dst_cache_id=_cache_id(dst_cache),
+            src_blocks=[int(b) for b in src_blocks],
+            dst_blocks_list=[broker_pb2.BlockList(blocks=[int(b) for b in lst]) for lst in dst_blocks_list])
+
+    @staticmethod
+    def batch(groups: Sequence[PullBlocks | PushBlocks]) -> broker_pb2.TransferKvBlocksBatchRequest:
+        req = broker_pb2.TransferKvBlocksBatchRequest()
+        for g in groups:
+            if isinstance(g, PullBlocks):
+                req.groups.add(pull=_Calls.pull_kv_blocks(g.src_cache_index, g.dst_cache, g.src_blocks,
+                                                          g.dst_blocks, g.ext_param))
+            else:
+                req.groups.add(push=_Calls.push_kv_blocks(g.src_cache, g.dst_cache_index, g.src_blocks,
+                                                          g.dst_blocks, g.ext_param))
+        return req
+
+    @staticmethod
+    def progress(msg: broker_pb2.PullKvBlocksProgress) -> LayerLanded | TransferResult:
+        if msg.HasField("result"):
+            return cv.transfer_result_from_pb(msg.result)
+        return LayerLanded(layer=msg.layer, layer_bytes=msg.layer_bytes)
 
     @staticmethod
     def register(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> broker_pb2.RegisterKvCacheRequest:
@@ -206,10 +265,64 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
         ext_param: KvCacheExtParam | None = None,
         *,
         timeout: float | None = None,
+        on_layer: Callable[[LayerLanded], None] | None = None,
     ) -> TransferResult:
-        """Pulls `src_blocks` of the remote cache into `dst_blocks` of the local one (LLM-DataDist PullKvBlocks)."""
+        """Pulls `src_blocks` of the remote cache into `dst_blocks` of the local one (LLM-DataDist PullKvBlocks).
+
+        With `on_layer`, the pull runs layer by layer and calls `on_layer` as each destination layer lands, so a
+        decode engine can start on layer 0 while later layers are still in flight."""
         req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
-        return cv.transfer_result_from_pb(self._call("PullKvBlocks", req, timeout))
+        if on_layer is None:
+            return cv.transfer_result_from_pb(self._call("PullKvBlocks", req, timeout))
+        try:
+            for msg in self._stream("PullKvBlocksStream", req, timeout):
+                item = _Calls.progress(msg)
+                if isinstance(item, TransferResult):
+                    return item
+                on_layer(item)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        raise LlmError(LlmStatus.LLM_FAILED, "the progress stream ended without a terminal state")
+
+    def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0, size: int = -1,
+                      ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None) -> TransferResult:
+        """Pulls batch row `src_cache_index.batch_index` (its first `size` bytes per tensor; -1 = all) of each
+        selected tensor into row `batch_index` of `dst_cache` (LLM-DataDist PullKvCache)."""
+        req = _Calls.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param)
+        return cv.transfer_result_from_pb(self._call("PullKvCache", req, timeout))
+
+    def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                       timeout: float | None = None) -> TransferResult:
+        """Writes `src_blocks` of the local cache into `dst_blocks` of the remote one (LLM-DataDist PushKvBlocks)."""
+        req = _Calls.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
+        return cv.transfer_result_from_pb(self._call("PushKvBlocks", req, timeout))
+
+    def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                      size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                      timeout: float | None = None) -> TransferResult:
+        """Writes row `src_batch_index` of the local cache into row `dst_cache_index.batch_index` of the remote one."""
+        req = _Calls.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param)
+        return cv.transfer_result_from_pb(self._call("PushKvCache", req, timeout))
+
+    def copy_kv_blocks(self, src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
+                       dst_blocks_list: Sequence[Sequence[int]], *, timeout: float | None = None) -> TransferResult:
+        """Copies `src_blocks` into each list of `dst_blocks_list` between two local caches (e.g. forking a
+        partially filled block for prefix sharing)."""
+        req = _Calls.copy_kv_blocks(src_cache, dst_cache, src_blocks, dst_blocks_list)
+        return cv.transfer_result_from_pb(self._call("CopyKvBlocks", req, timeout))
+
+    def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
+                                 timeout: float | None = None) -> TransferResult:
+        """Several block pulls/pushes (K and V caches, MLA parts) as one transfer: all validated before any byte
+        moves, one deadline, one terminal state; a failure's `failed_dst_blocks` report covers every group."""
+        resp = self._call("TransferKvBlocksBatch", _Calls.batch(groups), timeout)
+        return TransferResult(bytes_moved=resp.bytes_moved, backend=",".join(resp.backends),
+                              transfer_id=resp.transfer_id, num_runs=resp.num_runs)
+
+    def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
+        self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
+        return getattr(self._stub, method)(request, timeout=self._deadline(timeout))  # type: ignore[no-any-return]
 
 
 class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
@@ -307,3 +420,49 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
     ) -> TransferResult:
         req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         return cv.transfer_result_from_pb(await self._call("PullKvBlocks", req, timeout))
+
+    async def pull_kv_blocks_stream(
+        self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
+        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None,
+    ) -> AsyncIterator[LayerLanded | TransferResult]:
+        """Layer-wise pull: yields a LayerLanded per destination layer as it lands, then the TransferResult.
+        A failure raises LlmError; its `failed_dst_blocks` and details["transfer_report"].completed_layers say
+        what landed."""
+        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        await self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel in this loop
+        call = self._stub.PullKvBlocksStream(req, timeout=self._deadline(timeout))  # type: ignore[union-attr]
+        try:
+            async for msg in call:
+                yield _Calls.progress(msg)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    async def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0,
+                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                            timeout: float | None = None) -> TransferResult:
+        req = _Calls.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param)
+        return cv.transfer_result_from_pb(await self._call("PullKvCache", req, timeout))
+
+    async def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                             timeout: float | None = None) -> TransferResult:
+        req = _Calls.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
+        return cv.transfer_result_from_pb(await self._call("PushKvBlocks", req, timeout))
+
+    async def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                            timeout: float | None = None) -> TransferResult:
+        req = _Calls.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param)
+        return cv.transfer_result_from_pb(await self._call("PushKvCache", req, timeout))
+
+    async def copy_kv_blocks(self, src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
+                             dst_blocks_list: Sequence[Sequence[int]], *,
+                             timeout: float | None = None) -> TransferResult:
+        req = _Calls.copy_kv_blocks(src_cache, dst_cache, src_blocks, dst_blocks_list)
+        return cv.transfer_result_from_pb(await self._call("CopyKvBlocks", req, timeout))
+
+    async def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
+                                       timeout: float | None = None) -> TransferResult:
+        resp = await self._call("TransferKvBlocksBatch", _Calls.batch(groups), timeout)
+        return TransferResult(bytes_moved=resp.bytes_moved, backend=",".join(resp.backends),
+                              transfer_id=resp.transfer_id, num_runs=resp.num_runs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvbroker._status import LlmStatus
 from kvbroker._types import (
     CacheDesc,
@@ -107,7 +109,8 @@ def cluster_status_from_pb(msg: broker_pb2.GetClusterInfoResponse) -> ClusterSta
     )
 
 
-def transfer_result_from_pb(msg: broker_pb2.PullKvBlocksResponse) -> TransferResult:
+def transfer_result_from_pb(msg: Any) -> TransferResult:
+    """From any transfer response (they share bytes_moved, backend, transfer_id, num_runs)."""
     return TransferResult(
         bytes_moved=msg.bytes_moved, backend=msg.backend, transfer_id=msg.transfer_id, num_runs=msg.num_runs
     )

@@ -200,3 +200,33 @@ class CacheRecord:
     tensors: tuple[TensorLocation, ...]
     shm_dir: str
     daemon_owned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLanded:
+    """A destination layer of a layer-wise pull has landed completely."""
+
+    layer: int
+    layer_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullBlocks:
+    """One group of a batched transfer: pull blocks of a remote cache into a local cache."""
+
+    src_cache_index: CacheIndex
+    dst_cache: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    ext_param: KvCacheExtParam | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PushBlocks:
+    """One group of a batched transfer: write blocks of a local cache into a remote cache."""
+
+    src_cache: int
+    dst_cache_index: CacheIndex
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    ext_param: KvCacheExtParam | None = None

@@ -6,6 +6,7 @@ merged into runs, and runs are crossed with the selected tensor pairs into flat 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -126,6 +127,31 @@ def _has_duplicates(blocks: np.ndarray) -> bool:
     return len(np.unique(blocks)) != len(blocks)
 
 
+def check_compatible(src: CacheDesc, dst: CacheDesc) -> None:
+    """Caches that both carry a layout tag must carry the same one (model, dtype, block layout, tp rank...)."""
+    if src.layout_tag and dst.layout_tag and src.layout_tag != dst.layout_tag:
+        param_invalid(f"incompatible caches: source layout {src.layout_tag!r}, destination layout {dst.layout_tag!r}")
+
+
+def _plan(src: CacheDesc, dst: CacheDesc, layers: LayerSelection, run_src: np.ndarray, run_dst: np.ndarray,
+          run_len: np.ndarray, dst_blocks: np.ndarray, unit: int) -> Plan:
+    """Crosses runs (in units of `unit` bytes: a block or a batch row) with the selected tensor pairs."""
+    check_compatible(src, dst)
+    s0, d0, count = select_tensors(src, dst, layers)
+    n_runs = len(run_len)
+    tensor_idx = np.arange(count, dtype=np.uint32)
+    stride = np.uint64(unit)
+    return Plan(
+        src_tensor=np.repeat(tensor_idx + s0, n_runs),
+        src_offset=np.tile(run_src * stride, count),
+        dst_tensor=np.repeat(tensor_idx + d0, n_runs),
+        dst_offset=np.tile(run_dst * stride, count),
+        length=np.tile(run_len, count),
+        dst_blocks=dst_blocks,
+        block_nbytes=unit,
+    )
+
+
 def plan_blocks(
     src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray, layers: LayerSelection
 ) -> Plan:
@@ -141,20 +167,46 @@ def plan_blocks(
         param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
     if src.block_nbytes != dst.block_nbytes:
         param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
-    s0, d0, count = select_tensors(src, dst, layers)
     run_src, run_dst, run_len = coalesce(src_blocks, dst_blocks)
-    bpb = np.uint64(dst.block_nbytes)
-    n_runs = len(run_len)
-    tensor_idx = np.arange(count, dtype=np.uint32)
-    return Plan(
-        src_tensor=np.repeat(tensor_idx + s0, n_runs),
-        src_offset=np.tile(run_src * bpb, count),
-        dst_tensor=np.repeat(tensor_idx + d0, n_runs),
-        dst_offset=np.tile(run_dst * bpb, count),
-        length=np.tile(run_len * bpb, count),
-        dst_blocks=dst_blocks,
-        block_nbytes=dst.block_nbytes,
-    )
+    return _plan(src, dst, layers, run_src, run_dst, run_len * np.uint64(dst.block_nbytes), dst_blocks,
+                 dst.block_nbytes)
+
+
+def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, size: int,
+               layers: LayerSelection) -> Plan:
+    """A whole-cache / per-batch transfer (PullKvCache, PushKvCache): `size` bytes per tensor (-1 = the whole batch
+    row) from the start of batch row `src_batch` into batch row `dst_batch`. The batch dimension is shape[0]."""
+    if not 0 <= src_batch < src.num_blocks:
+        param_invalid(f"source batch index {src_batch} is out of range: the source cache has {src.num_blocks} rows")
+    if not 0 <= dst_batch < dst.num_blocks:
+        param_invalid(f"destination batch index {dst_batch} is out of range: the destination cache has "
+                      f"{dst.num_blocks} rows")
+    if size == -1:
+        if src.block_nbytes != dst.block_nbytes:
+            param_invalid(f"size=-1 needs equal batch rows: source {src.block_nbytes} bytes, destination "
+                          f"{dst.block_nbytes}; pass an explicit size")
+        size = dst.block_nbytes
+    elif not 0 < size <= min(src.block_nbytes, dst.block_nbytes):
+        param_invalid(f"size must be -1 or in [1, {min(src.block_nbytes, dst.block_nbytes)}] bytes per tensor, "
+                      f"got {size}")
+    one = np.ones(1, dtype=np.uint64)
+    src_row = np.asarray([src_batch], dtype=np.uint64)
+    dst_row = np.asarray([dst_batch], dtype=np.uint64)
+    plan = _plan(src, dst, layers, src_row, dst_row, one * np.uint64(size), dst_row, dst.block_nbytes)
+    # Rows of different strides: offsets follow each side's own stride.
+    return dataclasses.replace(plan, src_offset=np.full_like(plan.src_offset, src_batch * src.block_nbytes))
+
+
+def layer_plans(plan: Plan, tensor_num_per_layer: int) -> list[tuple[int, Plan]]:
+    """The plan split by destination layer (for layer-wise progress): [(dst layer, sub-plan), ...] in layer order."""
+    layer = plan.dst_tensor // np.uint32(tensor_num_per_layer)
+    out = []
+    for value in np.unique(layer).tolist():
+        mask = layer == value
+        out.append((int(value), dataclasses.replace(
+            plan, src_tensor=plan.src_tensor[mask], src_offset=plan.src_offset[mask],
+            dst_tensor=plan.dst_tensor[mask], dst_offset=plan.dst_offset[mask], length=plan.length[mask])))
+    return out
 
 
 def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
@@ -200,7 +252,8 @@ class Progress:
         incomplete = self._per_run() < self.plan.length
         bpb = np.uint64(self.plan.block_nbytes)
         starts = self.plan.dst_offset[incomplete] // bpb
-        counts = (self.plan.length[incomplete] // bpb).astype(np.int64)
+        ends = (self.plan.dst_offset[incomplete] + self.plan.length[incomplete] + bpb - np.uint64(1)) // bpb
+        counts = (ends - starts).astype(np.int64)
         if not len(counts):
             return np.zeros(0, dtype=np.uint64)
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -1,39 +1,108 @@
 """The transfer manager: validates a request completely, plans it, runs it on the link's backend off the event loop,
-and ends it in exactly one terminal state (DONE, or a raised LlmError saying why)."""
+and ends it in exactly one terminal state: DONE (a TransferResult) or FAILED / TIMEOUT / CANCELLED (a raised
+LlmError whose report says which destination blocks and layers did not land).
+
+Pull, push and copy share one path: `prepare_*` does every check and builds a `Job` (nothing moves yet), `run`
+executes jobs. A rejected request therefore never writes a byte.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvbroker._types import TransferResult
 from kvbroker.v1 import errors_pb2
+from kvbrokerd.backends import memcopy
+from kvbrokerd.backends.base import RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
-from kvbrokerd.links import LinkTable
-from kvbrokerd.planner import LayerSelection, Progress, block_array, check_block_lists, plan_blocks
-from kvbrokerd.registry import Registry
+from kvbrokerd.links import Link, LinkTable
+from kvbrokerd.planner import (
+    LayerSelection,
+    Plan,
+    Progress,
+    block_array,
+    check_block_lists,
+    layer_plans,
+    plan_blocks,
+    plan_cache,
+)
+from kvbrokerd.registry import CacheEntry, Registry
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 60.0
 GRACE_S = 1.0
 REPLY_MARGIN_S = 0.05
+MAX_BATCH_GROUPS = 64
+MAX_COPY_LISTS = 64
+
+
+class Direction(enum.Enum):
+    PULL = "pull"
+    PUSH = "push"
+    COPY = "copy"
 
 
 @dataclass(frozen=True, slots=True)
-class PullBlocksRequest:
-    src_cluster_id: int
-    src_cache_id: int
-    src_batch_index: int
-    dst_cache_id: int
+class BlocksRequest:
+    """PullKvBlocks (remote -> local) or PushKvBlocks (local -> remote)."""
+
+    remote_cluster_id: int
+    remote_cache_id: int
+    remote_batch_index: int
+    local_cache_id: int
     src_blocks: Sequence[int]
     dst_blocks: Sequence[int]
     layers: LayerSelection
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRequest:
+    """PullKvCache / PushKvCache: one batch row of each selected tensor."""
+
+    remote_cluster_id: int
+    remote_cache_id: int
+    local_cache_id: int
+    src_batch_index: int
+    dst_batch_index: int
+    size: int
+    layers: LayerSelection
+
+
+@dataclass(eq=False)
+class Job:
+    """A validated, planned transfer; nothing has moved yet."""
+
+    direction: Direction
+    plan: Plan
+    local_cache_id: int
+    link: Link | None = None
+    remote: RemoteCache | None = None
+    copy_src_cache_id: int = 0
+
+    @property
+    def backend(self) -> str:
+        return self.link.backend if self.link is not None else "local"
+
+
+class Deadline:
+    """The caller's deadline, minus a margin so that the caller gets our report instead of a bare timeout."""
+
+    def __init__(self, timeout: float | None) -> None:
+        budget = DEFAULT_DEADLINE_S if timeout is None else timeout
+        self.at = time.monotonic() + budget - min(REPLY_MARGIN_S, budget * 0.1)
+
+    def remaining(self) -> float:
+        return max(0.001, self.at - time.monotonic())
 
 
 class TransferManager:
@@ -43,68 +112,219 @@ class TransferManager:
         self._executor = executor
         self.in_flight = 0
 
-    async def pull_blocks(self, req: PullBlocksRequest, timeout: float | None) -> TransferResult:
-        transfer_id = uuid.uuid4().hex[:12]
-        started = time.monotonic()
-        # Give up a little before the caller's deadline so that the caller gets our report, not a bare timeout.
-        budget = DEFAULT_DEADLINE_S if timeout is None else timeout
-        deadline = started + budget - min(REPLY_MARGIN_S, budget * 0.1)
-        # LLM-DataDist's order of checks: request shape, then local cache, link, remote cache, then the plan.
-        if req.src_batch_index != 0:
-            param_invalid(f"src_cache_index.batch_index must be 0 for block pulls, got {req.src_batch_index}")
-        if req.src_cluster_id == self._links.cluster_id:
-            param_invalid(f"cannot pull from our own cluster {req.src_cluster_id}")
+    # -- validation and planning (no byte moves) -------------------------------------------------------------------
+    async def _remote(self, direction: Direction, cluster_id: int, cache_id: int, local_cache_id: int,
+                      deadline: Deadline) -> tuple[CacheEntry, Link, RemoteCache]:
+        """LLM-DataDist's order of checks: own cluster, local cache, link, remote cache."""
+        if cluster_id == self._links.cluster_id:
+            param_invalid(f"cannot {direction.value} with our own cluster {cluster_id}")
+        local = self._registry.get(local_cache_id)
+        link = self._links.get_ready(cluster_id)
+        remote = await link.remote_cache(cache_id, deadline.remaining())
+        return local, link, remote
+
+    async def prepare_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> Job:
+        if req.remote_batch_index != 0:
+            side = "src" if direction == Direction.PULL else "dst"
+            param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
+                          f"{req.remote_batch_index}")
         src_blocks = block_array(req.src_blocks, "src_blocks")
         dst_blocks = block_array(req.dst_blocks, "dst_blocks")
         check_block_lists(src_blocks, dst_blocks)
-        dst = self._registry.get(req.dst_cache_id)
-        link = self._links.get_ready(req.src_cluster_id)
-        remote = await link.remote_cache(req.src_cache_id, max(0.001, deadline - time.monotonic()))
-        plan = plan_blocks(remote.desc, dst.desc, src_blocks, dst_blocks, req.layers)
-        channel = link.channel
-        assert channel is not None
-        pinned_dst = self._registry.pin(req.dst_cache_id)
+        local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
+                                                 req.local_cache_id, deadline)
+        src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
+        plan = plan_blocks(src, dst, src_blocks, dst_blocks, req.layers)
+        return Job(direction, plan, req.local_cache_id, link, remote)
+
+    async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
+        local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
+                                                 req.local_cache_id, deadline)
+        src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
+        plan = plan_cache(src, dst, req.src_batch_index, req.dst_batch_index, req.size, req.layers)
+        return Job(direction, plan, req.local_cache_id, link, remote)
+
+    def prepare_copy(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
+                     dst_blocks_list: Sequence[Sequence[int]]) -> Job:
+        if not dst_blocks_list:
+            param_invalid("dst_blocks_list is empty")
+        if len(dst_blocks_list) > MAX_COPY_LISTS:
+            param_invalid(f"{len(dst_blocks_list)} destination lists; at most {MAX_COPY_LISTS}")
+        src = self._registry.get(src_cache_id)
+        dst = self._registry.get(dst_cache_id)
+        src_arr = block_array(src_blocks, "src_blocks")
+        plans = [plan_blocks(src.desc, dst.desc, src_arr, block_array(d, f"dst_blocks_list[{i}]"), LayerSelection())
+                 for i, d in enumerate(dst_blocks_list)]
+        all_dst = np.concatenate([p.dst_blocks for p in plans])
+        if len(np.unique(all_dst)) != len(all_dst):
+            param_invalid("a destination block appears in more than one dst_blocks list")
+        if src_cache_id == dst_cache_id and np.intersect1d(all_dst, src_arr).size:
+            param_invalid("copying within one cache: a destination block is also a source block")
+        columns = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
+        plan = Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in columns},
+                    block_nbytes=dst.desc.block_nbytes)
+        return Job(Direction.COPY, plan, dst_cache_id, copy_src_cache_id=src_cache_id)
+
+    # -- execution ---------------------------------------------------------------------------------------------------
+    async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
+        """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
+        plan = job.plan if plan is None else plan
         progress = Progress(plan)
+        local = self._registry.pin(job.local_cache_id)
+        pinned = [local]
+        try:
+            if job.direction == Direction.COPY:
+                pinned.append(self._registry.pin(job.copy_src_cache_id))
+            call = self._operation(job, plan, progress, pinned, deadline)
+        except BaseException:
+            for entry in pinned:
+                self._registry.unpin(entry)
+            raise
+        inline = job.link is not None and job.link.channel is not None and job.link.channel.runs_inline(plan)
+        if job.direction == Direction.COPY:
+            inline = plan.total_bytes <= memcopy.INLINE_MAX_BYTES
         work: asyncio.Future[int]
-        if channel.runs_inline(plan):
+        if inline:
             work = asyncio.get_running_loop().create_future()
             try:
-                work.set_result(channel.pull(remote, pinned_dst, plan, progress, deadline))
+                work.set_result(call())
             except Exception as e:
                 work.set_exception(e)
         else:
-            work = asyncio.get_running_loop().run_in_executor(self._executor, channel.pull, remote, pinned_dst, plan,
-                                                              progress, deadline)
+            work = asyncio.get_running_loop().run_in_executor(self._executor, call)
         self.in_flight += 1
         try:
-            # The worker honours the same deadline; the grace only guards against a stuck system call.
             if not work.done():
-                await asyncio.wait({work}, timeout=max(0.0, deadline - time.monotonic()) + GRACE_S)
+                # The worker honours the same deadline; the grace only guards against a stuck system call.
+                await asyncio.wait({work}, timeout=deadline.remaining() + GRACE_S)
             if not work.done():
                 fail(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} passed its deadline")
-            moved = work.result()
+            return work.result()
         except LlmError as e:
-            if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST:
-                link.forget_cache(req.src_cache_id)
-            elif e.status == LlmStatus.LLM_LINK_FAILED:
-                link.mark_broken(e.message)
-            e.details.update(transfer_id=transfer_id, backend=link.backend, stage="transfer",
-                             cluster_id=str(req.src_cluster_id))
-            e.details["transfer_report"] = errors_pb2.TransferReport(
-                transfer_id=transfer_id, backend=link.backend, stage="transfer",
-                failed_dst_blocks=progress.failed_dst_blocks().tolist(), bytes_moved=progress.bytes_moved)
-            log.warning("transfer %s from cluster %d failed on %s: %s", transfer_id, req.src_cluster_id,
-                        link.backend, e)
+            self._on_failure(job, e, transfer_id, progress)
             raise
         finally:
             self.in_flight -= 1
-            # A copy still running (timeout, cancelled caller) keeps the destination mapped until it stops.
-            if work.done():
-                self._registry.unpin(pinned_dst)
-            else:
-                work.add_done_callback(lambda _: self._registry.unpin(pinned_dst))
-        elapsed = time.monotonic() - started
-        log.debug("transfer %s: %d bytes in %d runs from cluster %d via %s in %.3f ms", transfer_id, moved,
-                  plan.num_runs, req.src_cluster_id, link.backend, elapsed * 1e3)
-        return TransferResult(bytes_moved=moved, backend=link.backend, transfer_id=transfer_id,
-                              num_runs=plan.num_runs)
+            # A copy still running (timeout, cancelled caller) keeps the memory mapped until it stops.
+            for entry in pinned:
+                if work.done():
+                    self._registry.unpin(entry)
+                else:
+                    work.add_done_callback(lambda _, e=entry: self._registry.unpin(e))  # type: ignore[misc]
+
+    def _operation(self, job: Job, plan: Plan, progress: Progress, pinned: list[CacheEntry],
+                   deadline: Deadline) -> Callable[[], int]:
+        if job.direction == Direction.COPY:
+            # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
+            dst, src = pinned
+            src_addr, dst_addr = memcopy.addresses(src.views)[1], memcopy.addresses(dst.views)[1]
+            return lambda: memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline.at, self._executor)
+        assert job.link is not None and job.link.channel is not None and job.remote is not None
+        channel, remote, local = job.link.channel, job.remote, pinned[0]
+        if job.direction == Direction.PULL:
+            return lambda: channel.pull(remote, local, plan, progress, deadline.at)
+        return lambda: channel.push(local, remote, plan, progress, deadline.at)
+
+    def _on_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress) -> None:
+        if job.link is not None:
+            if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST and job.remote is not None:
+                job.link.forget_cache(job.remote.cache_id)
+            elif e.status == LlmStatus.LLM_LINK_FAILED:
+                job.link.mark_broken(e.message)
+            e.details["cluster_id"] = str(job.link.remote_cluster_id)
+        e.details.update(transfer_id=transfer_id, backend=job.backend, stage="transfer")
+        e.details["transfer_report"] = errors_pb2.TransferReport(
+            transfer_id=transfer_id, backend=job.backend, stage="transfer",
+            failed_dst_blocks=progress.failed_dst_blocks().tolist(), bytes_moved=progress.bytes_moved)
+        log.warning("transfer %s (%s via %s) failed: %s", transfer_id, job.direction.value, job.backend, e)
+
+    async def execute(self, job: Job, timeout: float | None, deadline: Deadline | None = None) -> TransferResult:
+        deadline = deadline or Deadline(timeout)
+        transfer_id = uuid.uuid4().hex[:12]
+        started = time.monotonic()
+        moved = await self.run(job, deadline, transfer_id)
+        log.debug("transfer %s: %s %d bytes in %d runs via %s in %.3f ms", transfer_id, job.direction.value, moved,
+                  job.plan.num_runs, job.backend, (time.monotonic() - started) * 1e3)
+        return TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=transfer_id,
+                              num_runs=job.plan.num_runs)
+
+    # -- the operations ----------------------------------------------------------------------------------------------
+    async def transfer_blocks(self, direction: Direction, req: BlocksRequest, timeout: float | None
+                              ) -> TransferResult:
+        deadline = Deadline(timeout)
+        return await self.execute(await self.prepare_blocks(direction, req, deadline), timeout, deadline)
+
+    async def transfer_cache(self, direction: Direction, req: CacheRequest, timeout: float | None) -> TransferResult:
+        deadline = Deadline(timeout)
+        return await self.execute(await self.prepare_cache(direction, req, deadline), timeout, deadline)
+
+    async def copy_blocks(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
+                          dst_blocks_list: Sequence[Sequence[int]], timeout: float | None) -> TransferResult:
+        return await self.execute(self.prepare_copy(src_cache_id, dst_cache_id, src_blocks, dst_blocks_list),
+                                  timeout)
+
+    async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None
+                                   ) -> AsyncIterator[tuple[int, int] | TransferResult]:
+        """Yields (destination layer, bytes) as each layer lands, then the TransferResult."""
+        deadline = Deadline(timeout)
+        job = await self.prepare_blocks(Direction.PULL, req, deadline)
+        transfer_id = uuid.uuid4().hex[:12]
+        per_layer = req.layers.tensor_num_per_layer
+        completed: list[int] = []
+        moved = 0
+        layers = layer_plans(job.plan, per_layer)
+        for k, (layer, sub) in enumerate(layers):
+            try:
+                moved += await self.run(job, deadline, transfer_id, sub)
+            except LlmError as e:
+                report = e.details["transfer_report"]
+                if k < len(layers) - 1:
+                    # Later layers never started: every requested block misses those layers' bytes.
+                    report.ClearField("failed_dst_blocks")
+                    report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
+                report.completed_layers.extend(completed)
+                report.bytes_moved += moved
+                raise
+            completed.append(layer)
+            yield layer, sub.total_bytes
+        yield TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=transfer_id,
+                             num_runs=job.plan.num_runs)
+
+    async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
+                             ) -> tuple[TransferResult, list[str]]:
+        if not groups:
+            param_invalid("a batch needs at least one group")
+        if len(groups) > MAX_BATCH_GROUPS:
+            param_invalid(f"{len(groups)} groups in one batch; at most {MAX_BATCH_GROUPS}")
+        deadline = Deadline(timeout)
+        jobs = []
+        for i, (direction, req) in enumerate(groups):
+            try:
+                jobs.append(await self.prepare_blocks(direction, req, deadline))
+            except LlmError as e:
+                e.details["group"] = str(i)
+                raise type(e)(e.status, f"group {i}: {e.message}", e.details) from None
+        transfer_id = uuid.uuid4().hex[:12]
+        outcomes = await asyncio.gather(*(self.run(job, deadline, f"{transfer_id}.{i}") for i, job in
+                                          enumerate(jobs)), return_exceptions=True)
+        failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if failures:
+            first = failures[0][1]
+            err = first if isinstance(first, LlmError) else LlmError(LlmStatus.LLM_FAILED, str(first))
+            report = errors_pb2.TransferReport(transfer_id=transfer_id, stage="transfer")
+            for i, (job, outcome) in enumerate(zip(jobs, outcomes, strict=True)):
+                group = report.groups.add(index=i, done=not isinstance(outcome, BaseException))
+                if isinstance(outcome, LlmError) and "transfer_report" in outcome.details:
+                    group.failed_dst_blocks.extend(outcome.details["transfer_report"].failed_dst_blocks)
+                    report.bytes_moved += outcome.details["transfer_report"].bytes_moved
+                elif isinstance(outcome, BaseException):
+                    group.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
+                else:
+                    report.bytes_moved += int(outcome)
+            err.details["transfer_report"] = report
+            err.details["transfer_id"] = transfer_id
+            raise err
+        moved = sum(o for o in outcomes if isinstance(o, int))
+        result = TransferResult(bytes_moved=moved, backend=",".join(j.backend for j in jobs),
+                                transfer_id=transfer_id, num_runs=sum(j.plan.num_runs for j in jobs))
+        return result, [j.backend for j in jobs]

@@ -704,3 +704,411 @@ class PullKvBlocksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullKvBlocksResponse: _TypeAlias = PullKvBlocksResponse  # noqa: Y015
+
+@_typing.final
+class PullKvBlocksProgress(_message.Message):
+    """One message per destination layer as it lands, then one terminal message with `result` set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    LAYER_BYTES_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    layer: _builtins.int
+    """Destination layer that has landed completely (unset in the terminal message)."""
+    layer_bytes: _builtins.int
+    """Bytes of that layer."""
+    @_builtins.property
+    def result(self) -> Global___PullKvBlocksResponse:
+        """Set in the last message only: the whole transfer is DONE. Failures end the stream with an error status."""
+
+    def __init__(
+        self,
+        *,
+        layer: _builtins.int = ...,
+        layer_bytes: _builtins.int = ...,
+        result: Global___PullKvBlocksResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer", b"layer", "layer_bytes", b"layer_bytes", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullKvBlocksProgress: _TypeAlias = PullKvBlocksProgress  # noqa: Y015
+
+@_typing.final
+class PullKvCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_CACHE_INDEX_FIELD_NUMBER: _builtins.int
+    DST_CACHE_ID_FIELD_NUMBER: _builtins.int
+    BATCH_INDEX_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    EXT_PARAM_FIELD_NUMBER: _builtins.int
+    dst_cache_id: _builtins.int
+    """Local destination cache id."""
+    batch_index: _builtins.int
+    """Destination batch row."""
+    size: _builtins.int
+    """Bytes per tensor from the start of the row: -1 (or 0, unset) = the whole row, else 1..row bytes."""
+    @_builtins.property
+    def src_cache_index(self) -> _types_pb2.CacheIndex:
+        """Remote source cache; batch_index is the source batch row."""
+
+    @_builtins.property
+    def ext_param(self) -> _types_pb2.KvCacheExtParam:
+        """Layer selection; unset means all layers, 2 tensors per layer."""
+
+    def __init__(
+        self,
+        *,
+        src_cache_index: _types_pb2.CacheIndex | None = ...,
+        dst_cache_id: _builtins.int = ...,
+        batch_index: _builtins.int = ...,
+        size: _builtins.int = ...,
+        ext_param: _types_pb2.KvCacheExtParam | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ext_param", b"ext_param", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_index", b"batch_index", "dst_cache_id", b"dst_cache_id", "ext_param", b"ext_param", "size", b"size", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullKvCacheRequest: _TypeAlias = PullKvCacheRequest  # noqa: Y015
+
+@_typing.final
+class PullKvCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_RUNS_FIELD_NUMBER: _builtins.int
+    bytes_moved: _builtins.int
+    backend: _builtins.str
+    transfer_id: _builtins.str
+    num_runs: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_moved: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        num_runs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "num_runs", b"num_runs", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullKvCacheResponse: _TypeAlias = PullKvCacheResponse  # noqa: Y015
+
+@_typing.final
+class PushKvBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_CACHE_ID_FIELD_NUMBER: _builtins.int
+    DST_CACHE_INDEX_FIELD_NUMBER: _builtins.int
+    SRC_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    EXT_PARAM_FIELD_NUMBER: _builtins.int
+    src_cache_id: _builtins.int
+    """Local source cache id."""
+    @_builtins.property
+    def dst_cache_index(self) -> _types_pb2.CacheIndex:
+        """Remote destination cache; batch_index must be 0."""
+
+    @_builtins.property
+    def src_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Source block indices (non-empty, same length as dst_blocks)."""
+
+    @_builtins.property
+    def dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Destination block indices (no duplicates)."""
+
+    @_builtins.property
+    def ext_param(self) -> _types_pb2.KvCacheExtParam:
+        """Layer selection; the two ranges must span the same number of layers."""
+
+    def __init__(
+        self,
+        *,
+        src_cache_id: _builtins.int = ...,
+        dst_cache_index: _types_pb2.CacheIndex | None = ...,
+        src_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        ext_param: _types_pb2.KvCacheExtParam | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param", "src_blocks", b"src_blocks", "src_cache_id", b"src_cache_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKvBlocksRequest: _TypeAlias = PushKvBlocksRequest  # noqa: Y015
+
+@_typing.final
+class PushKvBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_RUNS_FIELD_NUMBER: _builtins.int
+    bytes_moved: _builtins.int
+    backend: _builtins.str
+    transfer_id: _builtins.str
+    num_runs: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_moved: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        num_runs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "num_runs", b"num_runs", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKvBlocksResponse: _TypeAlias = PushKvBlocksResponse  # noqa: Y015
+
+@_typing.final
+class PushKvCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_CACHE_ID_FIELD_NUMBER: _builtins.int
+    DST_CACHE_INDEX_FIELD_NUMBER: _builtins.int
+    SRC_BATCH_INDEX_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    EXT_PARAM_FIELD_NUMBER: _builtins.int
+    src_cache_id: _builtins.int
+    """Local source cache id."""
+    src_batch_index: _builtins.int
+    """Source batch row."""
+    size: _builtins.int
+    """Bytes per tensor from the start of the row: -1 (or 0, unset) = the whole row, else 1..row bytes."""
+    @_builtins.property
+    def dst_cache_index(self) -> _types_pb2.CacheIndex:
+        """Remote destination cache; batch_index is the destination batch row."""
+
+    @_builtins.property
+    def ext_param(self) -> _types_pb2.KvCacheExtParam:
+        """Layer selection."""
+
+    def __init__(
+        self,
+        *,
+        src_cache_id: _builtins.int = ...,
+        dst_cache_index: _types_pb2.CacheIndex | None = ...,
+        src_batch_index: _builtins.int = ...,
+        size: _builtins.int = ...,
+        ext_param: _types_pb2.KvCacheExtParam | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param", "size", b"size", "src_batch_index", b"src_batch_index", "src_cache_id", b"src_cache_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKvCacheRequest: _TypeAlias = PushKvCacheRequest  # noqa: Y015
+
+@_typing.final
+class PushKvCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_RUNS_FIELD_NUMBER: _builtins.int
+    bytes_moved: _builtins.int
+    backend: _builtins.str
+    transfer_id: _builtins.str
+    num_runs: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_moved: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        num_runs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "num_runs", b"num_runs", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKvCacheResponse: _TypeAlias = PushKvCacheResponse  # noqa: Y015
+
+@_typing.final
+class BlockList(_message.Message):
+    """A list of block indices."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockList: _TypeAlias = BlockList  # noqa: Y015
+
+@_typing.final
+class CopyKvBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_CACHE_ID_FIELD_NUMBER: _builtins.int
+    DST_CACHE_ID_FIELD_NUMBER: _builtins.int
+    SRC_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_BLOCKS_LIST_FIELD_NUMBER: _builtins.int
+    src_cache_id: _builtins.int
+    """Local source cache id."""
+    dst_cache_id: _builtins.int
+    """Local destination cache id (may equal the source: then no destination block may also be a source block)."""
+    @_builtins.property
+    def src_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Source block indices."""
+
+    @_builtins.property
+    def dst_blocks_list(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockList]:
+        """One or more destination lists, each as long as src_blocks; no block twice across all of them."""
+
+    def __init__(
+        self,
+        *,
+        src_cache_id: _builtins.int = ...,
+        dst_cache_id: _builtins.int = ...,
+        src_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        dst_blocks_list: _abc.Iterable[Global___BlockList] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks_list", b"dst_blocks_list", "dst_cache_id", b"dst_cache_id", "src_blocks", b"src_blocks", "src_cache_id", b"src_cache_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopyKvBlocksRequest: _TypeAlias = CopyKvBlocksRequest  # noqa: Y015
+
+@_typing.final
+class CopyKvBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_RUNS_FIELD_NUMBER: _builtins.int
+    bytes_moved: _builtins.int
+    backend: _builtins.str
+    transfer_id: _builtins.str
+    num_runs: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_moved: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        num_runs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "num_runs", b"num_runs", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopyKvBlocksResponse: _TypeAlias = CopyKvBlocksResponse  # noqa: Y015
+
+@_typing.final
+class TransferGroup(_message.Message):
+    """One group of a batched transfer: a block pull or a block push."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PULL_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pull(self) -> Global___PullKvBlocksRequest: ...
+    @_builtins.property
+    def push(self) -> Global___PushKvBlocksRequest: ...
+    def __init__(
+        self,
+        *,
+        pull: Global___PullKvBlocksRequest | None = ...,
+        push: Global___PushKvBlocksRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "pull", b"pull", "push", b"push"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "pull", b"pull", "push", b"push"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___TransferGroup: _TypeAlias = TransferGroup  # noqa: Y015
+
+@_typing.final
+class TransferKvBlocksBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferGroup]:
+        """The groups, executed together; at most 64."""
+
+    def __init__(
+        self,
+        *,
+        groups: _abc.Iterable[Global___TransferGroup] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferKvBlocksBatchRequest: _TypeAlias = TransferKvBlocksBatchRequest  # noqa: Y015
+
+@_typing.final
+class TransferKvBlocksBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_RUNS_FIELD_NUMBER: _builtins.int
+    BACKENDS_FIELD_NUMBER: _builtins.int
+    bytes_moved: _builtins.int
+    """Total bytes of every group."""
+    transfer_id: _builtins.str
+    num_runs: _builtins.int
+    @_builtins.property
+    def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Backend of each group, in request order."""
+
+    def __init__(
+        self,
+        *,
+        bytes_moved: _builtins.int = ...,
+        transfer_id: _builtins.str = ...,
+        num_runs: _builtins.int = ...,
+        backends: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "bytes_moved", b"bytes_moved", "num_runs", b"num_runs", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferKvBlocksBatchResponse: _TypeAlias = TransferKvBlocksBatchResponse  # noqa: Y015

@@ -91,6 +91,36 @@ class KvBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksResponse.FromString,
                 _registered_method=True)
+        self.PullKvBlocksStream = channel.unary_stream(
+                '/kvbroker.v1.KvBroker/PullKvBlocksStream',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksProgress.FromString,
+                _registered_method=True)
+        self.PullKvCache = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/PullKvCache',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvCacheRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvCacheResponse.FromString,
+                _registered_method=True)
+        self.PushKvBlocks = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/PushKvBlocks',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksResponse.FromString,
+                _registered_method=True)
+        self.PushKvCache = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/PushKvCache',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.PushKvCacheRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PushKvCacheResponse.FromString,
+                _registered_method=True)
+        self.CopyKvBlocks = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/CopyKvBlocks',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksResponse.FromString,
+                _registered_method=True)
+        self.TransferKvBlocksBatch = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/TransferKvBlocksBatch',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
+                _registered_method=True)
 
 
 class KvBrokerServicer:
@@ -175,6 +205,49 @@ class KvBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKvBlocksStream(self, request, context):
+        """PullKvBlocks that reports each destination layer as it lands; the last message is the terminal state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullKvCache(self, request, context):
+        """Pulls one batch row (or its first `size` bytes) of every selected tensor (LLM-DataDist PullKvCache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKvBlocks(self, request, context):
+        """Writes blocks of a local cache into blocks of a remote cache (LLM-DataDist PushKvBlocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKvCache(self, request, context):
+        """Writes one batch row of a local cache into a remote cache (LLM-DataDist PushKvCache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyKvBlocks(self, request, context):
+        """Copies blocks between two local caches: one source list to one or more destination lists.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferKvBlocksBatch(self, request, context):
+        """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
+        byte moves, one deadline, one terminal state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +305,36 @@ def add_KvBrokerServicer_to_server(servicer, server):
                     servicer.PullKvBlocks,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksResponse.SerializeToString,
+            ),
+            'PullKvBlocksStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKvBlocksStream,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksProgress.SerializeToString,
+            ),
+            'PullKvCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKvCache,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullKvCacheRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.PullKvCacheResponse.SerializeToString,
+            ),
+            'PushKvBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKvBlocks,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksResponse.SerializeToString,
+            ),
+            'PushKvCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKvCache,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PushKvCacheRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.PushKvCacheResponse.SerializeToString,
+            ),
+            'CopyKvBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyKvBlocks,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksResponse.SerializeToString,
+            ),
+            'TransferKvBlocksBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferKvBlocksBatch,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +636,168 @@ class KvBroker:
             '/kvbroker.v1.KvBroker/PullKvBlocks',
             kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvBlocksStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/PullKvBlocksStream',
+            kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.PullKvBlocksProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/PullKvCache',
+            kvbroker_dot_v1_dot_broker__pb2.PullKvCacheRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.PullKvCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKvBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/PushKvBlocks',
+            kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.PushKvBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKvCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/PushKvCache',
+            kvbroker_dot_v1_dot_broker__pb2.PushKvCacheRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.PushKvCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyKvBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/CopyKvBlocks',
+            kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.CopyKvBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferKvBlocksBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/TransferKvBlocksBatch',
+            kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

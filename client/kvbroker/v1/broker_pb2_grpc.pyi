@@ -57,6 +57,20 @@ class KvBrokerStub:
     """Every link and its state."""
     PullKvBlocks: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PullKvBlocksRequest, _broker_pb2.PullKvBlocksResponse]
     """Pulls blocks of a remote cache into blocks of a local cache (LLM-DataDist PullKvBlocks)."""
+    PullKvBlocksStream: _grpc.UnaryStreamMultiCallable[_broker_pb2.PullKvBlocksRequest, _broker_pb2.PullKvBlocksProgress]
+    """PullKvBlocks that reports each destination layer as it lands; the last message is the terminal state."""
+    PullKvCache: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PullKvCacheRequest, _broker_pb2.PullKvCacheResponse]
+    """Pulls one batch row (or its first `size` bytes) of every selected tensor (LLM-DataDist PullKvCache)."""
+    PushKvBlocks: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PushKvBlocksRequest, _broker_pb2.PushKvBlocksResponse]
+    """Writes blocks of a local cache into blocks of a remote cache (LLM-DataDist PushKvBlocks)."""
+    PushKvCache: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PushKvCacheRequest, _broker_pb2.PushKvCacheResponse]
+    """Writes one batch row of a local cache into a remote cache (LLM-DataDist PushKvCache)."""
+    CopyKvBlocks: _grpc.UnaryUnaryMultiCallable[_broker_pb2.CopyKvBlocksRequest, _broker_pb2.CopyKvBlocksResponse]
+    """Copies blocks between two local caches: one source list to one or more destination lists."""
+    TransferKvBlocksBatch: _grpc.UnaryUnaryMultiCallable[_broker_pb2.TransferKvBlocksBatchRequest, _broker_pb2.TransferKvBlocksBatchResponse]
+    """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
+    byte moves, one deadline, one terminal state.
+    """
 
 @_typing.type_check_only
 class KvBrokerAsyncStub(KvBrokerStub):
@@ -87,6 +101,20 @@ class KvBrokerAsyncStub(KvBrokerStub):
     """Every link and its state."""
     PullKvBlocks: _aio.UnaryUnaryMultiCallable[_broker_pb2.PullKvBlocksRequest, _broker_pb2.PullKvBlocksResponse]  # type: ignore[assignment]
     """Pulls blocks of a remote cache into blocks of a local cache (LLM-DataDist PullKvBlocks)."""
+    PullKvBlocksStream: _aio.UnaryStreamMultiCallable[_broker_pb2.PullKvBlocksRequest, _broker_pb2.PullKvBlocksProgress]  # type: ignore[assignment]
+    """PullKvBlocks that reports each destination layer as it lands; the last message is the terminal state."""
+    PullKvCache: _aio.UnaryUnaryMultiCallable[_broker_pb2.PullKvCacheRequest, _broker_pb2.PullKvCacheResponse]  # type: ignore[assignment]
+    """Pulls one batch row (or its first `size` bytes) of every selected tensor (LLM-DataDist PullKvCache)."""
+    PushKvBlocks: _aio.UnaryUnaryMultiCallable[_broker_pb2.PushKvBlocksRequest, _broker_pb2.PushKvBlocksResponse]  # type: ignore[assignment]
+    """Writes blocks of a local cache into blocks of a remote cache (LLM-DataDist PushKvBlocks)."""
+    PushKvCache: _aio.UnaryUnaryMultiCallable[_broker_pb2.PushKvCacheRequest, _broker_pb2.PushKvCacheResponse]  # type: ignore[assignment]
+    """Writes one batch row of a local cache into a remote cache (LLM-DataDist PushKvCache)."""
+    CopyKvBlocks: _aio.UnaryUnaryMultiCallable[_broker_pb2.CopyKvBlocksRequest, _broker_pb2.CopyKvBlocksResponse]  # type: ignore[assignment]
+    """Copies blocks between two local caches: one source list to one or more destination lists."""
+    TransferKvBlocksBatch: _aio.UnaryUnaryMultiCallable[_broker_pb2.TransferKvBlocksBatchRequest, _broker_pb2.TransferKvBlocksBatchResponse]  # type: ignore[assignment]
+    """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
+    byte moves, one deadline, one terminal state.
+    """
 
 class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
     """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
@@ -180,5 +208,55 @@ class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.PullKvBlocksResponse, _abc.Awaitable[_broker_pb2.PullKvBlocksResponse]]:
         """Pulls blocks of a remote cache into blocks of a local cache (LLM-DataDist PullKvBlocks)."""
+
+    @_abc_1.abstractmethod
+    def PullKvBlocksStream(
+        self,
+        request: _broker_pb2.PullKvBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_broker_pb2.PullKvBlocksProgress], _abc.AsyncIterator[_broker_pb2.PullKvBlocksProgress]]:
+        """PullKvBlocks that reports each destination layer as it lands; the last message is the terminal state."""
+
+    @_abc_1.abstractmethod
+    def PullKvCache(
+        self,
+        request: _broker_pb2.PullKvCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PullKvCacheResponse, _abc.Awaitable[_broker_pb2.PullKvCacheResponse]]:
+        """Pulls one batch row (or its first `size` bytes) of every selected tensor (LLM-DataDist PullKvCache)."""
+
+    @_abc_1.abstractmethod
+    def PushKvBlocks(
+        self,
+        request: _broker_pb2.PushKvBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PushKvBlocksResponse, _abc.Awaitable[_broker_pb2.PushKvBlocksResponse]]:
+        """Writes blocks of a local cache into blocks of a remote cache (LLM-DataDist PushKvBlocks)."""
+
+    @_abc_1.abstractmethod
+    def PushKvCache(
+        self,
+        request: _broker_pb2.PushKvCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PushKvCacheResponse, _abc.Awaitable[_broker_pb2.PushKvCacheResponse]]:
+        """Writes one batch row of a local cache into a remote cache (LLM-DataDist PushKvCache)."""
+
+    @_abc_1.abstractmethod
+    def CopyKvBlocks(
+        self,
+        request: _broker_pb2.CopyKvBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.CopyKvBlocksResponse, _abc.Awaitable[_broker_pb2.CopyKvBlocksResponse]]:
+        """Copies blocks between two local caches: one source list to one or more destination lists."""
+
+    @_abc_1.abstractmethod
+    def TransferKvBlocksBatch(
+        self,
+        request: _broker_pb2.TransferKvBlocksBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.TransferKvBlocksBatchResponse, _abc.Awaitable[_broker_pb2.TransferKvBlocksBatchResponse]]:
+        """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
+        byte moves, one deadline, one terminal state.
+        """
 
 def add_KvBrokerServicer_to_server(servicer: KvBrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

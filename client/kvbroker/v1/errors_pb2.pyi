@@ -29,6 +29,8 @@ class TransferReport(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     FAILED_DST_BLOCKS_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    COMPLETED_LAYERS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """Transfer id, as logged by the daemon."""
     backend: _builtins.str
@@ -41,6 +43,14 @@ class TransferReport(_message.Message):
     def failed_dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Destination blocks that were not written (or not written completely)."""
 
+    @_builtins.property
+    def completed_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Destination layers that landed completely (layer-wise transfers), in order."""
+
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupReport]:
+        """For a batched transfer: the outcome of each group, in request order."""
+
     def __init__(
         self,
         *,
@@ -49,11 +59,45 @@ class TransferReport(_message.Message):
         stage: _builtins.str = ...,
         failed_dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
         bytes_moved: _builtins.int = ...,
+        completed_layers: _abc.Iterable[_builtins.int] | None = ...,
+        groups: _abc.Iterable[Global___GroupReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "failed_dst_blocks", b"failed_dst_blocks", "stage", b"stage", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "completed_layers", b"completed_layers", "failed_dst_blocks", b"failed_dst_blocks", "groups", b"groups", "stage", b"stage", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferReport: _TypeAlias = TransferReport  # noqa: Y015
+
+@_typing.final
+class GroupReport(_message.Message):
+    """Outcome of one group of a batched transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    FAILED_DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Index of the group in the request."""
+    done: _builtins.bool
+    """True when every byte of the group landed."""
+    @_builtins.property
+    def failed_dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Destination blocks of the group that did not (completely) land."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        done: _builtins.bool = ...,
+        failed_dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed_dst_blocks", b"failed_dst_blocks", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupReport: _TypeAlias = GroupReport  # noqa: Y015

@@ -45,6 +45,11 @@ class PeerChannel(abc.ABC):
         LLM_LINK_FAILED, LLM_KV_CACHE_NOT_EXIST) and leaves bytes outside the plan's destination runs untouched.
         """
 
+    @abc.abstractmethod
+    def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
+        """The mirror of `pull`: writes every run of `plan` from the local `src` cache into the peer's `remote` cache
+        (one-sided write where the backend has it; `tcp` sends and the peer writes)."""
+
     def runs_inline(self, plan: Plan) -> bool:
         """True when `pull` is cheap and never waits on a peer, so the event loop may call it directly: a thread
         hand-off would cost more than the copy."""

@@ -8,29 +8,23 @@ peer's live cache ids, checked before and after each copy, so a deallocated cach
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbroker._shm import SegmentMap
+from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Progress, Run, split_runs
 from kvbrokerd.registry import control_view, is_live
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan
+    from kvbrokerd.planner import Plan, Progress
     from kvbrokerd.registry import CacheEntry
 
 NAME = "shm"
 CAPABILITIES = Capabilities(same_host_only=True, one_sided_read=True)
-# Below this many bytes a second copying thread costs more than it saves.
-_PARALLEL_MIN_BYTES = 8 << 20
-# A memcpy this small (tens of microseconds) is cheaper on the event loop than a hand-off to a worker thread.
-_INLINE_MAX_BYTES = 512 << 10
 
 
 def probe(control_path: str, nonce: bytes) -> SegmentMap | None:
@@ -55,9 +49,9 @@ class ShmChannel(PeerChannel):
         self._copy_threads = copy_threads
 
     def runs_inline(self, plan: Plan) -> bool:
-        return plan.total_bytes <= _INLINE_MAX_BYTES
+        return plan.total_bytes <= memcopy.INLINE_MAX_BYTES
 
-    def _source_arrays(self, remote: RemoteCache) -> list[np.ndarray]:
+    def _remote_addresses(self, remote: RemoteCache) -> list[int]:
         state = remote.backend_state.get(NAME)
         if state is None:
             maps: dict[str, SegmentMap] = {}
@@ -65,20 +59,14 @@ class ShmChannel(PeerChannel):
                 for loc in remote.tensors:
                     if loc.segment not in maps:
                         maps[loc.segment] = SegmentMap(Path(remote.shm_dir) / loc.segment)
-            except OSError as e:
+                n = remote.desc.tensor_nbytes
+                views = [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors]
+            except (OSError, ValueError) as e:
                 for m in maps.values():
                     m.close()
                 fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: cannot map its memory ({e})")
-            n = remote.desc.tensor_nbytes
-            try:
-                arrays = [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors]
-            except ValueError:
-                for m in maps.values():
-                    m.close()
-                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: its segments are smaller "
-                     "than its descriptor says")
-            state = remote.backend_state[NAME] = (maps, arrays)
-        return state[1]
+            state = remote.backend_state[NAME] = (maps, *memcopy.addresses(views))
+        return state[2]
 
     def _check_live(self, remote: RemoteCache) -> None:
         if not is_live(self._live, remote.cache_id):
@@ -87,36 +75,21 @@ class ShmChannel(PeerChannel):
 
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
-        src_arrays = self._source_arrays(remote)
-        dst_arrays = [np.frombuffer(v, np.uint8) for v in dst.views]
-        # Raw addresses: the planner has checked every run against both caches' sizes, the arrays above keep the
-        # mappings alive, and ctypes.memmove releases the GIL, so two copiers really run in parallel.
-        src_addr = [a.ctypes.data for a in src_arrays]
-        dst_addr = [a.ctypes.data for a in dst_arrays]
-        runs = plan.runs()
-
-        def copy(chunk: list[Run]) -> None:
-            for i, (idx, st, so, dt, do, n) in enumerate(chunk):
-                if i % 256 == 0 and time.monotonic() > deadline:
-                    fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the shm copy")
-                ctypes.memmove(dst_addr[dt] + do, src_addr[st] + so, n)
-                progress.mark(idx, n)
-
-        threads = self._copy_threads if plan.total_bytes >= _PARALLEL_MIN_BYTES and len(runs) > 1 else 1
-        if threads == 1:
-            copy(runs)
-        else:
-            chunks = split_runs(runs, threads)
-            futures = [self._executor.submit(copy, c) for c in chunks[1:]]
-            try:
-                copy(chunks[0])
-            finally:
-                # Every copier stops before we return: the caller unpins the destination after that.
-                concurrent.futures.wait(futures)
-            for f in futures:
-                f.result()
+        src_addr = self._remote_addresses(remote)
+        arrays, dst_addr = memcopy.addresses(dst.views)
+        moved = memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline, self._executor, self._copy_threads)
+        del arrays
+        # The peer may have dropped the cache while we copied: then what we read may be stale, and we say so.
         self._check_live(remote)
-        return plan.total_bytes
+        return moved
+
+    def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
+        self._check_live(remote)
+        dst_addr = self._remote_addresses(remote)
+        arrays, src_addr = memcopy.addresses(src.views)
+        moved = memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline, self._executor, self._copy_threads)
+        del arrays
+        return moved
 
     def forget(self, remote: RemoteCache) -> None:
         state = remote.backend_state.pop(NAME, None)
@@ -128,4 +101,3 @@ class ShmChannel(PeerChannel):
     def close(self) -> None:
         self._live = np.zeros(1, dtype=np.uint64)
         self._control.close()
-

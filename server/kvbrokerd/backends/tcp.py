@@ -4,13 +4,16 @@ Wire format (little endian), one connection = one authenticated link, requests a
 
     HELLO   client -> server   magic "KVHI", u16 version, u16 reserved, 32-byte link token
     READY   server -> client   magic "KVOK"                     (or the connection is closed)
-    REQUEST client -> server   magic "KVRQ", u32 run count, i64 cache id, then per run:
+    READ    client -> server   magic "KVRQ", u32 run count, i64 cache id, then per run:
                                u32 tensor, u32 reserved, u64 offset, u64 length
     REPLY   server -> client   magic "KVRS", u32 LLM status, u64 payload bytes,
                                then the payload (every run's bytes in request order) or, on error, the message
+    WRITE   client -> server   magic "KVWR", then as READ (runs name the server's destination bytes)
+            server -> client   REPLY with no payload (or the error), then, if it was OK:
+            client -> server   the payload;  server -> client  REPLY again once every byte is in its cache
 
-The server validates the whole request against its registry before it sends a byte, and pins the cache while it
-sends; the client reads each run with `recv_into` straight into the destination cache's memory.
+The server validates a whole request against its registry before a byte moves, and pins the cache meanwhile;
+runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between the caches' memory.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ REPLY = struct.Struct("<4sIQ")
 RUN = np.dtype([("tensor", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_RUNS_PER_REQUEST = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0
+# A writer that stops sending mid-payload must not pin our cache forever.
+WRITE_TIMEOUT_S = 60.0
 SOCKET_BUFFER_BYTES = 4 << 20
 # Pulls smaller than this use one connection; larger ones are spread over the pool.
 _SPLIT_MIN_BYTES = 4 << 20
@@ -173,20 +178,49 @@ class DataServer:
 
     def _serve_request(self, conn: socket.socket) -> None:
         magic, count, cache_id = REQUEST.unpack(_recv_bytes(conn, REQUEST.size))
-        if magic != b"KVRQ" or not 0 < count <= MAX_RUNS_PER_REQUEST:
+        if magic not in (b"KVRQ", b"KVWR") or not 0 < count <= MAX_RUNS_PER_REQUEST:
             raise ConnectionError("bad request frame")
         runs = np.frombuffer(_recv_bytes(conn, count * RUN.itemsize), dtype=RUN)
         try:
             with self._registry.pinned(cache_id) as entry:
                 _check_runs(runs, entry)
-                total = int(runs["length"].sum())
-                conn.sendall(REPLY.pack(b"KVRS", 0, total))
                 views = [entry.views[t][off : off + n] for t, off, n in
                          zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(), strict=True)]
-                _send_views(conn, views)
+                total = int(runs["length"].sum())
+                conn.sendall(REPLY.pack(b"KVRS", 0, total))
+                if magic == b"KVRQ":
+                    _send_views(conn, views)
+                else:
+                    _recv_views(conn, views, lambda _: None, time.monotonic() + WRITE_TIMEOUT_S)
+                    conn.settimeout(None)
+                    conn.sendall(REPLY.pack(b"KVRS", 0, total))
         except LlmError as e:
             msg = e.message.encode()
             conn.sendall(REPLY.pack(b"KVRS", int(e.status), len(msg)) + msg)
+
+
+_Op = Callable[[socket.socket, int, "CacheEntry", list[Run], Progress, float], None]
+
+
+def _send_request(sock: socket.socket, magic: bytes, cache_id: int, runs: list[tuple[int, int, int]],
+                  deadline: float) -> None:
+    frame = np.zeros(len(runs), dtype=RUN)
+    frame["tensor"], frame["offset"], frame["length"] = zip(*runs, strict=True)
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    sock.sendall(REQUEST.pack(magic, len(runs), cache_id) + frame.tobytes())
+
+
+def _expect_ok(sock: socket.socket, what: str) -> None:
+    magic, status, size = REPLY.unpack(_recv_bytes(sock, REPLY.size))
+    if magic != b"KVRS":
+        raise ConnectionError("bad reply frame")
+    if status != 0:
+        message = _recv_bytes(sock, min(size, 1 << 16)).decode(errors="replace")
+        try:
+            code = LlmStatus(status)
+        except ValueError:
+            code = LlmStatus.LLM_FAILED
+        fail(code, f"peer refused the {what}: {message}")
 
 
 def _check_runs(runs: np.ndarray, entry: CacheEntry) -> None:
@@ -252,15 +286,20 @@ class TcpChannel(PeerChannel):
         sock.close()
 
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
-        total = plan.total_bytes
-        parts = 1 if total < _SPLIT_MIN_BYTES else min(self._max, max(1, plan.num_runs))
-        runs = plan.runs()
-        chunks = split_runs(runs, parts)
-        futures = [self._executor.submit(self._pull_chunk, remote.cache_id, dst, c, progress, deadline)
+        return self._run(self._read, remote.cache_id, dst, plan, progress, deadline)
+
+    def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
+        return self._run(self._write, remote.cache_id, src, plan, progress, deadline)
+
+    def _run(self, op: _Op, cache_id: int, local: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
+        """Spreads the plan over the pool's connections (large plans only) and waits for every part."""
+        parts = 1 if plan.total_bytes < _SPLIT_MIN_BYTES else min(self._max, plan.num_runs)
+        chunks = split_runs(plan.runs(), parts)
+        futures = [self._executor.submit(self._on_connection, op, cache_id, local, c, progress, deadline)
                    for c in chunks[1:]]
         errors: list[BaseException] = []
         try:
-            self._pull_chunk(remote.cache_id, dst, chunks[0], progress, deadline)
+            self._on_connection(op, cache_id, local, chunks[0], progress, deadline)
         except BaseException as e:
             errors.append(e)
         for f in futures:
@@ -270,18 +309,18 @@ class TcpChannel(PeerChannel):
                 errors.append(e)
         if errors:
             raise errors[0]
-        return total
+        return plan.total_bytes
 
-    def _pull_chunk(self, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
-                    deadline: float) -> None:
+    def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,
+                       deadline: float) -> None:
         sock = self._acquire(deadline)
         ok = False
         try:
             for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
-                self._request(sock, cache_id, dst, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
+                op(sock, cache_id, local, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
             ok = True
         except TimeoutError:
-            fail(LlmStatus.LLM_TIMEOUT, "deadline passed while receiving blocks over tcp")
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed while moving blocks over tcp")
         except (OSError, ConnectionError) as e:
             fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
         finally:
@@ -290,26 +329,23 @@ class TcpChannel(PeerChannel):
             else:
                 sock.close()  # Its stream position is unknown now; never reuse it.
 
-    def _request(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
-                 deadline: float) -> None:
-        frame = np.zeros(len(runs), dtype=RUN)
-        frame["tensor"] = [r[1] for r in runs]
-        frame["offset"] = [r[2] for r in runs]
-        frame["length"] = [r[5] for r in runs]
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        sock.sendall(REQUEST.pack(b"KVRQ", len(runs), cache_id) + frame.tobytes())
-        magic, status, size = REPLY.unpack(_recv_bytes(sock, REPLY.size))
-        if magic != b"KVRS":
-            raise ConnectionError("bad reply frame")
-        if status != 0:
-            message = _recv_bytes(sock, min(size, 1 << 16)).decode(errors="replace")
-            try:
-                code = LlmStatus(status)
-            except ValueError:
-                code = LlmStatus.LLM_FAILED
-            fail(code, f"peer refused the read: {message}")
+    def _read(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
+              deadline: float) -> None:
+        """READ: the peer sends the runs' source bytes; they land straight in the destination cache."""
+        _send_request(sock, b"KVRQ", cache_id, [(r[1], r[2], r[5]) for r in runs], deadline)
+        _expect_ok(sock, "read")
         views = [dst.views[dt][do : do + n] for _, _, _, dt, do, n in runs]
         _recv_views(sock, views, lambda k: progress.mark(runs[k][0], runs[k][5]), deadline)
+
+    def _write(self, sock: socket.socket, cache_id: int, src: CacheEntry, runs: list[Run], progress: Progress,
+               deadline: float) -> None:
+        """WRITE: the peer checks the destination runs first, then receives the bytes into its cache and acks."""
+        _send_request(sock, b"KVWR", cache_id, [(r[3], r[4], r[5]) for r in runs], deadline)
+        _expect_ok(sock, "write")
+        _send_views(sock, [src.views[st][so : so + n] for _, st, so, _, _, n in runs])
+        _expect_ok(sock, "write")
+        for idx, *_, n in runs:
+            progress.mark(idx, n)
 
     def close(self) -> None:
         with self._lock:

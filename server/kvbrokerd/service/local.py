@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc.aio
+from google.protobuf.message import Message
 
 import kvbrokerd
 from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
-from kvbroker._types import TensorLocation
+from kvbroker._types import TensorLocation, TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 from kvbrokerd.registry import CacheEntry, desc_from_wire
-from kvbrokerd.service.errors import llm_errors, time_remaining
-from kvbrokerd.transfers import PullBlocksRequest
+from kvbrokerd.service.errors import llm_errors, time_remaining, to_rpc_status
+from kvbrokerd.transfers import BlocksRequest, CacheRequest, Direction
 
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
@@ -154,15 +157,106 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     @llm_errors
     async def PullKvBlocks(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
                            ) -> broker_pb2.PullKvBlocksResponse:
+        result = await self.node.transfers.transfer_blocks(Direction.PULL, _pull_blocks(request),
+                                                           time_remaining(context))
+        return _summary(broker_pb2.PullKvBlocksResponse, result)
+
+    async def PullKvBlocksStream(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
+                                 ) -> AsyncIterator[broker_pb2.PullKvBlocksProgress]:
+        try:
+            async for item in self.node.transfers.pull_blocks_by_layer(_pull_blocks(request),
+                                                                       time_remaining(context)):
+                if isinstance(item, TransferResult):
+                    yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, item))
+                else:
+                    yield broker_pb2.PullKvBlocksProgress(layer=item[0], layer_bytes=item[1])
+        except LlmError as err:
+            await context.abort_with_status(to_rpc_status(err))
+
+    @llm_errors
+    async def PullKvCache(self, request: broker_pb2.PullKvCacheRequest, context: grpc.aio.ServicerContext
+                          ) -> broker_pb2.PullKvCacheResponse:
         idx = request.src_cache_index
-        req = PullBlocksRequest(
-            src_cluster_id=idx.cluster_id, src_cache_id=idx.cache_id, src_batch_index=idx.batch_index,
-            dst_cache_id=request.dst_cache_id, src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
-            layers=_layers(request.ext_param, request.HasField("ext_param")),
-        )
-        result = await self.node.transfers.pull_blocks(req, time_remaining(context))
-        return broker_pb2.PullKvBlocksResponse(bytes_moved=result.bytes_moved, backend=result.backend,
-                                               transfer_id=result.transfer_id, num_runs=result.num_runs)
+        req = CacheRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
+                           local_cache_id=request.dst_cache_id, src_batch_index=idx.batch_index,
+                           dst_batch_index=request.batch_index, size=_size(request.size),
+                           layers=_layers(request.ext_param, request.HasField("ext_param")))
+        result = await self.node.transfers.transfer_cache(Direction.PULL, req, time_remaining(context))
+        return _summary(broker_pb2.PullKvCacheResponse, result)
+
+    @llm_errors
+    async def PushKvBlocks(self, request: broker_pb2.PushKvBlocksRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.PushKvBlocksResponse:
+        result = await self.node.transfers.transfer_blocks(Direction.PUSH, _push_blocks(request),
+                                                           time_remaining(context))
+        return _summary(broker_pb2.PushKvBlocksResponse, result)
+
+    @llm_errors
+    async def PushKvCache(self, request: broker_pb2.PushKvCacheRequest, context: grpc.aio.ServicerContext
+                          ) -> broker_pb2.PushKvCacheResponse:
+        idx = request.dst_cache_index
+        req = CacheRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
+                           local_cache_id=request.src_cache_id, src_batch_index=request.src_batch_index,
+                           dst_batch_index=idx.batch_index, size=_size(request.size),
+                           layers=_layers(request.ext_param, request.HasField("ext_param")))
+        result = await self.node.transfers.transfer_cache(Direction.PUSH, req, time_remaining(context))
+        return _summary(broker_pb2.PushKvCacheResponse, result)
+
+    @llm_errors
+    async def CopyKvBlocks(self, request: broker_pb2.CopyKvBlocksRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.CopyKvBlocksResponse:
+        result = await self.node.transfers.copy_blocks(
+            request.src_cache_id, request.dst_cache_id, request.src_blocks,
+            [lst.blocks for lst in request.dst_blocks_list], time_remaining(context))
+        return _summary(broker_pb2.CopyKvBlocksResponse, result)
+
+    @llm_errors
+    async def TransferKvBlocksBatch(self, request: broker_pb2.TransferKvBlocksBatchRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> broker_pb2.TransferKvBlocksBatchResponse:
+        groups: list[tuple[Direction, BlocksRequest]] = []
+        for i, group in enumerate(request.groups):
+            kind = group.WhichOneof("op")
+            if kind == "pull":
+                groups.append((Direction.PULL, _pull_blocks(group.pull)))
+            elif kind == "push":
+                groups.append((Direction.PUSH, _push_blocks(group.push)))
+            else:
+                fail(LlmStatus.LLM_PARAM_INVALID, f"group {i} is neither a pull nor a push")
+        result, backends = await self.node.transfers.transfer_batch(groups, time_remaining(context))
+        return broker_pb2.TransferKvBlocksBatchResponse(bytes_moved=result.bytes_moved,
+                                                        transfer_id=result.transfer_id, num_runs=result.num_runs,
+                                                        backends=backends)
+
+
+_Summary = TypeVar("_Summary", bound=Message)
+
+
+def _size(size: int) -> int:
+    """0 (unset on the wire) means the whole row, like -1; other negative sizes are refused by the planner."""
+    return -1 if size == 0 else size
+
+
+def _summary(cls: type[_Summary], result: TransferResult) -> _Summary:
+    """The four summary fields every transfer response shares."""
+    return cls(bytes_moved=result.bytes_moved, backend=result.backend, transfer_id=result.transfer_id,
+               num_runs=result.num_runs)
+
+
+def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
+    idx = request.src_cache_index
+    return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
+                         remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
+                         src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+                         layers=_layers(request.ext_param, request.HasField("ext_param")))
+
+
+def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
+    idx = request.dst_cache_index
+    return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
+                         remote_batch_index=idx.batch_index, local_cache_id=request.src_cache_id,
+                         src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+                         layers=_layers(request.ext_param, request.HasField("ext_param")))
 
 
 def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
