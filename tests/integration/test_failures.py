@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, DataType, LinkState, LlmError, LlmStatus
+from kvbroker import CacheDesc, CacheIndex, DataType, LayerLanded, LinkState, LlmError, LlmStatus, PullBlocks
 from kvbroker._local import LocalDaemon
 from tests.conftest import cluster_of
 from tests.helpers import fill
@@ -75,3 +75,68 @@ def test_peer_killed_mid_transfer_gives_link_failed(tmp_path: Path) -> None:
             [link] = d.list_links()
             assert link.state == LinkState.BROKEN
         _assert_healthy(dst, tmp_path)
+
+
+def test_layer_stream_failure_reports_completed_layers(tmp_path: Path) -> None:
+    """The source dies after the first layer landed: the error says which layers landed and that every requested
+    block still misses the later layers."""
+    big = CacheDesc(num_tensors=8, shape=(64, 1 << 20), data_type=DataType.UINT8)  # 4 layers x 128 MiB
+    blocks = list(range(64))
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client(timeout=60) as d:
+        a, b = s.allocate_cache(big), d.allocate_cache(big)
+        assert d.link_clusters([cluster_of(src)])[0].ok
+        landed: list[int] = []
+
+        def on_layer(item: LayerLanded) -> None:
+            landed.append(item.layer)
+            if item.layer == 0:
+                src.signal(signal.SIGKILL)
+
+        with pytest.raises(LlmError) as info:
+            d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, blocks, blocks, on_layer=on_layer)
+        assert info.value.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_TIMEOUT)
+        report = info.value.details["transfer_report"]
+        assert list(report.completed_layers) == landed and landed[0] == 0 and 3 not in landed
+        assert info.value.failed_dst_blocks == blocks
+
+
+def test_batch_failure_reports_each_group(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as frozen, LocalDaemon(tmp_path, 3, backends=("tcp",)) as ok, \
+            LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst:
+        frozen_id, dst_id = _setup(frozen, dst)
+        with ok.client() as o, dst.client() as d:
+            good = o.allocate_cache(DESC)
+            fill(good, 3)
+            assert d.link_clusters([cluster_of(ok)])[0].ok
+            d.pull_kv_blocks(CacheIndex(3, good.cache_id), dst_id, [0], [0])  # warm the cache lookup
+            other = d.allocate_cache(DESC)
+            frozen.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(LlmError) as info:
+                    d.transfer_kv_blocks_batch([
+                        PullBlocks(CacheIndex(1, frozen_id), dst_id, tuple(BLOCKS), tuple(BLOCKS)),
+                        PullBlocks(CacheIndex(3, good.cache_id), other.cache_id, (1, 2), (3, 4)),
+                    ], timeout=1.0)
+            finally:
+                frozen.signal(signal.SIGCONT)
+            assert info.value.status == LlmStatus.LLM_TIMEOUT
+            groups = info.value.details["transfer_report"].groups
+            assert [g.done for g in groups] == [False, True]
+            assert list(groups[0].failed_dst_blocks) == BLOCKS and list(groups[1].failed_dst_blocks) == []
+            assert (other.tensors[0][3:5].view("u1") == good.tensors[0][1:3].view("u1")).all()
+
+
+def test_push_to_a_killed_peer_gives_link_failed(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as remote, LocalDaemon(tmp_path, 2, backends=("tcp",)) as local:
+        remote_id, local_id = _setup(remote, local)
+        remote.signal(signal.SIGSTOP)
+        with local.client() as d, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(d.push_kv_blocks, local_id, CacheIndex(1, remote_id), BLOCKS, BLOCKS, timeout=20.0)
+            time.sleep(0.5)
+            remote.signal(signal.SIGKILL)
+            with pytest.raises(LlmError) as info:
+                pending.result()
+        assert info.value.status == LlmStatus.LLM_LINK_FAILED
+        assert info.value.failed_dst_blocks  # the remote's blocks that may hold partial data
+        _assert_healthy(local, tmp_path)
