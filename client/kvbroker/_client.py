@@ -164,6 +164,9 @@ class _Base(Generic[_Stub]):
         self._mapped: dict[int, Cache] = {}
 
     def _deadline(self, timeout: float | None) -> float | None:
+        if timeout is not None and timeout <= 0:
+            # gRPC would round a zero deadline up to a millisecond and sometimes let the call through.
+            raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
         return self.default_timeout if timeout is None else timeout
 
     def _forget(self, cache_id: int) -> None:

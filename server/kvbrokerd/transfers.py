@@ -182,7 +182,7 @@ class TransferManager:
             raise
         inline = job.link is not None and job.link.channel is not None and job.link.channel.runs_inline(plan)
         if job.direction == Direction.COPY:
-            inline = plan.total_bytes <= memcopy.INLINE_MAX_BYTES
+            inline = memcopy.small_enough_for_the_loop(plan)
         work: asyncio.Future[int]
         if inline:
             work = asyncio.get_running_loop().create_future()

@@ -40,3 +40,14 @@ def test_public_names() -> None:
                  "LlmStatus", "LlmError", "ParamInvalidError", "NotYetLinkError", "KvCacheNotExistError",
                  "LlmTimeoutError"):
         assert hasattr(kvbroker, name), name
+
+
+def test_non_positive_timeouts_are_refused_without_a_call() -> None:
+    import pytest
+
+    import kvbroker
+
+    with kvbroker.Client("unix:///nonexistent/kvbroker.sock") as kv:
+        for bad in (0, -1.0):
+            with pytest.raises(kvbroker.ParamInvalidError, match="timeout"):
+                kv.ping(timeout=bad)

@@ -110,3 +110,12 @@ def test_plan_for_80_layers_4096_scattered_blocks() -> None:
     dst = rng.permutation(8192)[:4096].astype(np.uint64)
     plan = plan_blocks(desc, desc, src, dst, LayerSelection())
     assert plan.num_runs == 160 * len(coalesce(src, dst)[2])
+
+
+def test_only_small_plans_with_few_runs_run_on_the_event_loop() -> None:
+    from kvbrokerd.backends.memcopy import small_enough_for_the_loop
+
+    tiny = CacheDesc(num_tensors=2, shape=(200_000, 1), data_type=DataType.UINT8)
+    many = np.random.default_rng(0).permutation(200_000).astype(np.uint64)
+    assert not small_enough_for_the_loop(plan_blocks(tiny, tiny, many, many[::-1].copy(), LayerSelection()))
+    assert small_enough_for_the_loop(plan_blocks(DESC, DESC, arr([0, 1]), arr([2, 3]), LayerSelection()))

@@ -19,8 +19,14 @@ from kvbrokerd.planner import Plan, Progress, Run, split_runs
 
 # Below this many bytes a second copying thread costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20
-# A memcpy this small (tens of microseconds) is cheaper on the event loop than a hand-off to a worker thread.
+# A copy this small (tens of microseconds) is cheaper on the event loop than a hand-off to a worker thread; the
+# run limit keeps a plan of many tiny runs (a Python loop) from stalling the loop.
 INLINE_MAX_BYTES = 512 << 10
+INLINE_MAX_RUNS = 64
+
+
+def small_enough_for_the_loop(plan: Plan) -> bool:
+    return plan.total_bytes <= INLINE_MAX_BYTES and plan.num_runs <= INLINE_MAX_RUNS
 _DEADLINE_CHECK_EVERY = 256
 
 

@@ -49,7 +49,7 @@ class ShmChannel(PeerChannel):
         self._copy_threads = copy_threads
 
     def runs_inline(self, plan: Plan) -> bool:
-        return plan.total_bytes <= memcopy.INLINE_MAX_BYTES
+        return memcopy.small_enough_for_the_loop(plan)
 
     def _remote_addresses(self, remote: RemoteCache) -> list[int]:
         state = remote.backend_state.get(NAME)
