@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from kvbroker import ClusterInfo
 from kvbroker._local import LocalDaemon
+
+# The suite is a gate: it must give the same answer on every run, so hypothesis explores a fixed set of examples.
+# `HYPOTHESIS_PROFILE=explore pytest ...` searches new ones (and reports any failure with a reproducible seed).
+settings.register_profile("gate", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gate"))
 
 
 @pytest.fixture(scope="session")

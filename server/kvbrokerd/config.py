@@ -40,6 +40,15 @@ class Config:
     data_threads: int = field(default=8, metadata={"help": "threads that run data-plane copies and socket I/O"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     log_format: str = field(default="text", metadata={"help": "text or json"})
+    metrics_listen: str = field(default="", metadata={"help": "Prometheus endpoint host:port (empty = off)"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate of this daemon (mutual TLS on the peer API)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of tls_cert"})
+    tls_ca: str = field(default="", metadata={"help": "PEM CA bundle that peers' certificates must chain to"})
+    data_tls: bool = field(default=False, metadata={"help": "TLS on tcp data connections too (needs tls_*)"})
+    max_transfers: int = field(default=256, metadata={"help": "most transfers in flight; more are refused"})
+    max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
+    max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
+    auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
 
     def validate(self) -> Config:
         if not 0 <= self.cluster_id < 2**64:
@@ -55,8 +64,20 @@ class Config:
                 raise ConfigError(f"{name}: {value!r} is not host:port")
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a port")
-        if self.max_caches < 1 or self.data_threads < 1:
-            raise ConfigError("max_caches and data_threads must be >= 1")
+        for name in ("max_caches", "data_threads", "max_transfers", "max_inflight_bytes", "max_links"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.metrics_listen and not _is_host_port(self.metrics_listen):
+            raise ConfigError(f"metrics_listen: {self.metrics_listen!r} is not host:port")
+        tls = [self.tls_cert, self.tls_key, self.tls_ca]
+        if any(tls) and not all(tls):
+            raise ConfigError("tls_cert, tls_key, tls_ca: give all three for mutual TLS, or none")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{name}: cannot read {path!r}")
+        if self.data_tls and not all(tls):
+            raise ConfigError("data_tls: needs tls_cert, tls_key and tls_ca")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r} — choose from {LOG_LEVELS}")
         if self.log_format not in ("text", "json"):
@@ -69,7 +90,18 @@ def _is_host_port(value: str) -> bool:
     return bool(sep and host and port.isdigit() and int(port) < 65536)
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
 def _coerce(name: str, raw: Any, kind: Any) -> Any:
+    if kind in (bool, "bool"):
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()  # never bool("false")
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ConfigError(f"{name}: {raw!r} is not a boolean (true/false)")
     try:
         if kind in (int, "int"):
             if isinstance(raw, bool):
@@ -92,8 +124,9 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser.add_argument("--config", help="TOML file with any of the keys below (env: KVBROKER_CONFIG)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     for f in fields:
+        flag: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}  # `--x` = true
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                            help=f"{f.metadata['help']} (env: KVBROKER_{f.name.upper()})")
+                            help=f"{f.metadata['help']} (env: KVBROKER_{f.name.upper()})", **flag)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     path = args.config or environ.get("KVBROKER_CONFIG")
@@ -127,6 +160,8 @@ def to_toml(config: Config) -> str:
         value = getattr(config, f.name)
         if isinstance(value, tuple):
             rendered = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+        elif isinstance(value, bool):
+            rendered = str(value).lower()
         elif isinstance(value, int):
             rendered = str(value)
         else:

@@ -26,6 +26,7 @@ from kvbrokerd.reflection import commented_pool
 from kvbrokerd.registry import Registry
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
+from kvbrokerd.tls import TlsMaterial
 from kvbrokerd.transfers import TransferManager
 
 log = logging.getLogger(__name__)
@@ -66,18 +67,24 @@ class Daemon:
             self._registry.open()
             epoch = self._registry.instance
             self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-data")
-            self._links = LinkTable(cfg.cluster_id, epoch, cfg.backends, self._executor)
+            tls = TlsMaterial.from_config(cfg)
+            self._links = LinkTable(
+                cfg.cluster_id, epoch, cfg.backends, self._executor,
+                credentials=tls.channel_credentials() if tls else None,
+                data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink)
             transfers = TransferManager(self._registry, self._links, self._executor)
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
             data_address = ""
             if "tcp" in cfg.backends:
-                self._data_server = tcp_backend.DataServer(self._registry, self._links.token_is_valid, peer_host,
-                                                           cfg.data_port)
+                self._data_server = tcp_backend.DataServer(
+                    self._registry, self._links.secret_for, peer_host, cfg.data_port,
+                    tls=tls.data_server_context() if tls and cfg.data_tls else None)
                 self._data_server.start()
                 data_address = f":{self._data_server.port}"
             node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
                         transfers)
-            peer_port = await self._serve(cfg.peer_listen, node)
+            peer_port = await self._serve(cfg.peer_listen, node, tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
             node.peer_address = self.peer_address
             self.local_address = await self._serve_local(cfg.listen, node)
@@ -92,7 +99,7 @@ class Daemon:
         log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
                  self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
 
-    async def _serve(self, address: str, node: Node) -> int:
+    async def _serve(self, address: str, node: Node, credentials: grpc.ServerCredentials | None = None) -> int:
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
         peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node), server)
@@ -101,7 +108,8 @@ class Daemon:
         reflection.enable_server_reflection(
             (*_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
             pool=commented_pool())
-        port: int = server.add_insecure_port(address)
+        port: int = (server.add_insecure_port(address) if credentials is None else
+                     server.add_secure_port(address, credentials))
         if port == 0 and not address.startswith("unix:"):
             raise OSError(f"cannot listen on {address}")
         await server.start()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
-import secrets
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import grpc.aio
 from kvbroker._convert import desc_from_pb
 from kvbroker._types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbrokerd import linkauth
 from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends import tcp as tcp_backend
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
@@ -110,17 +112,25 @@ class InboundLink:
     remote_cluster_id: int
     remote_epoch: str
     created: float
+    secret: bytes
 
 
 class LinkTable:
     def __init__(self, cluster_id: int, epoch: str, backends: tuple[str, ...],
-                 executor: concurrent.futures.Executor) -> None:
+                 executor: concurrent.futures.Executor, *, credentials: grpc.ChannelCredentials | None = None,
+                 data_tls: ssl.SSLContext | None = None, max_links: int = MAX_LINKS,
+                 auto_relink: bool = False) -> None:
         self.cluster_id = cluster_id
+        self._credentials = credentials
+        self._data_tls = data_tls
+        self.max_links = max_links
+        self.auto_relink = auto_relink
         self.epoch = epoch
         self.backends = backends
         self._executor = executor
         self.links: dict[int, Link] = {}
         self.inbound: dict[bytes, InboundLink] = {}
+        """Links peers made to us, by link id."""
 
     # -- outbound ------------------------------------------------------------------------------------------------
     def get_ready(self, cluster_id: int) -> Link:
@@ -141,8 +151,8 @@ class LinkTable:
             if existing.state == LinkState.LINKING:
                 fail(LlmStatus.LLM_PROCESSING_LINK, f"a link to cluster {cluster_id} is being made")
             fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
-        if len(self.links) >= MAX_LINKS:
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({MAX_LINKS})")
+        if len(self.links) >= self.max_links:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({self.max_links})")
         link = self.links[cluster_id] = Link(cluster_id, address)
         try:
             await self._handshake(link, timeout)
@@ -155,7 +165,8 @@ class LinkTable:
         return link
 
     async def _handshake(self, link: Link, timeout: float) -> None:
-        link.grpc_channel = grpc.aio.insecure_channel(link.remote_address)
+        link.grpc_channel = (grpc.aio.insecure_channel(link.remote_address) if self._credentials is None else
+                             grpc.aio.secure_channel(link.remote_address, self._credentials))
         link.stub = peer_pb2_grpc.PeerStub(link.grpc_channel)
         req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
                                         instance_epoch=self.epoch, expected_cluster_id=link.remote_cluster_id)
@@ -195,7 +206,8 @@ class LinkTable:
                 host, _, port = resp.data_address.rpartition(":")
                 if not host:
                     host = link.remote_address.rpartition(":")[0]
-                return tcp_backend.TcpChannel(host.strip("[]"), int(port), link.token, self._executor), name
+                return tcp_backend.TcpChannel(host.strip("[]"), int(port), link.token, self._executor,
+                                              tls=self._data_tls), name
         fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
              f"{link.remote_cluster_id} serves {sorted(peer_backends)}")
 
@@ -259,28 +271,30 @@ class LinkTable:
             fail(LlmStatus.LLM_LINK_FAILED, f"this is cluster {self.cluster_id}, not {req.expected_cluster_id}")
         if req.cluster_id == self.cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, f"the caller uses our own cluster id {self.cluster_id}")
-        if len(self.inbound) >= MAX_LINKS:
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({MAX_LINKS})")
+        if len(self.inbound) >= self.max_links:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({self.max_links})")
         # A peer that re-links (e.g. after a restart) replaces its older inbound links.
-        for token, old in list(self.inbound.items()):
+        for lid, old in list(self.inbound.items()):
             if old.remote_cluster_id == req.cluster_id:
-                del self.inbound[token]
-        token = secrets.token_bytes(tcp_backend.TOKEN_BYTES)
-        self.inbound[token] = InboundLink(req.cluster_id, req.instance_epoch, time.time())
-        return token
+                del self.inbound[lid]
+        secret = linkauth.new_secret()
+        self.inbound[linkauth.link_id(secret)] = InboundLink(req.cluster_id, req.instance_epoch, time.time(), secret)
+        return secret
 
     def authorize(self, token: bytes) -> InboundLink:
-        link = self.inbound.get(bytes(token))
-        if link is None:
+        """Checks the link secret a peer presents on the (TLS-protected) peer API."""
+        link = self.inbound.get(linkauth.link_id(bytes(token)))
+        if link is None or not hmac.compare_digest(link.secret, bytes(token)):
             fail(LlmStatus.LLM_NOT_YET_LINK, "unknown link token: link first")
         return link
 
-    def token_is_valid(self, token: bytes) -> bool:
-        """Thread-safe check for the data plane (dict lookups are atomic)."""
-        return bytes(token) in self.inbound
+    def secret_for(self, lid: bytes) -> bytes | None:
+        """For the data plane's challenge (any thread; dict lookups are atomic)."""
+        link = self.inbound.get(bytes(lid))
+        return None if link is None else link.secret
 
     def drop_inbound(self, token: bytes) -> None:
-        self.inbound.pop(bytes(token), None)
+        self.inbound.pop(linkauth.link_id(bytes(token)), None)
 
 
 __all__ = ["PROTOCOL_VERSION", "InboundLink", "Link", "LinkTable", "LlmError"]

@@ -87,7 +87,9 @@ class Registry:
         self.nonce = secrets.token_bytes(_NONCE_BYTES)
         self._lock = threading.Lock()
         self._caches: dict[int, CacheEntry] = {}
-        self._next_id = 1
+        # Ids start at a random point so that an id from a previous incarnation of this daemon (same cluster id,
+        # after a restart) almost surely names no cache here instead of silently naming another one.
+        self._next_id = (secrets.randbits(30) + 1) << 32
         self._control: SegmentMap | None = None
         self._live: np.ndarray | None = None
         self.control_path: Path | None = None

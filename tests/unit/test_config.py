@@ -45,3 +45,29 @@ def test_unknown_toml_key(tmp_path: Path) -> None:
     toml.write_text("cluster_id = 1\nclusterid = 2\n")
     with pytest.raises(ConfigError, match="unknown key 'clusterid'"):
         load(["--config", str(toml)], {})
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (["--data-tls"], {}, True),
+    (["--data-tls", "false"], {}, False),
+    ([], {"KVBROKER_DATA_TLS": "false"}, False),
+    ([], {"KVBROKER_DATA_TLS": "yes"}, True),
+    ([], {}, False),
+])
+def test_booleans_are_parsed_not_truthy(args: list[str], env: dict[str, str], expected: bool, tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("-")
+    tls = ["--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", str(pem)]
+    config, _ = load(["--cluster-id", "1", *tls, *args], env)
+    assert config.data_tls is expected
+
+
+def test_tls_needs_all_three_files(tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("-")
+    with pytest.raises(ConfigError, match="all three"):
+        load(["--cluster-id", "1", "--tls-cert", str(pem)], {})
+    with pytest.raises(ConfigError, match="tls_ca: cannot read"):
+        load(["--cluster-id", "1", "--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", "/nope.pem"], {})
+    with pytest.raises(ConfigError, match="data_tls"):
+        load(["--cluster-id", "1", "--data-tls"], {})

@@ -2,8 +2,10 @@
 
 Wire format (little endian), one connection = one authenticated link, requests answered in order:
 
-    HELLO   client -> server   magic "KVHI", u16 version, u16 reserved, 32-byte link token
-    READY   server -> client   magic "KVOK"                     (or the connection is closed)
+    CHALLENGE server -> client magic "KVCH", 32-byte random nonce
+    HELLO   client -> server   magic "KVHI", u16 version, u16 reserved, 16-byte link id,
+                               32-byte HMAC-SHA256(link secret, label || nonce || link id)   (see linkauth.py)
+    READY   server -> client   magic "KVOK"                     (or the connection is closed: a stranger gets nothing)
     READ    client -> server   magic "KVRQ", u32 run count, i64 cache id, then per run:
                                u32 tensor, u32 reserved, u64 offset, u64 length
     REPLY   server -> client   magic "KVRS", u32 LLM status, u64 payload bytes,
@@ -22,6 +24,7 @@ import concurrent.futures
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker._status import LlmError
+from kvbrokerd import linkauth
 from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.planner import Progress, Run, split_runs
@@ -44,13 +48,13 @@ log = logging.getLogger(__name__)
 NAME = "tcp"
 CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=False)
 VERSION = 1
-TOKEN_BYTES = 32
-HELLO = struct.Struct("<4sHH32s")
+HELLO = struct.Struct(f"<4sHH{linkauth.ID_BYTES}s{linkauth.MAC_BYTES}s")
 REQUEST = struct.Struct("<4sIq")
 REPLY = struct.Struct("<4sIQ")
 RUN = np.dtype([("tensor", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_RUNS_PER_REQUEST = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 512
 # A writer that stops sending mid-payload must not pin our cache forever.
 WRITE_TIMEOUT_S = 60.0
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -91,6 +95,10 @@ def _advance(views: list[memoryview], i: int, done: int) -> tuple[int, int, list
 
 
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter/gather: one record stream, view by view
+        for v in views:
+            sock.sendall(v)
+        return
     i = 0
     while i < len(views):
         sent = sock.sendmsg(views[i : i + IOV_BATCH])
@@ -100,6 +108,12 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
 def _recv_views(sock: socket.socket, views: list[memoryview], on_complete: Callable[[int], None],
                 deadline: float) -> None:
     """Fills `views` in order straight from the socket before `deadline`; calls on_complete(index) as each fills."""
+    if isinstance(sock, ssl.SSLSocket):
+        for k, v in enumerate(views):
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _recv_exact(sock, v)
+            on_complete(k)
+        return
     i = 0
     while i < len(views):
         sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -121,9 +135,11 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
 class DataServer:
     """Accepts data connections from linked peers and serves reads of registered caches (thread per connection)."""
 
-    def __init__(self, registry: Registry, authorize: Callable[[bytes], bool], host: str, port: int = 0) -> None:
+    def __init__(self, registry: Registry, secret_for: Callable[[bytes], bytes | None], host: str,
+                 port: int = 0, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls
         self._registry = registry
-        self._authorize = authorize
+        self._secret_for = secret_for
         self._listener = socket.create_server((host, port), family=_family(host), backlog=128, reuse_port=False)
         self.port: int = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -155,13 +171,24 @@ class DataServer:
             threading.Thread(target=self._serve, args=(conn,), name="kvbroker-tcp-serve", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        raw = conn
         with self._lock:
-            self._conns.add(conn)
+            if len(self._conns) >= MAX_CONNECTIONS:
+                conn.close()
+                log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+                return
+            self._conns.add(raw)
         try:
             _tune(conn)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            magic, version, _, token = HELLO.unpack(_recv_bytes(conn, HELLO.size))
-            if magic != b"KVHI" or version != VERSION or not self._authorize(token):
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(conn, server_side=True)
+            nonce = linkauth.new_nonce()
+            conn.sendall(b"KVCH" + nonce)
+            magic, version, _, lid, mac = HELLO.unpack(_recv_bytes(conn, HELLO.size))
+            secret = self._secret_for(lid) if magic == b"KVHI" and version == VERSION else None
+            if secret is None or not linkauth.verify(secret, nonce, lid, mac):
+                log.warning("refused a data connection from %s: no valid link proof", _peer_name(conn))
                 return  # A stranger gets nothing, not even an error message.
             conn.sendall(b"KVOK")
             conn.settimeout(None)
@@ -173,7 +200,7 @@ class DataServer:
             log.exception("data connection failed")
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
 
     def _serve_request(self, conn: socket.socket) -> None:
@@ -232,6 +259,13 @@ def _check_runs(runs: np.ndarray, entry: CacheEntry) -> None:
         fail(LlmStatus.LLM_PARAM_INVALID, f"byte range outside the cache's tensors of {size} bytes")
 
 
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername())
+    except OSError:
+        return "?"
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -242,10 +276,12 @@ class TcpChannel(PeerChannel):
 
     name = NAME
 
-    def __init__(self, host: str, port: int, token: bytes, executor: concurrent.futures.Executor,
-                 max_connections: int = 4) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, executor: concurrent.futures.Executor,
+                 max_connections: int = 4, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls
         self._addr = (host, port)
-        self._token = token
+        self._secret = secret
+        self._link_id = linkauth.link_id(secret)
         self._executor = executor
         self._max = max_connections
         self._idle: list[socket.socket] = []
@@ -262,7 +298,13 @@ class TcpChannel(PeerChannel):
             fail(LlmStatus.LLM_LINK_FAILED, f"cannot connect to the peer's data port {self._addr}: {e}")
         try:
             _tune(sock)
-            sock.sendall(HELLO.pack(b"KVHI", VERSION, 0, self._token))
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._addr[0])
+            challenge = _recv_bytes(sock, 4 + linkauth.NONCE_BYTES)
+            if challenge[:4] != b"KVCH":
+                raise ConnectionError("unexpected data-port greeting")
+            mac = linkauth.proof(self._secret, challenge[4:], self._link_id)
+            sock.sendall(HELLO.pack(b"KVHI", VERSION, 0, self._link_id, mac))
             if _recv_bytes(sock, 4) != b"KVOK":
                 raise ConnectionError("unexpected handshake answer")
         except (OSError, ConnectionError) as e:
