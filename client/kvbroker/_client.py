@@ -6,6 +6,11 @@ Constructors do no I/O: the channel is created on first use (inside the running 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -40,10 +45,28 @@ MAX_CLUSTERS_PER_CALL = 16
 LINK_CALL_MARGIN_S = 5.0
 
 CacheRef = Cache | int
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+DEFAULT_LEASE_TTL_S = 30.0
+MIN_LEASE_TTL_S = 1.0
+# Calls that are safe to repeat: after a daemon restart (or a blip of its socket) the channel reconnects and gRPC
+# retries these with exponential backoff, within the call's deadline. Transfers and allocations are not retried.
+_IDEMPOTENT = ("GetClusterInfo", "Ping", "ListCaches", "ListLinks", "KeepAlive")
+_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "kvbroker.v1.KvBroker", "method": m} for m in _IDEMPOTENT],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s", "backoffMultiplier": 2.5,
+                    "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+
+
+def _channel_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _SERVICE_CONFIG),
+        # Reconnect quickly after a daemon restart instead of waiting out gRPC's default backoff (up to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
 
 
 def _cache_id(cache: CacheRef) -> int:
@@ -146,22 +169,39 @@ class _Calls:
         return LayerLanded(layer=msg.layer, layer_bytes=msg.layer_bytes)
 
     @staticmethod
-    def register(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> broker_pb2.RegisterKvCacheRequest:
+    def register(desc: CacheDesc, tensors: Sequence[TensorLocation], session_id: str
+                 ) -> broker_pb2.RegisterKvCacheRequest:
         return broker_pb2.RegisterKvCacheRequest(
-            desc=cv.desc_to_pb(desc), tensors=[cv.tensor_location_to_pb(t) for t in tensors]
-        )
+            desc=cv.desc_to_pb(desc), tensors=[cv.tensor_location_to_pb(t) for t in tensors], session_id=session_id)
 
 
 _Stub = TypeVar("_Stub")
 
 
 class _Base(Generic[_Stub]):
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
-        """`target`: "unix:///path/to/kvbroker.sock" or "host:port". `timeout`: default deadline of every call."""
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
+        """`target`: "unix:///path/to/kvbroker.sock" or "host:port". `timeout`: default deadline of every call.
+
+        `lease_ttl`: caches this client allocates or registers belong to its session, which the client keeps alive
+        in the background; if the process dies, the daemon releases them `lease_ttl` seconds later. None: caches
+        live until released explicitly (LLM-DataDist's behaviour)."""
+        if lease_ttl is not None and lease_ttl < MIN_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl must be >= {MIN_LEASE_TTL_S} s or None")
         self.target = target
         self.default_timeout = timeout
+        self.lease_ttl = lease_ttl
+        self.session_id = uuid.uuid4().hex if lease_ttl is not None else ""
         self._stub: _Stub | None = None
         self._mapped: dict[int, Cache] = {}
+
+    def _keepalive_request(self) -> broker_pb2.KeepAliveRequest:
+        assert self.lease_ttl is not None
+        return broker_pb2.KeepAliveRequest(session_id=self.session_id, ttl_ms=int(self.lease_ttl * 1000))
+
+    @property
+    def _keepalive_every(self) -> float:
+        return (self.lease_ttl or DEFAULT_LEASE_TTL_S) / 3
 
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is not None and timeout <= 0:
@@ -178,21 +218,43 @@ class _Base(Generic[_Stub]):
 class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
     """Blocking client. Use as a context manager or call `close()`."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(target, timeout=timeout)
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
+        super().__init__(target, timeout=timeout, lease_ttl=lease_ttl)
         self._channel: grpc.Channel | None = None
+        self._keepalive: threading.Thread | None = None
+        self._closing = threading.Event()
 
     def _call(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
             return getattr(self._stub, method)(request, timeout=self._deadline(timeout))
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
+    def _start_keepalive(self) -> None:
+        if self.lease_ttl is None or self._keepalive is not None:
+            return
+        self._closing.clear()
+        self._call("KeepAlive", self._keepalive_request(), None)  # sets the lease length before anything is owned
+
+        def renew() -> None:
+            while not self._closing.wait(self._keepalive_every):
+                with contextlib.suppress(LlmError):  # a daemon restart: the next round retries
+                    self._call("KeepAlive", self._keepalive_request(), self._keepalive_every)
+
+        self._keepalive = threading.Thread(target=renew, name="kvbroker-keepalive", daemon=True)
+        self._keepalive.start()
+
     def close(self) -> None:
-        """Unmaps the caches this client mapped and closes the channel; idempotent."""
+        """Stops renewing the lease, unmaps the caches this client mapped and closes the channel; idempotent.
+        The daemon keeps the caches until released or until the lease expires."""
+        self._closing.set()
+        if self._keepalive is not None:
+            self._keepalive.join()
+            self._keepalive = None
         for cache_id in list(self._mapped):
             self._forget(cache_id)
         if self._channel is not None:
@@ -214,8 +276,9 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
 
     def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
         """Allocates daemon-owned shared memory; the returned `Cache.tensors` are numpy views over it."""
-        resp = self._call("AllocateCache", broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc)), timeout)
-        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._start_keepalive()
+        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
+        cache = Cache.map(cv.cache_record_from_pb(self._call("AllocateCache", req, timeout).cache))
         self._mapped[cache.cache_id] = cache
         return cache
 
@@ -228,7 +291,8 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
         self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
     ) -> Cache:
         """Registers the caller's shared memory (one location per tensor) and returns it mapped."""
-        resp = self._call("RegisterKvCache", _Calls.register(desc, tensors), timeout)
+        self._start_keepalive()
+        resp = self._call("RegisterKvCache", _Calls.register(desc, tensors, self.session_id), timeout)
         cache = Cache.map(cv.cache_record_from_pb(resp.cache))
         self._mapped[cache.cache_id] = cache
         return cache
@@ -331,20 +395,40 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
 class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
     """asyncio client with the same methods as `Client`, awaited. Use `async with` or `await close()`."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(target, timeout=timeout)
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
+        super().__init__(target, timeout=timeout, lease_ttl=lease_ttl)
         self._channel: grpc.aio.Channel | None = None
+        self._keepalive: asyncio.Task[None] | None = None
 
     async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
             return await getattr(self._stub, method)(request, timeout=self._deadline(timeout))
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
+    async def _start_keepalive(self) -> None:
+        if self.lease_ttl is None or self._keepalive is not None:
+            return
+        await self._call("KeepAlive", self._keepalive_request(), None)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self._keepalive_every)
+                with contextlib.suppress(LlmError):
+                    await self._call("KeepAlive", self._keepalive_request(), self._keepalive_every)
+
+        self._keepalive = asyncio.get_running_loop().create_task(renew())
+
     async def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+            self._keepalive = None
         for cache_id in list(self._mapped):
             self._forget(cache_id)
         if self._channel is not None:
@@ -366,8 +450,9 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         await self._call("Ping", broker_pb2.PingRequest(), timeout)
 
     async def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
-        resp = await self._call("AllocateCache", broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc)), timeout)
-        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        await self._start_keepalive()
+        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
+        cache = Cache.map(cv.cache_record_from_pb((await self._call("AllocateCache", req, timeout)).cache))
         self._mapped[cache.cache_id] = cache
         return cache
 
@@ -379,7 +464,8 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
     async def register_kv_cache(
         self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
     ) -> Cache:
-        resp = await self._call("RegisterKvCache", _Calls.register(desc, tensors), timeout)
+        await self._start_keepalive()
+        resp = await self._call("RegisterKvCache", _Calls.register(desc, tensors, self.session_id), timeout)
         cache = Cache.map(cv.cache_record_from_pb(resp.cache))
         self._mapped[cache.cache_id] = cache
         return cache

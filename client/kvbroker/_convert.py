@@ -69,6 +69,8 @@ def cache_record_from_pb(msg: broker_pb2.CacheInfo) -> CacheRecord:
         tensors=tuple(TensorLocation(t.segment, t.offset) for t in msg.tensors),
         shm_dir=msg.shm_dir,
         daemon_owned=msg.daemon_owned,
+        owner=msg.owner,
+        lease_expires_unix=msg.lease_expires_unix,
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from kvbroker._client import Client
+from kvbroker._client import DEFAULT_LEASE_TTL_S, Client
 from kvbroker._status import LlmError
 
 READY_TIMEOUT_S = 30.0
@@ -66,8 +66,8 @@ class LocalDaemon:
         except OSError:
             return ""
 
-    def client(self, timeout: float | None = 30.0) -> Client:
-        return Client(self.target, timeout=timeout)
+    def client(self, timeout: float | None = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> Client:
+        return Client(self.target, timeout=timeout, lease_ttl=lease_ttl)
 
     def signal(self, sig: signal.Signals) -> None:
         if self.proc is not None and self.proc.poll() is None:

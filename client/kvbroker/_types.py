@@ -200,6 +200,9 @@ class CacheRecord:
     tensors: tuple[TensorLocation, ...]
     shm_dir: str
     daemon_owned: bool
+    owner: str = ""
+    """Client session whose lease keeps the cache alive ("" = none)."""
+    lease_expires_unix: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

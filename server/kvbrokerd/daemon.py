@@ -26,6 +26,7 @@ from kvbrokerd.reflection import commented_pool
 from kvbrokerd.registry import Registry
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
+from kvbrokerd.sessions import SessionTable
 from kvbrokerd.tls import TlsMaterial
 from kvbrokerd.transfers import TransferManager
 
@@ -57,6 +58,7 @@ class Daemon:
         self._data_server: tcp_backend.DataServer | None = None
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
+        self._sessions: SessionTable | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
 
@@ -73,7 +75,10 @@ class Daemon:
                 credentials=tls.channel_credentials() if tls else None,
                 data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink)
-            transfers = TransferManager(self._registry, self._links, self._executor)
+            transfers = TransferManager(self._registry, self._links, self._executor,
+                                        max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes)
+            self._sessions = SessionTable(self._registry)
+            self._sessions.start()
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
             data_address = ""
             if "tcp" in cfg.backends:
@@ -83,7 +88,7 @@ class Daemon:
                 self._data_server.start()
                 data_address = f":{self._data_server.port}"
             node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
-                        transfers)
+                        transfers, self._sessions)
             peer_port = await self._serve(cfg.peer_listen, node, tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
             node.peer_address = self.peer_address
@@ -137,6 +142,8 @@ class Daemon:
         for h in self._health:
             await h.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
+        if self._sessions is not None:
+            await self._sessions.stop()
         if self._links is not None:
             await self._links.close()
         if self._data_server is not None:

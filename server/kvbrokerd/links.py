@@ -240,9 +240,6 @@ class LinkTable:
                 resp = await link.stub.Heartbeat(peer_pb2.HeartbeatRequest(link_token=link.token),
                                                  timeout=HEARTBEAT_INTERVAL_S)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    link.mark_broken("the peer no longer knows this link")
-                    continue
                 misses += 1
                 if misses >= HEARTBEAT_MISSES:
                     link.mark_broken(f"no heartbeat answer {misses} times ({e.code().name})")
@@ -250,10 +247,34 @@ class LinkTable:
             misses = 0
             link.last_seen = time.time()
             if resp.instance_epoch != link.remote_epoch:
-                link.mark_broken("the peer restarted (new instance epoch)")
+                if self.auto_relink and await self._relink(link):
+                    continue
+                link.mark_broken("the peer restarted (new instance epoch); unlink and link again")
+            elif not resp.link_known:
+                link.mark_broken("the peer removed this link")
             elif link.state == LinkState.BROKEN and link.reason.startswith("no heartbeat"):
                 link.state, link.reason = LinkState.READY, ""
                 log.info("link to cluster %d is READY again", link.remote_cluster_id)
+
+    async def _relink(self, link: Link) -> bool:
+        """Re-handshakes with a restarted peer in place; caches it described before are forgotten."""
+        if link.channel is not None:
+            for remote in link.remote_caches.values():
+                link.channel.forget(remote)
+            link.channel.close()
+        link.channel = None
+        link.remote_caches.clear()
+        link.state = LinkState.LINKING
+        try:
+            if link.grpc_channel is not None:
+                await link.grpc_channel.close()
+            await self._handshake(link, timeout=3.0)
+        except LlmError as e:
+            link.mark_broken(f"the peer restarted and re-linking failed: {e.message}")
+            return False
+        log.info("cluster %d restarted: re-linked (epoch %s, backend %s)", link.remote_cluster_id,
+                 link.remote_epoch, link.backend)
+        return True
 
     async def close(self) -> None:
         for link in list(self.links.values()):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvbrokerd.links import LinkTable
 from kvbrokerd.registry import Registry
+from kvbrokerd.sessions import SessionTable
 from kvbrokerd.transfers import TransferManager
 
 
@@ -19,3 +20,4 @@ class Node:
     registry: Registry
     links: LinkTable
     transfers: TransferManager
+    sessions: SessionTable

@@ -47,6 +47,8 @@ class CacheEntry:
     pins: int = 0
     closing: bool = False
     created_unix: float = field(default_factory=time.time)
+    owner: str = ""
+    """Client session whose lease keeps the cache alive ("" = no lease)."""
 
 
 def validate_desc(desc: CacheDesc) -> None:
@@ -153,7 +155,7 @@ class Registry:
             self.unpin(entry)
 
     # -- mutations -------------------------------------------------------------------------------------------------
-    def allocate(self, desc: CacheDesc) -> CacheEntry:
+    def allocate(self, desc: CacheDesc, owner: str = "") -> CacheEntry:
         validate_desc(desc)
         self._check_capacity()
         stride = -(-desc.tensor_nbytes // _ALIGN) * _ALIGN
@@ -169,12 +171,12 @@ class Registry:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cannot create shm segment {name}: {e.strerror}")
         tensors = tuple(TensorLocation(name, i * stride) for i in range(desc.num_tensors))
         try:
-            return self._add(cache_id, desc, tensors, daemon_owned=True)
+            return self._add(cache_id, desc, tensors, daemon_owned=True, owner=owner)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
 
-    def register(self, desc: CacheDesc, tensors: Sequence[TensorLocation]) -> CacheEntry:
+    def register(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str = "") -> CacheEntry:
         validate_desc(desc)
         if len(tensors) != desc.num_tensors:
             param_invalid(f"{len(tensors)} tensor locations for num_tensors={desc.num_tensors}")
@@ -196,13 +198,14 @@ class Registry:
                 if start < end:
                     param_invalid(f"tensors overlap in segment {seg!r} at byte {start}")
         self._check_capacity()
-        return self._add(self._reserve_id(), desc, tuple(tensors), daemon_owned=False)
+        return self._add(self._reserve_id(), desc, tuple(tensors), daemon_owned=False, owner=owner)
 
-    async def remove(self, cache_id: int, *, daemon_owned: bool, wait_s: float = 10.0) -> None:
-        """Removes a cache once no copy uses it; waits at most `wait_s`, then refuses with LLM_LINK_BUSY."""
+    async def remove(self, cache_id: int, *, daemon_owned: bool | None, wait_s: float = 10.0) -> None:
+        """Removes a cache once no copy uses it; waits at most `wait_s`, then refuses with LLM_LINK_BUSY.
+        `daemon_owned` says which call asked (Deallocate: True, Unregister: False, lease expiry: None = either)."""
         with self._lock:
             entry = self.get(cache_id)
-            if entry.daemon_owned != daemon_owned:
+            if daemon_owned is not None and entry.daemon_owned != daemon_owned:
                 how = "DeallocateCache" if entry.daemon_owned else "UnregisterKvCache"
                 param_invalid(f"cache {cache_id} must be released with {how}")
             entry.closing = True
@@ -237,8 +240,8 @@ class Registry:
         if self._live is not None:
             self._live[cache_id % self.max_caches] = value
 
-    def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...], daemon_owned: bool
-             ) -> CacheEntry:
+    def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...], daemon_owned: bool,
+             owner: str) -> CacheEntry:
         maps: dict[str, SegmentMap] = {}
         try:
             for loc in tensors:
@@ -249,7 +252,7 @@ class Registry:
                 m.close()
             param_invalid(f"cannot map shm segment: {e}")
         views = [memoryview(maps[t.segment].mmap)[t.offset : t.offset + desc.tensor_nbytes] for t in tensors]
-        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, maps, views)
+        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, maps, views, owner=owner)
         with self._lock:
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)

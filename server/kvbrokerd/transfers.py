@@ -106,11 +106,15 @@ class Deadline:
 
 
 class TransferManager:
-    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor) -> None:
+    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor, *,
+                 max_transfers: int = 256, max_inflight_bytes: int = 16 << 30) -> None:
         self._registry = registry
         self._links = links
         self._executor = executor
+        self.max_transfers = max_transfers
+        self.max_inflight_bytes = max_inflight_bytes
         self.in_flight = 0
+        self.inflight_bytes = 0
 
     # -- validation and planning (no byte moves) -------------------------------------------------------------------
     async def _remote(self, direction: Direction, cluster_id: int, cache_id: int, local_cache_id: int,
@@ -169,6 +173,11 @@ class TransferManager:
     async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
         """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
         plan = job.plan if plan is None else plan
+        if self.in_flight >= self.max_transfers:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{self.in_flight} transfers in flight (max_transfers); retry later")
+        if self.inflight_bytes + plan.total_bytes > self.max_inflight_bytes:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{plan.total_bytes} more bytes would exceed max_inflight_bytes="
+                 f"{self.max_inflight_bytes} ({self.inflight_bytes} in flight); retry later or split the request")
         progress = Progress(plan)
         local = self._registry.pin(job.local_cache_id)
         pinned = [local]
@@ -193,6 +202,7 @@ class TransferManager:
         else:
             work = asyncio.get_running_loop().run_in_executor(self._executor, call)
         self.in_flight += 1
+        self.inflight_bytes += plan.total_bytes
         try:
             if not work.done():
                 # The worker honours the same deadline; the grace only guards against a stuck system call.
@@ -204,13 +214,18 @@ class TransferManager:
             self._on_failure(job, e, transfer_id, progress)
             raise
         finally:
-            self.in_flight -= 1
-            # A copy still running (timeout, cancelled caller) keeps the memory mapped until it stops.
-            for entry in pinned:
-                if work.done():
+            def release(_: object = None) -> None:
+                self.in_flight -= 1
+                self.inflight_bytes -= plan.total_bytes
+                for entry in pinned:
                     self._registry.unpin(entry)
-                else:
-                    work.add_done_callback(lambda _, e=entry: self._registry.unpin(e))  # type: ignore[misc]
+
+            # A copy still running (timeout, cancelled caller) keeps its memory mapped and its place in the limits
+            # until it stops.
+            if work.done():
+                release()
+            else:
+                work.add_done_callback(release)
 
     def _operation(self, job: Job, plan: Plan, progress: Progress, pinned: list[CacheEntry],
                    deadline: Deadline) -> Callable[[], int]:

@@ -78,12 +78,14 @@ def test_pull_with_a_json_body(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
 
 
 def test_error_names_the_llm_status(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
-    body = {"src_cache_index": {"cluster_id": 9, "cache_id": 1}, "dst_cache_id": 1, "src_blocks": [0],
-            "dst_blocks": [0]}
-    out = grpcurl(pair[1], "kvbroker.v1.KvBroker/PullKvBlocks", body=body)
+    with pair[1].client() as c:
+        dst = c.allocate_cache(CacheDesc(num_tensors=2, shape=(4, 8)))
+        body = {"src_cache_index": {"cluster_id": 9, "cache_id": 1}, "dst_cache_id": str(dst.cache_id),
+                "src_blocks": [0], "dst_blocks": [0]}
+        out = grpcurl(pair[1], "kvbroker.v1.KvBroker/PullKvBlocks", body=body)
     assert out.returncode != 0
-    assert "FailedPrecondition" in out.stderr or "FAILED_PRECONDITION" in out.stderr
-    assert "LLM_NOT_YET_LINK: cluster 9 is not linked" in out.stderr or "LLM_KV_CACHE_NOT_EXIST" in out.stderr
+    assert "Code: FailedPrecondition" in out.stderr
+    assert "Message: LLM_NOT_YET_LINK: cluster 9 is not linked" in out.stderr
 
 
 def test_negative_block_index_is_refused_before_the_daemon(pair: tuple[LocalDaemon, LocalDaemon]) -> None:

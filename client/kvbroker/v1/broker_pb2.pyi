@@ -146,6 +146,9 @@ class AllocateCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DESC_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease."""
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the cache to allocate (placement must be host)."""
@@ -154,10 +157,11 @@ class AllocateCacheRequest(_message.Message):
         self,
         *,
         desc: _types_pb2.CacheDesc | None = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -175,6 +179,8 @@ class CacheInfo(_message.Message):
     SHM_DIR_FIELD_NUMBER: _builtins.int
     DAEMON_OWNED_FIELD_NUMBER: _builtins.int
     TENSOR_NBYTES_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_UNIX_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.int
     """Id assigned by this daemon; unique for the daemon's lifetime, never reused."""
     shm_dir: _builtins.str
@@ -183,6 +189,10 @@ class CacheInfo(_message.Message):
     """True when the daemon allocated the memory (AllocateCache), false when the caller registered it."""
     tensor_nbytes: _builtins.int
     """Bytes of one tensor (shape product x element size)."""
+    owner: _builtins.str
+    """Session that owns the cache (empty: none; the cache lives until released)."""
+    lease_expires_unix: _builtins.float
+    """Unix time at which the owner's lease expires unless renewed (0 when there is no owner)."""
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """The cache's descriptor."""
@@ -200,10 +210,12 @@ class CacheInfo(_message.Message):
         shm_dir: _builtins.str = ...,
         daemon_owned: _builtins.bool = ...,
         tensor_nbytes: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        lease_expires_unix: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "daemon_owned", b"daemon_owned", "desc", b"desc", "shm_dir", b"shm_dir", "tensor_nbytes", b"tensor_nbytes", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "daemon_owned", b"daemon_owned", "desc", b"desc", "lease_expires_unix", b"lease_expires_unix", "owner", b"owner", "shm_dir", b"shm_dir", "tensor_nbytes", b"tensor_nbytes", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -272,6 +284,9 @@ class RegisterKvCacheRequest(_message.Message):
 
     DESC_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Client session that owns the registration (see AllocateCacheRequest.session_id)."""
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the caller's cache."""
@@ -285,10 +300,11 @@ class RegisterKvCacheRequest(_message.Message):
         *,
         desc: _types_pb2.CacheDesc | None = ...,
         tensors: _abc.Iterable[_types_pb2.TensorLocation] | None = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc", "session_id", b"session_id", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -365,6 +381,50 @@ class ListCachesRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListCachesRequest: _TypeAlias = ListCachesRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session to renew (any non-empty string the client chose, e.g. a UUID)."""
+    ttl_ms: _builtins.int
+    """Lease length from now, in milliseconds (at least 1000)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_CACHES_FIELD_NUMBER: _builtins.int
+    num_caches: _builtins.int
+    """Caches the session owns."""
+    def __init__(
+        self,
+        *,
+        num_caches: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_caches", b"num_caches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveResponse: _TypeAlias = KeepAliveResponse  # noqa: Y015
 
 @_typing.final
 class ListCachesResponse(_message.Message):

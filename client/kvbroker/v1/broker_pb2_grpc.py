@@ -71,6 +71,11 @@ class KvBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.ListCachesRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.ListCachesResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/KeepAlive',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.LinkClusters = channel.unary_unary(
                 '/kvbroker.v1.KvBroker/LinkClusters',
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.LinkClustersRequest.SerializeToString,
@@ -172,6 +177,13 @@ class KvBrokerServicer:
 
     def ListCaches(self, request, context):
         """Every cache this daemon holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews a client session's lease; caches of a session whose lease expires are released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -285,6 +297,11 @@ def add_KvBrokerServicer_to_server(servicer, server):
                     servicer.ListCaches,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.ListCachesRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.ListCachesResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.KeepAliveResponse.SerializeToString,
             ),
             'LinkClusters': grpc.unary_unary_rpc_method_handler(
                     servicer.LinkClusters,
@@ -528,6 +545,33 @@ class KvBroker:
             '/kvbroker.v1.KvBroker/ListCaches',
             kvbroker_dot_v1_dot_broker__pb2.ListCachesRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.ListCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/KeepAlive',
+            kvbroker_dot_v1_dot_broker__pb2.KeepAliveRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

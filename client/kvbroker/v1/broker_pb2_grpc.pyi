@@ -49,6 +49,8 @@ class KvBrokerStub:
     """Forgets a cache made by RegisterKvCache; the caller's memory is left alone."""
     ListCaches: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListCachesRequest, _broker_pb2.ListCachesResponse]
     """Every cache this daemon holds."""
+    KeepAlive: _grpc.UnaryUnaryMultiCallable[_broker_pb2.KeepAliveRequest, _broker_pb2.KeepAliveResponse]
+    """Renews a client session's lease; caches of a session whose lease expires are released."""
     LinkClusters: _grpc.UnaryUnaryMultiCallable[_broker_pb2.LinkClustersRequest, _broker_pb2.LinkClustersResponse]
     """Links this daemon to remote clusters (at most 16 per call), one result per cluster."""
     UnlinkClusters: _grpc.UnaryUnaryMultiCallable[_broker_pb2.UnlinkClustersRequest, _broker_pb2.UnlinkClustersResponse]
@@ -93,6 +95,8 @@ class KvBrokerAsyncStub(KvBrokerStub):
     """Forgets a cache made by RegisterKvCache; the caller's memory is left alone."""
     ListCaches: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListCachesRequest, _broker_pb2.ListCachesResponse]  # type: ignore[assignment]
     """Every cache this daemon holds."""
+    KeepAlive: _aio.UnaryUnaryMultiCallable[_broker_pb2.KeepAliveRequest, _broker_pb2.KeepAliveResponse]  # type: ignore[assignment]
+    """Renews a client session's lease; caches of a session whose lease expires are released."""
     LinkClusters: _aio.UnaryUnaryMultiCallable[_broker_pb2.LinkClustersRequest, _broker_pb2.LinkClustersResponse]  # type: ignore[assignment]
     """Links this daemon to remote clusters (at most 16 per call), one result per cluster."""
     UnlinkClusters: _aio.UnaryUnaryMultiCallable[_broker_pb2.UnlinkClustersRequest, _broker_pb2.UnlinkClustersResponse]  # type: ignore[assignment]
@@ -176,6 +180,14 @@ class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ListCachesResponse, _abc.Awaitable[_broker_pb2.ListCachesResponse]]:
         """Every cache this daemon holds."""
+
+    @_abc_1.abstractmethod
+    def KeepAlive(
+        self,
+        request: _broker_pb2.KeepAliveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.KeepAliveResponse, _abc.Awaitable[_broker_pb2.KeepAliveResponse]]:
+        """Renews a client session's lease; caches of a session whose lease expires are released."""
 
     @_abc_1.abstractmethod
     def LinkClusters(

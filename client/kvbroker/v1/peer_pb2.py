@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import types_pb2 as kvbroker_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x17kvbroker/v1/types.proto\"u\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_cluster_id\x18\x04 \x01(\x04\"\xc6\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x04 \x03(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x12\n\nlink_token\x18\x06 \x01(\x0c\x12\x16\n\x0eshm_probe_path\x18\x07 \x01(\t\x12\x17\n\x0fshm_probe_nonce\x18\x08 \x01(\x0c\";\n\x13GetCacheInfoRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\x03\"\xa5\x01\n\x14GetCacheInfoResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\x03\x12$\n\x04\x64\x65sc\x18\x02 \x01(\x0b\x32\x16.kvbroker.v1.CacheDesc\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.TensorLocation\x12\x0f\n\x07shm_dir\x18\x04 \x01(\t\x12\x16\n\x0einstance_epoch\x18\x05 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\"+\n\x11HeartbeatResponse\x12\x16\n\x0einstance_epoch\x18\x01 \x01(\t\";\n\x11PeerUnlinkRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\"\x14\n\x12PeerUnlinkResponse2\xbe\x02\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0cGetCacheInfo\x12 .kvbroker.v1.GetCacheInfoRequest\x1a!.kvbroker.v1.GetCacheInfoResponse\x12J\n\tHeartbeat\x12\x1d.kvbroker.v1.HeartbeatRequest\x1a\x1e.kvbroker.v1.HeartbeatResponse\x12I\n\x06Unlink\x12\x1e.kvbroker.v1.PeerUnlinkRequest\x1a\x1f.kvbroker.v1.PeerUnlinkResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x17kvbroker/v1/types.proto\"u\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_cluster_id\x18\x04 \x01(\x04\"\xc6\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x04 \x03(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x12\n\nlink_token\x18\x06 \x01(\x0c\x12\x16\n\x0eshm_probe_path\x18\x07 \x01(\t\x12\x17\n\x0fshm_probe_nonce\x18\x08 \x01(\x0c\";\n\x13GetCacheInfoRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\x03\"\xa5\x01\n\x14GetCacheInfoResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\x03\x12$\n\x04\x64\x65sc\x18\x02 \x01(\x0b\x32\x16.kvbroker.v1.CacheDesc\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.TensorLocation\x12\x0f\n\x07shm_dir\x18\x04 \x01(\t\x12\x16\n\x0einstance_epoch\x18\x05 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\"?\n\x11HeartbeatResponse\x12\x16\n\x0einstance_epoch\x18\x01 \x01(\t\x12\x12\n\nlink_known\x18\x02 \x01(\x08\";\n\x11PeerUnlinkRequest\x12\x12\n\nlink_token\x18\x01 \x01(\x0c\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\"\x14\n\x12PeerUnlinkResponse2\xbe\x02\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0cGetCacheInfo\x12 .kvbroker.v1.GetCacheInfoRequest\x1a!.kvbroker.v1.GetCacheInfoResponse\x12J\n\tHeartbeat\x12\x1d.kvbroker.v1.HeartbeatRequest\x1a\x1e.kvbroker.v1.HeartbeatResponse\x12I\n\x06Unlink\x12\x1e.kvbroker.v1.PeerUnlinkRequest\x1a\x1f.kvbroker.v1.PeerUnlinkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,11 +43,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=613
   _globals['_HEARTBEATREQUEST']._serialized_end=651
   _globals['_HEARTBEATRESPONSE']._serialized_start=653
-  _globals['_HEARTBEATRESPONSE']._serialized_end=696
-  _globals['_PEERUNLINKREQUEST']._serialized_start=698
-  _globals['_PEERUNLINKREQUEST']._serialized_end=757
-  _globals['_PEERUNLINKRESPONSE']._serialized_start=759
-  _globals['_PEERUNLINKRESPONSE']._serialized_end=779
-  _globals['_PEER']._serialized_start=782
-  _globals['_PEER']._serialized_end=1100
+  _globals['_HEARTBEATRESPONSE']._serialized_end=716
+  _globals['_PEERUNLINKREQUEST']._serialized_start=718
+  _globals['_PEERUNLINKREQUEST']._serialized_end=777
+  _globals['_PEERUNLINKRESPONSE']._serialized_start=779
+  _globals['_PEERUNLINKRESPONSE']._serialized_end=799
+  _globals['_PEER']._serialized_start=802
+  _globals['_PEER']._serialized_end=1120
 # @@protoc_insertion_point(module_scope)

@@ -190,16 +190,20 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    LINK_KNOWN_FIELD_NUMBER: _builtins.int
     instance_epoch: _builtins.str
     """Responder's instance epoch; a change means the peer restarted."""
+    link_known: _builtins.bool
+    """False when the responder does not know the caller's link (it restarted, or it unlinked the caller)."""
     def __init__(
         self,
         *,
         instance_epoch: _builtins.str = ...,
+        link_known: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_epoch", b"instance_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_epoch", b"instance_epoch", "link_known", b"link_known"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

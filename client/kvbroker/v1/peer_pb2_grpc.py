@@ -76,7 +76,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness check of a link; answers with the responder's epoch.
+        """Liveness check of a link; answers with the responder's epoch and whether it still knows the link.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

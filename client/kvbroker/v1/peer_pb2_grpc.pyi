@@ -38,7 +38,7 @@ class PeerStub:
     GetCacheInfo: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetCacheInfoRequest, _peer_pb2.GetCacheInfoResponse]
     """Describes a cache so that a linked peer can validate and plan a transfer."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
-    """Liveness check of a link; answers with the responder's epoch."""
+    """Liveness check of a link; answers with the responder's epoch and whether it still knows the link."""
     Unlink: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerUnlinkRequest, _peer_pb2.PeerUnlinkResponse]
     """Tells the peer that the caller removed its side of a link."""
 
@@ -52,7 +52,7 @@ class PeerAsyncStub(PeerStub):
     GetCacheInfo: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetCacheInfoRequest, _peer_pb2.GetCacheInfoResponse]  # type: ignore[assignment]
     """Describes a cache so that a linked peer can validate and plan a transfer."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Liveness check of a link; answers with the responder's epoch."""
+    """Liveness check of a link; answers with the responder's epoch and whether it still knows the link."""
     Unlink: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerUnlinkRequest, _peer_pb2.PeerUnlinkResponse]  # type: ignore[assignment]
     """Tells the peer that the caller removed its side of a link."""
 
@@ -81,7 +81,7 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
-        """Liveness check of a link; answers with the responder's epoch."""
+        """Liveness check of a link; answers with the responder's epoch and whether it still knows the link."""
 
     @_abc_1.abstractmethod
     def Unlink(

@@ -26,8 +26,10 @@ MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
 
 
-def cache_info(entry: CacheEntry, shm_dir: str) -> broker_pb2.CacheInfo:
+def cache_info(entry: CacheEntry, shm_dir: str, lease_expires_unix: float = 0.0) -> broker_pb2.CacheInfo:
     return broker_pb2.CacheInfo(
+        owner=entry.owner,
+        lease_expires_unix=lease_expires_unix,
         cache_id=entry.cache_id,
         desc=desc_to_pb(entry.desc),
         tensors=[tensor_location_to_pb(t) for t in entry.tensors],
@@ -85,8 +87,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     @llm_errors
     async def AllocateCache(self, request: broker_pb2.AllocateCacheRequest, context: grpc.aio.ServicerContext
                             ) -> broker_pb2.AllocateCacheResponse:
-        entry = self.node.registry.allocate(_desc(request.desc))  # type: ignore[arg-type]
-        return broker_pb2.AllocateCacheResponse(cache=cache_info(entry, self._shm_dir))
+        if request.session_id:
+            self.node.sessions.touch(request.session_id)
+        entry = self.node.registry.allocate(_desc(request.desc), owner=request.session_id)  # type: ignore[arg-type]
+        return broker_pb2.AllocateCacheResponse(cache=self._info(entry))
 
     @llm_errors
     async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
@@ -98,8 +102,11 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     async def RegisterKvCache(self, request: broker_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext
                               ) -> broker_pb2.RegisterKvCacheResponse:
         tensors = [TensorLocation(t.segment, t.offset) for t in request.tensors]
-        entry = self.node.registry.register(_desc(request.desc), tensors)  # type: ignore[arg-type]
-        return broker_pb2.RegisterKvCacheResponse(cache=cache_info(entry, self._shm_dir))
+        if request.session_id:
+            self.node.sessions.touch(request.session_id)
+        entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
+                                            owner=request.session_id)
+        return broker_pb2.RegisterKvCacheResponse(cache=self._info(entry))
 
     @llm_errors
     async def UnregisterKvCache(self, request: broker_pb2.UnregisterKvCacheRequest,
@@ -110,7 +117,18 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     @llm_errors
     async def ListCaches(self, request: broker_pb2.ListCachesRequest, context: grpc.aio.ServicerContext
                          ) -> broker_pb2.ListCachesResponse:
-        return broker_pb2.ListCachesResponse(caches=[cache_info(e, self._shm_dir) for e in self.node.registry.list()])
+        return broker_pb2.ListCachesResponse(caches=[self._info(e) for e in self.node.registry.list()])
+
+    @llm_errors
+    async def KeepAlive(self, request: broker_pb2.KeepAliveRequest, context: grpc.aio.ServicerContext
+                        ) -> broker_pb2.KeepAliveResponse:
+        self.node.sessions.touch(request.session_id, request.ttl_ms / 1000 if request.ttl_ms else None)
+        owned = sum(1 for e in self.node.registry.list() if e.owner == request.session_id)
+        return broker_pb2.KeepAliveResponse(num_caches=owned)
+
+    def _info(self, entry: CacheEntry) -> broker_pb2.CacheInfo:
+        expires = self.node.sessions.expires_unix(entry.owner) if entry.owner else 0.0
+        return cache_info(entry, self._shm_dir, expires)
 
     @llm_errors
     async def LinkClusters(self, request: broker_pb2.LinkClustersRequest, context: grpc.aio.ServicerContext
@@ -267,5 +285,9 @@ def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
 
 
 def _wait(context: grpc.aio.ServicerContext) -> float:
+    """How long a release may wait for transfers using the cache: at most 10 s, and short of the caller's deadline
+    so that the caller hears LLM_LINK_BUSY rather than a bare timeout."""
     remaining = time_remaining(context)
-    return 10.0 if remaining is None else min(10.0, remaining)
+    if remaining is None:
+        return 10.0
+    return max(0.0, min(10.0, remaining - min(0.1, remaining * 0.2)))

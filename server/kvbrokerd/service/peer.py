@@ -6,6 +6,7 @@ import grpc.aio
 
 from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbrokerd.errors import LlmError
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors
@@ -40,8 +41,12 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     @llm_errors
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> peer_pb2.HeartbeatResponse:
-        self.node.links.authorize(request.link_token)
-        return peer_pb2.HeartbeatResponse(instance_epoch=self.node.epoch)
+        try:
+            self.node.links.authorize(request.link_token)
+            known = True
+        except LlmError:
+            known = False
+        return peer_pb2.HeartbeatResponse(instance_epoch=self.node.epoch, link_known=known)
 
     @llm_errors
     async def Unlink(self, request: peer_pb2.PeerUnlinkRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,88 @@
+"""Client sessions and their leases: a model server that dies without cleaning up does not leak its caches.
+
+A client names a session (a random id) when it allocates or registers caches and renews the session's lease with
+KeepAlive. When a lease expires, the reaper releases the session's caches (waiting for transfers that use them),
+and the daemon carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from kvbrokerd.errors import LlmError, param_invalid
+from kvbrokerd.registry import Registry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 30.0
+MIN_TTL_S = 1.0
+MAX_SESSIONS = 4096
+MAX_SESSION_ID = 128
+REAP_INTERVAL_S = 0.5
+
+
+@dataclass
+class Session:
+    ttl_s: float
+    expires: float  # time.monotonic()
+
+
+class SessionTable:
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._sessions: dict[str, Session] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    def touch(self, session_id: str, ttl_s: float | None = None) -> Session:
+        """Creates or renews a session's lease (ttl_s None: keep the session's own, or the default)."""
+        if not session_id or len(session_id) > MAX_SESSION_ID:
+            param_invalid(f"session_id must be 1..{MAX_SESSION_ID} characters")
+        if ttl_s is not None and ttl_s < MIN_TTL_S:
+            param_invalid(f"lease ttl must be >= {MIN_TTL_S} s, got {ttl_s}")
+        session = self._sessions.get(session_id)
+        if session is None:
+            if len(self._sessions) >= MAX_SESSIONS:
+                param_invalid(f"too many client sessions ({MAX_SESSIONS})")
+            session = self._sessions[session_id] = Session(ttl_s or DEFAULT_TTL_S, 0.0)
+        elif ttl_s is not None:
+            session.ttl_s = ttl_s
+        session.expires = time.monotonic() + session.ttl_s
+        return session
+
+    def expires_unix(self, owner: str) -> float:
+        session = self._sessions.get(owner)
+        return 0.0 if session is None else time.time() + max(0.0, session.expires - time.monotonic())
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            await self.reap()
+
+    async def reap(self) -> None:
+        now = time.monotonic()
+        expired = {sid for sid, s in self._sessions.items() if s.expires <= now}
+        if not expired:
+            return
+        busy = set()
+        for entry in self._registry.list():
+            if entry.owner in expired:
+                try:
+                    await self._registry.remove(entry.cache_id, daemon_owned=None, wait_s=0.0)
+                    log.warning("lease of session %s expired: released cache %d", entry.owner, entry.cache_id)
+                except LlmError:
+                    busy.add(entry.owner)  # in use by a transfer: try again on the next round
+        for sid in expired - busy:
+            del self._sessions[sid]
