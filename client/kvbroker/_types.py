@@ -171,6 +171,7 @@ class ClusterStatus:
     num_caches: int
     num_links: int
     protocol_version: int
+    metrics_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,16 +11,19 @@ import signal
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvbroker._types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd.backends import tcp as tcp_backend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
+from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
 from kvbrokerd.registry import Registry
@@ -59,6 +62,8 @@ class Daemon:
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
         self._sessions: SessionTable | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_port = 0
         self._stopped = asyncio.Event()
         self._stopping = False
 
@@ -75,8 +80,10 @@ class Daemon:
                 credentials=tls.channel_credentials() if tls else None,
                 data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink)
+            self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor,
-                                        max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes)
+                                        max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
+                                        metrics=self.metrics)
             self._sessions = SessionTable(self._registry)
             self._sessions.start()
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
@@ -94,6 +101,10 @@ class Daemon:
             node.peer_address = self.peer_address
             self.local_address = await self._serve_local(cfg.listen, node)
             self.node = node
+            self.metrics.watch(self._state)
+            if cfg.metrics_listen:
+                self.metrics_port = self.metrics.serve(cfg.metrics_listen)
+                node.metrics_address = f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
             for h in self._health:
                 await h.set("", health_pb2.HealthCheckResponse.SERVING)
                 for name in _SERVICES:
@@ -134,6 +145,19 @@ class Daemon:
             os.umask(old_umask)
         return listen
 
+    def _state(self) -> dict[str, Any]:
+        """The daemon's state for the metrics scrape (read from another thread: snapshots only)."""
+        node = self.node
+        assert node is not None
+        states = {s.name: 0 for s in LinkState}
+        for link in list(node.links.links.values()):
+            states[link.state.name] += 1
+        caches = node.registry.list()
+        return {"links": states, "caches": len(caches),
+                "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
+                "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
+                "sessions": len(node.sessions)}
+
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:
             await self._stopped.wait()
@@ -152,6 +176,8 @@ class Daemon:
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self._registry is not None:
             self._registry.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.config.listen.startswith("unix://"):
             _remove_socket(self.config.listen)
         self._stopped.set()

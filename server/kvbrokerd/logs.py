@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
 import time
+import types
+from collections.abc import Mapping
+
+LOG_CONTEXT: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "kvbroker_log_context", default=types.MappingProxyType({}))
+"""Fields (transfer id, op, peer, backend) added to every log line written while a transfer runs."""
+
+
+class ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = LOG_CONTEXT.get()
+        record.kv = ctx
+        record.kv_text = "".join(f" {k}={v}" for k, v in ctx.items())
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -15,6 +30,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **getattr(record, "kv", {}),
         }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
@@ -26,7 +42,8 @@ def setup(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(kv_text)s"))
+    handler.addFilter(ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

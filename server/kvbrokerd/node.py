@@ -21,3 +21,4 @@ class Node:
     links: LinkTable
     transfers: TransferManager
     sessions: SessionTable
+    metrics_address: str = ""

@@ -53,6 +53,9 @@ class SessionTable:
         session.expires = time.monotonic() + session.ttl_s
         return session
 
+    def __len__(self) -> int:
+        return len(self._sessions)
+
     def expires_unix(self, owner: str) -> float:
         session = self._sessions.get(owner)
         return 0.0 if session is None else time.time() + max(0.0, session.expires - time.monotonic())

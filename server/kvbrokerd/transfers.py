@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +27,8 @@ from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links import Link, LinkTable
+from kvbrokerd.logs import LOG_CONTEXT
+from kvbrokerd.metrics import Metrics
 from kvbrokerd.planner import (
     LayerSelection,
     Plan,
@@ -107,7 +111,8 @@ class Deadline:
 
 class TransferManager:
     def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor, *,
-                 max_transfers: int = 256, max_inflight_bytes: int = 16 << 30) -> None:
+                 max_transfers: int = 256, max_inflight_bytes: int = 16 << 30, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
         self._registry = registry
         self._links = links
         self._executor = executor
@@ -200,7 +205,8 @@ class TransferManager:
             except Exception as e:
                 work.set_exception(e)
         else:
-            work = asyncio.get_running_loop().run_in_executor(self._executor, call)
+            # The copy thread logs with this transfer's context too.
+            work = asyncio.get_running_loop().run_in_executor(self._executor, contextvars.copy_context().run, call)
         self.in_flight += 1
         self.inflight_bytes += plan.total_bytes
         try:
@@ -253,80 +259,81 @@ class TransferManager:
             failed_dst_blocks=progress.failed_dst_blocks().tolist(), bytes_moved=progress.bytes_moved)
         log.warning("transfer %s (%s via %s) failed: %s", transfer_id, job.direction.value, job.backend, e)
 
-    async def execute(self, job: Job, timeout: float | None, deadline: Deadline | None = None) -> TransferResult:
-        deadline = deadline or Deadline(timeout)
-        transfer_id = uuid.uuid4().hex[:12]
-        started = time.monotonic()
-        moved = await self.run(job, deadline, transfer_id)
-        log.debug("transfer %s: %s %d bytes in %d runs via %s in %.3f ms", transfer_id, job.direction.value, moved,
-                  job.plan.num_runs, job.backend, (time.monotonic() - started) * 1e3)
-        return TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=transfer_id,
-                              num_runs=job.plan.num_runs)
+    def track(self, op: str, peer: int | str, timeout: float | None) -> Tracked:
+        return Tracked(self.metrics, op, str(peer), Deadline(timeout))
+
+    async def execute(self, job: Job, t: Tracked) -> TransferResult:
+        t.started(job)
+        t.moved = await self.run(job, t.deadline, t.id)
+        log.debug("%s: %d bytes in %d runs", job.direction.value, t.moved, job.plan.num_runs)
+        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_runs)
 
     # -- the operations ----------------------------------------------------------------------------------------------
     async def transfer_blocks(self, direction: Direction, req: BlocksRequest, timeout: float | None
                               ) -> TransferResult:
-        deadline = Deadline(timeout)
-        return await self.execute(await self.prepare_blocks(direction, req, deadline), timeout, deadline)
+        with self.track(direction.value + "_blocks", req.remote_cluster_id, timeout) as t:
+            return await self.execute(await self.prepare_blocks(direction, req, t.deadline), t)
 
     async def transfer_cache(self, direction: Direction, req: CacheRequest, timeout: float | None) -> TransferResult:
-        deadline = Deadline(timeout)
-        return await self.execute(await self.prepare_cache(direction, req, deadline), timeout, deadline)
+        with self.track(direction.value + "_cache", req.remote_cluster_id, timeout) as t:
+            return await self.execute(await self.prepare_cache(direction, req, t.deadline), t)
 
     async def copy_blocks(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
                           dst_blocks_list: Sequence[Sequence[int]], timeout: float | None) -> TransferResult:
-        return await self.execute(self.prepare_copy(src_cache_id, dst_cache_id, src_blocks, dst_blocks_list),
-                                  timeout)
+        with self.track("copy_blocks", "local", timeout) as t:
+            return await self.execute(self.prepare_copy(src_cache_id, dst_cache_id, src_blocks, dst_blocks_list), t)
 
     async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None
                                    ) -> AsyncIterator[tuple[int, int] | TransferResult]:
         """Yields (destination layer, bytes) as each layer lands, then the TransferResult."""
-        deadline = Deadline(timeout)
-        job = await self.prepare_blocks(Direction.PULL, req, deadline)
-        transfer_id = uuid.uuid4().hex[:12]
-        per_layer = req.layers.tensor_num_per_layer
-        completed: list[int] = []
-        moved = 0
-        layers = layer_plans(job.plan, per_layer)
-        for k, (layer, sub) in enumerate(layers):
-            try:
-                moved += await self.run(job, deadline, transfer_id, sub)
-            except LlmError as e:
-                report = e.details["transfer_report"]
-                if k < len(layers) - 1:
-                    # Later layers never started: every requested block misses those layers' bytes.
-                    report.ClearField("failed_dst_blocks")
-                    report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
-                report.completed_layers.extend(completed)
-                report.bytes_moved += moved
-                raise
-            completed.append(layer)
-            yield layer, sub.total_bytes
-        yield TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=transfer_id,
-                             num_runs=job.plan.num_runs)
+        with self.track("pull_blocks_stream", req.remote_cluster_id, timeout) as t:
+            job = await self.prepare_blocks(Direction.PULL, req, t.deadline)
+            t.started(job)
+            completed: list[int] = []
+            layers = layer_plans(job.plan, req.layers.tensor_num_per_layer)
+            for k, (layer, sub) in enumerate(layers):
+                try:
+                    t.moved += await self.run(job, t.deadline, t.id, sub)
+                except LlmError as e:
+                    report = e.details["transfer_report"]
+                    if k < len(layers) - 1:
+                        # Later layers never started: every requested block misses those layers' bytes.
+                        report.ClearField("failed_dst_blocks")
+                        report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
+                    report.completed_layers.extend(completed)
+                    report.bytes_moved += t.moved
+                    raise
+                completed.append(layer)
+                yield layer, sub.total_bytes
+            yield TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id,
+                                 num_runs=job.plan.num_runs)
 
     async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
                              ) -> tuple[TransferResult, list[str]]:
+        with self.track("batch", ",".join(sorted({str(r.remote_cluster_id) for _, r in groups})), timeout) as t:
+            return await self._transfer_batch(groups, t)
+
+    async def _transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], t: Tracked
+                              ) -> tuple[TransferResult, list[str]]:
         if not groups:
             param_invalid("a batch needs at least one group")
         if len(groups) > MAX_BATCH_GROUPS:
             param_invalid(f"{len(groups)} groups in one batch; at most {MAX_BATCH_GROUPS}")
-        deadline = Deadline(timeout)
         jobs = []
         for i, (direction, req) in enumerate(groups):
             try:
-                jobs.append(await self.prepare_blocks(direction, req, deadline))
+                jobs.append(await self.prepare_blocks(direction, req, t.deadline))
             except LlmError as e:
                 e.details["group"] = str(i)
                 raise type(e)(e.status, f"group {i}: {e.message}", e.details) from None
-        transfer_id = uuid.uuid4().hex[:12]
-        outcomes = await asyncio.gather(*(self.run(job, deadline, f"{transfer_id}.{i}") for i, job in
-                                          enumerate(jobs)), return_exceptions=True)
+        t.started(jobs[0], backend=",".join(sorted({j.backend for j in jobs})))
+        outcomes = await asyncio.gather(*(self.run(job, t.deadline, f"{t.id}.{i}") for i, job in enumerate(jobs)),
+                                        return_exceptions=True)
         failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         if failures:
             first = failures[0][1]
             err = first if isinstance(first, LlmError) else LlmError(LlmStatus.LLM_FAILED, str(first))
-            report = errors_pb2.TransferReport(transfer_id=transfer_id, stage="transfer")
+            report = errors_pb2.TransferReport(transfer_id=t.id, stage="transfer")
             for i, (job, outcome) in enumerate(zip(jobs, outcomes, strict=True)):
                 group = report.groups.add(index=i, done=not isinstance(outcome, BaseException))
                 if isinstance(outcome, LlmError) and "transfer_report" in outcome.details:
@@ -337,9 +344,55 @@ class TransferManager:
                 else:
                     report.bytes_moved += int(outcome)
             err.details["transfer_report"] = report
-            err.details["transfer_id"] = transfer_id
+            err.details["transfer_id"] = t.id
             raise err
-        moved = sum(o for o in outcomes if isinstance(o, int))
-        result = TransferResult(bytes_moved=moved, backend=",".join(j.backend for j in jobs),
-                                transfer_id=transfer_id, num_runs=sum(j.plan.num_runs for j in jobs))
+        t.moved = sum(o for o in outcomes if isinstance(o, int))
+        result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
+                                num_runs=sum(j.plan.num_runs for j in jobs))
         return result, [j.backend for j in jobs]
+
+
+class Tracked:
+    """One transfer request from arrival to its terminal state: its id and log context (every log line of the
+    transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
+
+    def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
+        self.id = uuid.uuid4().hex[:12]
+        self.op, self.peer, self.deadline = op, peer, deadline
+        self.backend = "none"
+        self.moved = 0
+        self._metrics = metrics
+        self._arrived = time.monotonic()
+        self._wire_started: float | None = None
+        self._token: contextvars.Token[Mapping[str, str]] | None = None
+
+    def started(self, job: Job, backend: str | None = None) -> None:
+        """Validation and planning are over: data starts to move."""
+        self.backend = backend or job.backend
+        self._wire_started = time.monotonic()
+        LOG_CONTEXT.set({**LOG_CONTEXT.get(), "backend": self.backend})
+
+    def __enter__(self) -> Tracked:
+        self._token = LOG_CONTEXT.set({"transfer": self.id, "op": self.op, "peer": self.peer})
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, LlmError):
+            outcome = exc.status.name
+            report = exc.details.get("transfer_report")
+            self.moved = int(report.bytes_moved) if report is not None else self.moved
+            exc.details.setdefault("transfer_id", self.id)
+        elif exc is not None:
+            outcome = "CANCELLED" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "LLM_FAILED"
+        else:
+            outcome = "DONE"
+        now = time.monotonic()
+        wire_started = self._wire_started or now
+        if self._metrics is not None:
+            self._metrics.observe(self.op, self.backend, self.peer, outcome, self.moved,
+                                  wire_started - self._arrived, now - wire_started)
+        if outcome not in ("DONE", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST", "LLM_NOT_YET_LINK"):
+            log.info("ended %s after %.1f ms (%d bytes moved)", outcome, (now - self._arrived) * 1e3, self.moved)
+        if self._token is not None:
+            with contextlib.suppress(ValueError):  # an async generator closed from another context
+                LOG_CONTEXT.reset(self._token)

@@ -73,6 +73,7 @@ class GetClusterInfoResponse(_message.Message):
     NUM_CACHES_FIELD_NUMBER: _builtins.int
     NUM_LINKS_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """This daemon's cluster id."""
     version: _builtins.str
@@ -87,6 +88,8 @@ class GetClusterInfoResponse(_message.Message):
     """Number of links."""
     protocol_version: _builtins.int
     """Peer wire-protocol version spoken by this daemon."""
+    metrics_address: _builtins.str
+    """Prometheus endpoint "host:port" (empty when metrics are off)."""
     @_builtins.property
     def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Data-plane backends enabled, in order of preference."""
@@ -102,10 +105,11 @@ class GetClusterInfoResponse(_message.Message):
         num_caches: _builtins.int = ...,
         num_links: _builtins.int = ...,
         protocol_version: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch", "num_caches", b"num_caches", "num_links", b"num_links", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch", "metrics_address", b"metrics_address", "num_caches", b"num_caches", "num_links", b"num_links", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

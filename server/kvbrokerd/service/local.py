@@ -77,7 +77,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         return broker_pb2.GetClusterInfoResponse(
             cluster_id=n.cluster_id, version=kvbrokerd.__version__, peer_address=n.peer_address,
             backends=list(n.backends), instance_epoch=n.epoch, num_caches=len(n.registry),
-            num_links=len(n.links.links), protocol_version=PROTOCOL_VERSION,
+            num_links=len(n.links.links), protocol_version=PROTOCOL_VERSION, metrics_address=n.metrics_address,
         )
 
     async def Ping(self, request: broker_pb2.PingRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,74 @@
+"""Prometheus metrics: what moved, how it ended, how long it took, and the daemon's state at scrape time.
+
+Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, backend, peer, outcome};
+transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state},
+caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        state = self._read()
+        links = GaugeMetricFamily("kvbroker_links", "Links by state", labels=["state"])
+        for name, count in sorted(state["links"].items()):
+            links.add_metric([name], count)
+        yield links
+        for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
+                          ("transfers_in_flight", "Transfers running now"),
+                          ("inflight_bytes", "Bytes of the transfers running now"),
+                          ("sessions", "Client sessions with a live lease")):
+            yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["op", "backend", "peer", "outcome"]
+        self.bytes = Counter("kvbroker_transfer_bytes", "Bytes moved by finished transfers", labels,
+                             registry=self.registry)
+        self.transfers = Counter("kvbroker_transfers", "Transfers by outcome", labels, registry=self.registry)
+        self.seconds = Histogram("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, "
+                                 "planning), wire (data movement) and total", ["op", "backend", "stage"],
+                                 buckets=_BUCKETS, registry=self.registry)
+
+    def observe(self, op: str, backend: str, peer: str, outcome: str, moved: int, queue_s: float,
+                wire_s: float) -> None:
+        self.bytes.labels(op, backend, peer, outcome).inc(moved)
+        self.transfers.labels(op, backend, peer, outcome).inc()
+        self.seconds.labels(op, backend, "queue").observe(queue_s)
+        self.seconds.labels(op, backend, "wire").observe(wire_s)
+        self.seconds.labels(op, backend, "total").observe(queue_s + wire_s)
+
+    def watch(self, read_state: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_StateCollector(read_state))
+
+    def serve(self, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        bound = int(server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        self._server = server
+        return bound
+
+    def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
