@@ -52,6 +52,7 @@ class Link:
     last_seen: float = 0.0
     reason: str = ""
     remote_caches: dict[int, RemoteCache] = field(default_factory=dict)
+    final: bool = False
     heartbeat: asyncio.Task[None] | None = None
 
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
@@ -74,7 +75,7 @@ class Link:
             fail(LlmStatus.LLM_LINK_FAILED, f"cache lookup on cluster {self.remote_cluster_id} failed: "
                  f"{e.code().name} {e.details()}")
         if resp.instance_epoch != self.remote_epoch:
-            self.mark_broken("the peer restarted (new instance epoch)")
+            self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
                  "belonged to its previous incarnation")
         remote = RemoteCache(cache_id=cache_id, desc=desc_from_pb(resp.desc), shm_dir=resp.shm_dir,
@@ -87,11 +88,14 @@ class Link:
         if remote is not None and self.channel is not None:
             self.channel.forget(remote)
 
-    def mark_broken(self, reason: str) -> None:
+    def mark_broken(self, reason: str, *, final: bool = False) -> None:
+        """`final`: the peer restarted or dropped the link, so only unlink + link (or auto re-link) repairs it;
+        otherwise (a failed transfer, missed heartbeats) the next good heartbeat makes the link READY again."""
         if self.state != LinkState.BROKEN:
             log.warning("link to cluster %d is BROKEN: %s", self.remote_cluster_id, reason)
         self.state = LinkState.BROKEN
         self.reason = reason
+        self.final = final or self.final
 
     async def close(self) -> None:
         if self.heartbeat is not None:
@@ -249,10 +253,10 @@ class LinkTable:
             if resp.instance_epoch != link.remote_epoch:
                 if self.auto_relink and await self._relink(link):
                     continue
-                link.mark_broken("the peer restarted (new instance epoch); unlink and link again")
+                link.mark_broken("the peer restarted (new instance epoch); unlink and link again", final=True)
             elif not resp.link_known:
-                link.mark_broken("the peer removed this link")
-            elif link.state == LinkState.BROKEN and link.reason.startswith("no heartbeat"):
+                link.mark_broken("the peer removed this link", final=True)
+            elif link.state == LinkState.BROKEN and not link.final:
                 link.state, link.reason = LinkState.READY, ""
                 log.info("link to cluster %d is READY again", link.remote_cluster_id)
 
@@ -264,13 +268,13 @@ class LinkTable:
             link.channel.close()
         link.channel = None
         link.remote_caches.clear()
-        link.state = LinkState.LINKING
+        link.state, link.final = LinkState.LINKING, False
         try:
             if link.grpc_channel is not None:
                 await link.grpc_channel.close()
             await self._handshake(link, timeout=3.0)
         except LlmError as e:
-            link.mark_broken(f"the peer restarted and re-linking failed: {e.message}")
+            link.mark_broken(f"the peer restarted and re-linking failed: {e.message}", final=True)
             return False
         log.info("cluster %d restarted: re-linked (epoch %s, backend %s)", link.remote_cluster_id,
                  link.remote_epoch, link.backend)

@@ -53,6 +53,13 @@ def test_hung_peer_gives_timeout_within_the_deadline(tmp_path: Path) -> None:
         finally:
             src.signal(signal.SIGCONT)
         _assert_healthy(dst, tmp_path)
+        # The peer is back: the link is (or soon becomes) READY by itself and pulls work again.
+        with dst.client() as d:
+            deadline = time.monotonic() + 10
+            while d.list_links()[0].state != LinkState.READY and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert d.list_links()[0].state == LinkState.READY
+            assert d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS).bytes_moved == 32 << 20
 
 
 def test_peer_killed_mid_transfer_gives_link_failed(tmp_path: Path) -> None:

@@ -307,6 +307,9 @@ class TcpChannel(PeerChannel):
             sock.sendall(HELLO.pack(b"KVHI", VERSION, 0, self._link_id, mac))
             if _recv_bytes(sock, 4) != b"KVOK":
                 raise ConnectionError("unexpected handshake answer")
+        except TimeoutError:
+            sock.close()
+            fail(LlmStatus.LLM_TIMEOUT, f"the peer's data port {self._addr} did not answer in time")
         except (OSError, ConnectionError) as e:
             sock.close()
             fail(LlmStatus.LLM_LINK_FAILED, f"the peer refused the data connection: {e}")
