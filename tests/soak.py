@@ -53,8 +53,8 @@ def main() -> int:
                 t[...] = 0
             model = [t.copy() for t in target.tensors]
             unknown: set[int] = set()
-            for s in (tcp_src, shm_src):
-                assert d.link_clusters([cluster_of(s)])[0].ok
+            for daemon in (tcp_src, shm_src):
+                assert d.link_clusters([cluster_of(daemon)])[0].ok
             stop = threading.Event()
 
             def freeze_now_and_then() -> None:
@@ -83,11 +83,11 @@ def main() -> int:
                         continue
                     unknown |= set(e.failed_dst_blocks)
                     # Blocks the report says did land hold the source's bytes now.
-                    landed = [(s, b) for s, b in zip(src_blocks, dst_blocks, strict=True)
-                              if b not in set(e.failed_dst_blocks)]
+                    failed = set(e.failed_dst_blocks)
+                    landed = [(sb, db) for sb, db in zip(src_blocks, dst_blocks, strict=True) if db not in failed]
                     for t in range(4):
-                        for s, b in landed:
-                            model[t][b] = source_bytes[peer][t][s]
+                        for sb, db in landed:
+                            model[t][db] = source_bytes[peer][t][sb]
                     continue
                 counts["DONE"] += 1
                 moved += result.bytes_moved
