@@ -49,8 +49,8 @@ def main() -> int:
                 fill(cache, i)
             source_bytes = {i: [t.copy() for t in cache.tensors] for i, cache in sources.items()}
             target = d.allocate_cache(DESC)
-            for t in target.tensors:
-                t[...] = 0
+            for tensor in target.tensors:
+                tensor[...] = 0
             model = [t.copy() for t in target.tensors]
             unknown: set[int] = set()
             for daemon in (tcp_src, shm_src):
