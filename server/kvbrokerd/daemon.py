@@ -41,10 +41,8 @@ _SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
-_SERVICES = (
-    broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name,
-    peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name,
-)
+LOCAL_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 
 
 class Daemon:
@@ -56,7 +54,7 @@ class Daemon:
         self.local_address = ""
         self.peer_address = ""
         self._servers: list[grpc.aio.Server] = []
-        self._health: list[health.aio.HealthServicer] = []
+        self._health: list[tuple[health.aio.HealthServicer, str]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._data_server: tcp_backend.DataServer | None = None
         self._registry: Registry | None = None
@@ -96,7 +94,8 @@ class Daemon:
                 data_address = f":{self._data_server.port}"
             node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
                         transfers, self._sessions)
-            peer_port = await self._serve(cfg.peer_listen, node, tls.server_credentials() if tls else None)
+            peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
+                                          tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
             node.peer_address = self.peer_address
             self.local_address = await self._serve_local(cfg.listen, node)
@@ -105,24 +104,28 @@ class Daemon:
             if cfg.metrics_listen:
                 self.metrics_port = self.metrics.serve(cfg.metrics_listen)
                 node.metrics_address = f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
-            for h in self._health:
+            for h, name in self._health:
                 await h.set("", health_pb2.HealthCheckResponse.SERVING)
-                for name in _SERVICES:
-                    await h.set(name, health_pb2.HealthCheckResponse.SERVING)
+                await h.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
             await self.stop(grace=0)
             raise
         log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
                  self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
 
-    async def _serve(self, address: str, node: Node, credentials: grpc.ServerCredentials | None = None) -> int:
+    async def _serve(self, address: str, node: Node, service: str,
+                     credentials: grpc.ServerCredentials | None = None) -> int:
+        """One listener: the local API (KvBroker) or the peer API (Peer), each with health and reflection. The
+        local API is never served on the peer port: that port is reachable from the network."""
         server = grpc.aio.server(options=_SERVER_OPTIONS)
-        broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
-        peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node), server)
+        if service == LOCAL_SERVICE:
+            broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
+        else:
+            peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (*_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
+            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
             pool=commented_pool())
         port: int = (server.add_insecure_port(address) if credentials is None else
                      server.add_secure_port(address, credentials))
@@ -130,17 +133,17 @@ class Daemon:
             raise OSError(f"cannot listen on {address}")
         await server.start()
         self._servers.append(server)
-        self._health.append(health_servicer)
+        self._health.append((health_servicer, service))
         return port
 
     async def _serve_local(self, listen: str, node: Node) -> str:
         if not listen.startswith("unix://"):
-            port = await self._serve(listen, node)
+            port = await self._serve(listen, node, LOCAL_SERVICE)
             return f"{listen.rpartition(':')[0]}:{port}"
         _prepare_socket_path(listen)
         old_umask = os.umask(0o177)  # The socket is born 0600: only this user may drive the daemon.
         try:
-            await self._serve(listen, node)
+            await self._serve(listen, node, LOCAL_SERVICE)
         finally:
             os.umask(old_umask)
         return listen
@@ -163,7 +166,7 @@ class Daemon:
             await self._stopped.wait()
             return
         self._stopping = True
-        for h in self._health:
+        for h, _ in self._health:
             await h.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
         if self._sessions is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -44,12 +45,23 @@ class CommentedPool:
         files = descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR_SET.read_bytes()).file
         self._raw = {f.name: f for f in files}
         self._pool = descriptor_pool.DescriptorPool()
-        for module in (health_pb2, reflection_pb2):
-            proto = descriptor_pb2.FileDescriptorProto()
-            module.DESCRIPTOR.CopyToProto(proto)
-            self._pool.Add(proto)
+        # error_details: so that grpcurl decodes the google.rpc.ErrorInfo in every error's details.
+        for module in (health_pb2, reflection_pb2, error_details_pb2):
+            self._add_with_dependencies(module.DESCRIPTOR)
         for proto in files:
             self._pool.Add(proto)
+
+    def _add_with_dependencies(self, file: Any) -> None:
+        try:
+            self._pool.FindFileByName(file.name)
+            return
+        except KeyError:
+            pass
+        for dependency in file.dependencies:
+            self._add_with_dependencies(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        self._pool.Add(proto)
 
     def FindFileByName(self, name: str) -> _CommentedFile:
         return _CommentedFile(self._pool.FindFileByName(name), self._raw)

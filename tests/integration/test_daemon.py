@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -30,10 +31,21 @@ def _health(target: str, service: str = "") -> int:
 
 def test_health_and_reflection_on_both_listeners(tmp_path: Path) -> None:
     with LocalDaemon(tmp_path, 1) as d:
-        for target in (d.target, d.peer_address):
+        for target, service in ((d.target, "kvbroker.v1.KvBroker"), (d.peer_address, "kvbroker.v1.Peer")):
             assert _health(target) == health_pb2.HealthCheckResponse.SERVING
-            assert _health(target, "kvbroker.v1.KvBroker") == health_pb2.HealthCheckResponse.SERVING
-            assert {"kvbroker.v1.KvBroker", "kvbroker.v1.Peer", "grpc.health.v1.Health"} <= _services(target)
+            assert _health(target, service) == health_pb2.HealthCheckResponse.SERVING
+            assert {service, "grpc.health.v1.Health"} <= _services(target)
+
+
+def test_the_local_api_is_not_served_on_the_peer_port(tmp_path: Path) -> None:
+    """The peer port faces the network; allocating or pulling through it would bypass the 0600 unix socket."""
+    from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+
+    with LocalDaemon(tmp_path, 1) as d, grpc.insecure_channel(d.peer_address) as ch:
+        assert "kvbroker.v1.KvBroker" not in _services(d.peer_address)
+        with pytest.raises(grpc.RpcError) as info:
+            broker_pb2_grpc.KvBrokerStub(ch).ListCaches(broker_pb2.ListCachesRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_sigterm_exits_zero_and_cleans_up(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_list_and_describe(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
     _, b = pair
     listed = grpcurl(b, "list")
     assert listed.returncode == 0, listed.stderr
-    assert {"kvbroker.v1.KvBroker", "kvbroker.v1.Peer", "grpc.health.v1.Health"} <= set(listed.stdout.split())
+    assert {"kvbroker.v1.KvBroker", "grpc.health.v1.Health"} <= set(listed.stdout.split())
     described = grpcurl(b, "describe", "kvbroker.v1.KvBroker")
     assert described.returncode == 0 and "rpc PullKvBlocks" in described.stdout
     assert "Pulls blocks of a remote cache" in described.stdout  # proto comments reach the operator
