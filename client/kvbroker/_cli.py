@@ -6,6 +6,7 @@
     kvbroker pull   --target ADDR --src-cluster N --src-cache ID --dst-cache ID --src-blocks 0,1,2 --dst-blocks 5-7
                     [--layers a:b] [--dst-layers c:d] [--tensors-per-layer 2]    one pull, for debugging
     kvbroker bench  [--backends shm,tcp] [--block-size 64K,1M] [--total-bytes 512M] [--json]
+                    [--metrics-listen 127.0.0.1:9100]       quick pull benchmark between two local daemons
     kvbroker demo
 
 `--target` is `unix:///path/to/kvbroker.sock` (a bare absolute path works too) or `host:port`. A failure prints the
@@ -345,9 +346,10 @@ def plan_bench(backends: Sequence[str], block_sizes: Sequence[int], total_bytes:
 
 
 def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed: int = 7,
-              log: Callable[[str], None] = lambda _: None) -> list[BenchPoint]:
+              log: Callable[[str], None] = lambda _: None, metrics_listen: str = "") -> list[BenchPoint]:
     """Runs each point between two fresh local daemons that allow only its backend: a verified warm-up pull of
-    scattered blocks (source and destination orders are two random permutations), then the timed pulls."""
+    scattered blocks (source and destination orders are two random permutations), then the timed pulls.
+    `metrics_listen`: the pulling daemon's Prometheus endpoint (one backend after the other on the same address)."""
     from kvbroker._local import DaemonStartError, LocalDaemon
 
     rng = np.random.default_rng(seed)
@@ -357,7 +359,8 @@ def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed
     with tempfile.TemporaryDirectory(prefix="kvbroker-bench-") as tmp:
         for n, (backend, group) in enumerate(by_backend.items()):
             src_d = LocalDaemon(Path(tmp) / backend, 2 * n + 1, backends=(backend,))
-            dst_d = LocalDaemon(Path(tmp) / backend, 2 * n + 2, backends=(backend,))
+            dst_d = LocalDaemon(Path(tmp) / backend, 2 * n + 2, backends=(backend,),
+                                extra_args=["--metrics-listen", metrics_listen] if metrics_listen else [])
             try:
                 with src_d, dst_d, src_d.client(timeout) as sc, dst_d.client(timeout) as dc:
                     link = dc.link_clusters([ClusterInfo(src_d.cluster_id, src_d.peer_address)], timeout=timeout)[0]
@@ -365,6 +368,8 @@ def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed
                         raise LlmError(link.status, f"linking the bench daemons: {link.message}")
                     chosen = next(lk.backend for lk in dc.list_links() if lk.remote_cluster_id == src_d.cluster_id)
                     log(f"{backend}: daemons {src_d.peer_address} -> {dst_d.peer_address}, link over {chosen!r}")
+                    if metrics_listen:
+                        log(f"{backend}: metrics of the pulling daemon on http://{metrics_listen}/metrics")
                     for p in group:
                         _bench_point(p, sc, dc, src_d.cluster_id, rng, progress)
             except DaemonStartError as e:
@@ -429,7 +434,7 @@ def _bench(args: argparse.Namespace) -> int:
     log(f"{len(points)} point(s), {fmt_size(total)} in all; each pull moves every block of a cache of "
         f"{args.tensors} tensors in a random order")
     try:
-        run_bench(points, progress, timeout=args.timeout, seed=args.seed, log=log)
+        run_bench(points, progress, timeout=args.timeout, seed=args.seed, log=log, metrics_listen=args.metrics_listen)
     finally:
         progress.close()
     if args.json:
@@ -509,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per pull, i.e. cache size (default 64M)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of each call, seconds (default 120)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                   help="serve the pulling daemon's Prometheus metrics there while the bench runs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines on stderr")
     p.set_defaults(fn=_bench)

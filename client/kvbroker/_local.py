@@ -28,12 +28,13 @@ class LocalDaemon:
 
     def __init__(self, workdir: Path, cluster_id: int, *, backends: Sequence[str] = ("shm", "tcp"),
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 wrapper: Sequence[str] = ()) -> None:
-        """`wrapper`: a command prefix (e.g. `unshare ...`) to run the daemon in another namespace."""
+                 wrapper: Sequence[str] = (), local_listen: str = "") -> None:
+        """`wrapper`: a command prefix (e.g. `unshare ...`) to run the daemon in another namespace.
+        `local_listen`: a TCP "host:port" for the local API instead of the unix socket."""
         self.workdir = Path(workdir)
         self.cluster_id = cluster_id
         self.socket_path = self.workdir / f"kvbroker-{cluster_id}.sock"
-        self.target = f"unix://{self.socket_path}"
+        self.target = local_listen or f"unix://{self.socket_path}"
         self.log_path = self.workdir / f"kvbrokerd-{cluster_id}.log"
         self.args = ["--cluster-id", str(cluster_id), "--listen", self.target, "--peer-listen", "127.0.0.1:0",
                      "--backends", ",".join(backends), *extra_args]
@@ -52,7 +53,7 @@ class LocalDaemon:
             if self.proc.poll() is not None:
                 raise DaemonStartError(f"kvbrokerd {self.cluster_id} exited with {self.proc.returncode}:\n"
                                        f"{self.log_tail()}")
-            if self.socket_path.exists():
+            if self.socket_path.exists() or not self.target.startswith("unix://"):
                 with contextlib.suppress(LlmError, grpc.RpcError), Client(self.target, timeout=1.0) as c:
                     self.peer_address = c.get_cluster_info().peer_address
                     return self

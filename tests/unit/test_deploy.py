@@ -1,0 +1,341 @@
+"""deploy/ cannot go stale: the example config has exactly the daemon's keys, the Kubernetes manifests validate
+against the Kubernetes schemas (kubernetes-validate bundles them: no cluster, no network), compose.yaml against the
+compose spec (the copy vendored in check-jsonschema), every KVBROKER_* variable they set is a real config key with
+a valid value, their cluster-id scripts compute what they claim, the compose demo client really pulls between two
+daemons, and every query of the Grafana dashboard is over kvbroker_* metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from kvbroker._local import LocalDaemon
+from kvbrokerd import config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+FIELDS = {f.name: f for f in dataclasses.fields(config.Config)}
+# Variables a model-server container reads (the client side), not daemon config.
+CLIENT_VARS = {"KVBROKER_TARGET", "KVBROKER_A", "KVBROKER_B"}
+K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())  # 1.29: the first with native sidecar containers
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"] if "template" in doc["spec"] else doc["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def _pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = doc["spec"]["template"]["spec"] if "template" in doc["spec"] else doc["spec"]
+    return spec
+
+
+def _broker(doc: dict[str, Any]) -> dict[str, Any]:
+    (broker,) = [c for c in _containers(doc) if c["name"] == "kvbroker"]
+    return broker
+
+
+# ------------------------------------------------------------------------------------------------ kvbroker.toml
+
+
+def test_example_config_has_every_key_with_its_default() -> None:
+    path = DEPLOY / "kvbroker.toml"
+    cfg, print_config = config.load(["--config", str(path)], {})
+    assert not print_config
+    text = path.read_text()
+    keys = re.findall(r"^([a-z_]+) = ", text, re.MULTILINE)
+    assert sorted(keys) == sorted(FIELDS), "deploy/kvbroker.toml must list exactly the Config fields"
+    for name, f in FIELDS.items():
+        if name != "cluster_id":
+            assert getattr(cfg, name) == f.default, f"{name}: the example should show the default {f.default!r}"
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # every key is documented: a comment right above it (or above its group)
+        if re.match(r"^[a-z_]+ = ", line):
+            j = i - 1
+            while re.match(r"^[a-z_]+ = ", lines[j]):
+                j -= 1
+            assert lines[j].startswith("# "), f"{line!r} has no comment above it"
+
+
+# ------------------------------------------------------------------------------------------------- Kubernetes
+
+
+def test_there_are_manifests() -> None:
+    names = {p.name for p in MANIFESTS}
+    assert {"sidecar-deployment.yaml", "daemonset.yaml"} <= names
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_against_the_kubernetes_schema(path: Path, version: str) -> None:
+    docs = _docs(path)
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata']['name']}: {'.'.join(map(str, e.path))}: "
+                        f"{e.message}")
+
+
+def test_validator_rejects_a_broken_manifest() -> None:
+    doc = _docs(DEPLOY / "kubernetes" / "sidecar-deployment.yaml")[0]
+    _broker(doc)["readinessProbe"]["grpc"]["port"] = "seven-thousand"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    doc = _docs(DEPLOY / "kubernetes" / "sidecar-deployment.yaml")[0]
+    _broker(doc)["volumeMount"] = []  # a typo'd field: only the strict schemas catch it
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_sidecar_shares_socket_and_shm_in_memory_and_probes_over_grpc() -> None:
+    (doc,) = _docs(DEPLOY / "kubernetes" / "sidecar-deployment.yaml")
+    spec = _pod_spec(doc)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    broker = _broker(doc)
+    assert broker["restartPolicy"] == "Always"  # a native sidecar
+    (server,) = spec["containers"]
+    for container in (broker, server):
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        for path in ("/run/kvbroker", "/dev/shm"):
+            assert volumes[mounts[path]]["emptyDir"]["medium"] == "Memory"
+    assert {p["containerPort"] for p in broker["ports"]} >= {7100}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert broker[probe]["grpc"]["port"] == 7100
+    tls = {m["name"]: m["mountPath"] for m in broker["volumeMounts"]}["kvbroker-tls"]
+    assert volumes["kvbroker-tls"]["secret"]["secretName"] == "kvbroker-tls" and tls == "/etc/kvbroker/tls"
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["KVBROKER_TARGET"] == "unix:///run/kvbroker/kvbroker.sock"
+    assert spec["securityContext"]["runAsUser"] == 10001  # both containers: the socket is mode 0600
+
+
+def test_daemonset_is_one_broker_per_node_with_tls_from_a_secret() -> None:
+    ds, pod = _docs(DEPLOY / "kubernetes" / "daemonset.yaml")
+    assert ds["kind"] == "DaemonSet" and pod["kind"] == "Pod"
+    spec = _pod_spec(ds)
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["hostPath"]["path"] == "/dev/shm"
+    broker = _broker(ds)
+    mounts = {m["name"]: m["mountPath"] for m in broker["volumeMounts"]}
+    env = {e["name"]: e.get("value") for e in broker["env"]}
+    assert volumes["kvbroker-tls"]["secret"]["secretName"] == "kvbroker-tls"
+    for var, file in (("KVBROKER_TLS_CERT", "tls.crt"), ("KVBROKER_TLS_KEY", "tls.key"), ("KVBROKER_TLS_CA", "ca.crt")):
+        assert env[var] == f"{mounts['kvbroker-tls']}/{file}"
+    pod_volumes = {v["name"]: v["hostPath"]["path"] for v in _pod_spec(pod)["volumes"]}
+    assert pod_volumes == {"kvbroker-run": volumes["kvbroker-run"]["hostPath"]["path"], "dshm": "/dev/shm"}
+
+
+def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, str]:
+    refs = {"status.podIP": ip, "status.hostIP": ip}
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            env[e["name"]] = refs[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:  # Kubernetes expands $(VAR) from variables defined above
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    for var in ("KVBROKER_TLS_CERT", "KVBROKER_TLS_KEY", "KVBROKER_TLS_CA"):
+        if var in env:  # mounted from the Secret in the cluster
+            (tmp_path / var).write_text("PEM")
+            env[var] = str(tmp_path / var)
+    return env
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) -> None:
+    """Runs the manifest's own start-up script (with `kvbrokerd` = this checkout's daemon, --print-config) under the
+    manifest's environment: the cluster id is the IPv4 address as a uint32 and every setting is accepted."""
+    doc = _docs(path)[0]
+    broker = _broker(doc)
+    env = _k8s_env(broker, "10.1.2.3", tmp_path)
+    assert {k for k in env if k.startswith("KVBROKER_")} <= {f"KVBROKER_{n.upper()}" for n in FIELDS}
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "kvbrokerd").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvbrokerd --print-config "$@"\n')
+    (shim / "kvbrokerd").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVBROKER_")}
+    out = subprocess.run([*broker["command"], *broker["args"]], capture_output=True, text=True, timeout=30,
+                         env={**base, **env, "PATH": f"{shim}{os.pathsep}{base.get('PATH', '')}"})
+    assert out.returncode == 0, out.stderr
+    printed = dict(re.findall(r"^(\w+) = (.*?)  #", out.stdout, re.MULTILINE))
+    assert printed["cluster_id"] == str((10 << 24) | (1 << 16) | (2 << 8) | 3)
+    assert printed["advertise_address"] == '"10.1.2.3:7100"'
+    assert printed["listen"] == '"unix:///run/kvbroker/kvbroker.sock"'
+
+
+def test_every_client_variable_in_manifests_is_known() -> None:
+    for path in MANIFESTS:
+        for doc in _docs(path):
+            for c in _containers(doc):
+                if c["name"] != "kvbroker" and c.get("env"):
+                    names = {e["name"] for e in c["env"] if e["name"].startswith("KVBROKER_")}
+                    assert names <= CLIENT_VARS, f"{path.name}: {c['name']}: {names - CLIENT_VARS}"
+
+
+# ---------------------------------------------------------------------------------------------------- compose
+
+
+def _compose() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return doc
+
+
+def test_compose_validates_against_the_compose_spec() -> None:
+    schema_file = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(_compose())]
+    assert not errors, errors
+    broken = _compose()
+    broken["services"]["demo"]["depends_on"]["broker-a"]["condition"] = "service_ready"
+    assert list(validator.iter_errors(broken))
+
+
+def test_compose_has_two_brokers_and_a_demo_client(tmp_path: Path) -> None:
+    services = _compose()["services"]
+    assert set(services) == {"broker-a", "broker-b", "demo"}
+    ids = set()
+    for name in ("broker-a", "broker-b"):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        assert set(env) <= {f"KVBROKER_{n.upper()}" for n in FIELDS}
+        cfg, _ = config.load([], env)  # every value is valid
+        ids.add(cfg.cluster_id)
+        assert cfg.advertise_address == f"{name}:7100"
+        assert any(v.endswith(":/run/kvbroker") for v in services[name]["volumes"])
+    assert len(ids) == 2
+    demo = services["demo"]
+    assert {k: v["condition"] for k, v in demo["depends_on"].items()} == {"broker-a": "service_healthy",
+                                                                        "broker-b": "service_healthy"}
+    assert services["broker-b"]["ipc"] == demo["ipc"] == "service:broker-a"
+    assert services["broker-a"]["ipc"] == "shareable"
+    script = next(v.split(":")[0] for v in demo["volumes"] if v.startswith("./"))
+    assert (DEPLOY / script).is_file() and demo["entrypoint"][-1].endswith(Path(script).name)
+
+
+def test_compose_demo_client_pulls_between_two_daemons(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1) as a, LocalDaemon(tmp_path, 2) as b:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("KVBROKER_")}
+        out = subprocess.run([sys.executable, str(DEPLOY / "compose-demo.py")], capture_output=True, text=True,
+                             timeout=60, env={**base, "KVBROKER_A": a.target, "KVBROKER_B": b.target,
+                                              "DEMO_BLOCKS": "32"})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "every byte verified" in out.stdout
+        with b.client() as c:
+            assert c.list_links() == [] and c.list_caches() == []  # it cleans up after itself
+
+
+# -------------------------------------------------------------------------------------------------- dashboard
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                "offset", "inf", "nan"}
+
+
+def _dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    return doc
+
+
+def _panels(dash: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for p in dash["panels"]:
+        yield p
+        yield from p.get("panels", [])
+
+
+def metrics_in(expr: str) -> set[str]:
+    """Metric names of a PromQL expression: identifiers that are not functions, keywords, label names or
+    values."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # ranges
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)  # label lists
+    names = set()
+    for m in re.finditer(r"(?<![\w.])[A-Za-z_:][A-Za-z0-9_:]*", text):
+        rest = text[m.end():].lstrip()
+        if not rest.startswith("(") and m.group(0).lower() not in PROMQL_WORDS:
+            names.add(m.group(0))
+    return names
+
+
+def test_metrics_in() -> None:
+    assert metrics_in('histogram_quantile(0.99, sum by (le, stage) (rate(kvbroker_x_bucket{a="b"}[5m])))') == {
+        "kvbroker_x_bucket"}
+    assert metrics_in("sum(up) / sum(kvbroker_caches) offset 5m") == {"up", "kvbroker_caches"}
+
+
+def test_dashboard_queries_are_over_kvbroker_metrics() -> None:
+    dash = _dashboard()
+    assert dash["title"] and dash["uid"] and dash["schemaVersion"] >= 36
+    panels = list(_panels(dash))
+    assert len({p["id"] for p in panels}) == len(panels)
+    used: set[str] = set()
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            names = metrics_in(t["expr"])
+            assert names and all(n.startswith("kvbroker_") for n in names), (p["title"], t["expr"])
+            assert t["datasource"]["uid"] == "${datasource}"
+            used |= names
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            assert all(n.startswith("kvbroker_") for n in metrics_in(re.sub(r"label_values\((\w+),.*", r"\1",
+                                                                              v["definition"])))
+    # The issue's families are all on the dashboard.
+    for family in ("kvbroker_transfer_bytes_total", "kvbroker_transfers_total", "kvbroker_transfer_seconds_bucket",
+                   "kvbroker_links", "kvbroker_caches", "kvbroker_registered_bytes", "kvbroker_transfers_in_flight"):
+        assert family in used, family
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvbrokerd.metrics") is None,
+                    reason="kvbrokerd has no metrics module yet (server/kvbrokerd/metrics.py)")
+def test_dashboard_metrics_and_labels_are_the_ones_the_daemon_exports(tmp_path: Path) -> None:
+    """Two daemons with --metrics-listen, a real pull, a scrape: every metric the dashboard queries is exported,
+    and every label value it filters on (outcome="DONE", state="READY", stage="total") is one the daemon uses."""
+    import socket
+
+    from kvbroker import CacheDesc, CacheIndex, ClusterInfo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with LocalDaemon(tmp_path, 1) as a, \
+            LocalDaemon(tmp_path, 2, extra_args=["--metrics-listen", f"127.0.0.1:{port}"]) as b, \
+            a.client() as ca, b.client() as cb:
+        desc = CacheDesc(num_tensors=2, shape=(4, 64))
+        src, dst = ca.allocate_cache(desc), cb.allocate_cache(desc)
+        assert cb.link_clusters([ClusterInfo(1, a.peer_address)])[0].ok
+        cb.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0, 1], [2, 3])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            exposition = r.read().decode()
+    families = set(re.findall(r"^# (?:HELP|TYPE) (\S+)", exposition, re.MULTILINE))
+    samples = re.findall(r"^(\w+)\{([^}]*)\}", exposition, re.MULTILINE)
+    for p in _panels(_dashboard()):
+        for t in p.get("targets", []):
+            for name in metrics_in(t["expr"]):
+                base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+                assert name in families or base in families, f"{p['title']}: {name} is not exported"
+            for label, value in re.findall(r'(\w+)!?="([^"$]+)"', t["expr"]):
+                assert any(f'{label}="{value}"' in labels for _, labels in samples), \
+                    f"{p['title']}: no series has {label}={value!r}"
