@@ -194,11 +194,15 @@ class TransferManager:
             for entry in pinned:
                 self._registry.unpin(entry)
             raise
-        inline = job.link is not None and job.link.channel is not None and job.link.channel.runs_inline(plan)
+        channel = job.link.channel if job.link is not None else None
+        inline = channel is not None and channel.runs_inline(plan)
         if job.direction == Direction.COPY:
             inline = memcopy.small_enough_for_the_loop(plan)
         work: asyncio.Future[int]
-        if inline:
+        if channel is not None and job.remote is not None and job.direction == Direction.PULL \
+                and channel.runs_on_loop(plan):
+            work = asyncio.ensure_future(channel.pull_on_loop(job.remote, pinned[0], plan, progress, deadline.at))
+        elif inline:
             work = asyncio.get_running_loop().create_future()
             try:
                 work.set_result(call())

@@ -147,3 +147,20 @@ def test_push_to_a_killed_peer_gives_link_failed(tmp_path: Path) -> None:
         assert info.value.status == LlmStatus.LLM_LINK_FAILED
         assert info.value.failed_dst_blocks  # the remote's blocks that may hold partial data
         _assert_healthy(local, tmp_path)
+
+
+def test_small_pull_from_a_hung_peer_times_out_on_the_event_loop_path(tmp_path: Path) -> None:
+    """Small tcp pulls run on the event loop (no worker thread): they honour the deadline the same way."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst:
+        src_id, dst_id = _setup(src, dst)
+        src.signal(signal.SIGSTOP)
+        try:
+            with dst.client() as d:
+                t0 = time.monotonic()
+                with pytest.raises(LlmError) as info:
+                    d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, [3], [4], timeout=1.0)
+                assert time.monotonic() - t0 < 2.5
+                assert info.value.status == LlmStatus.LLM_TIMEOUT and info.value.failed_dst_blocks == [4]
+                assert d.get_cluster_info().cluster_id == 2  # the loop was never blocked
+        finally:
+            src.signal(signal.SIGCONT)

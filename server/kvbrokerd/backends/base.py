@@ -55,6 +55,15 @@ class PeerChannel(abc.ABC):
         hand-off would cost more than the copy."""
         return False
 
+    def runs_on_loop(self, plan: Plan) -> bool:
+        """True when `pull_on_loop` serves this plan (small transfers on backends with non-blocking I/O)."""
+        return False
+
+    async def pull_on_loop(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress,
+                           deadline: float) -> int:
+        """`pull` as a coroutine on the event loop, for plans where `runs_on_loop` is true."""
+        raise NotImplementedError
+
     def forget(self, remote: RemoteCache) -> None:
         """Drops per-cache state (mappings) when the peer's cache is gone or the link closes."""
         remote.backend_state.pop(self.name, None)

@@ -20,6 +20,7 @@ runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between th
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -60,6 +61,9 @@ WRITE_TIMEOUT_S = 60.0
 SOCKET_BUFFER_BYTES = 4 << 20
 # Pulls smaller than this use one connection; larger ones are spread over the pool.
 _SPLIT_MIN_BYTES = 4 << 20
+# Pulls at most this big run on the event loop (see TcpChannel.runs_on_loop).
+_LOOP_MAX_BYTES = 1 << 20
+_LOOP_MAX_RUNS = 64
 
 
 def _tune(sock: socket.socket) -> None:
@@ -229,12 +233,25 @@ class DataServer:
 _Op = Callable[[socket.socket, int, "CacheEntry", list[Run], Progress, float], None]
 
 
-def _send_request(sock: socket.socket, magic: bytes, cache_id: int, runs: list[tuple[int, int, int]],
-                  deadline: float) -> None:
+def _request_frame(magic: bytes, cache_id: int, runs: list[tuple[int, int, int]]) -> bytes:
     frame = np.zeros(len(runs), dtype=RUN)
     frame["tensor"], frame["offset"], frame["length"] = zip(*runs, strict=True)
+    return REQUEST.pack(magic, len(runs), cache_id) + frame.tobytes()
+
+
+def _send_request(sock: socket.socket, magic: bytes, cache_id: int, runs: list[tuple[int, int, int]],
+                  deadline: float) -> None:
     sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(REQUEST.pack(magic, len(runs), cache_id) + frame.tobytes())
+    sock.sendall(_request_frame(magic, cache_id, runs))
+
+
+async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        got = await loop.sock_recv_into(sock, view[pos:])
+        if got == 0:
+            raise ConnectionError("peer closed the data connection")
+        pos += got
 
 
 def _expect_ok(sock: socket.socket, what: str) -> None:
@@ -285,9 +302,79 @@ class TcpChannel(PeerChannel):
         self._executor = executor
         self._max = max_connections
         self._idle: list[socket.socket] = []
+        self._loop_idle: list[socket.socket] = []  # non-blocking connections used from the event loop
         self._lock = threading.Lock()
         self._closed = False
 
+    # -- small pulls on the event loop --------------------------------------------------------------------------------
+    def runs_on_loop(self, plan: Plan) -> bool:
+        """A small pull costs less on the event loop (non-blocking socket, no thread hand-off) than in a worker."""
+        return self._tls is None and plan.total_bytes <= _LOOP_MAX_BYTES and plan.num_runs <= _LOOP_MAX_RUNS
+
+    async def pull_on_loop(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress,
+                           deadline: float) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                sock = self._loop_idle.pop() if self._loop_idle else await self._connect_on_loop(loop)
+                ok = False
+                try:
+                    runs = plan.runs()
+                    frame = _request_frame(b"KVRQ", remote.cache_id, [(r[1], r[2], r[5]) for r in runs])
+                    await loop.sock_sendall(sock, frame)
+                    await self._expect_ok_on_loop(loop, sock)
+                    for idx, _, _, dt, do, n in runs:
+                        await _recv_exact_on_loop(loop, sock, dst.views[dt][do : do + n])
+                        progress.mark(idx, n)
+                    ok = True
+                finally:
+                    if ok and not self._closed and len(self._loop_idle) < self._max:
+                        self._loop_idle.append(sock)
+                    else:
+                        sock.close()
+        except TimeoutError:
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed while receiving blocks over tcp")
+        except (OSError, ConnectionError) as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
+        return plan.total_bytes
+
+    async def _connect_on_loop(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        sock = socket.socket(_family(self._addr[0]), socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            _tune(sock)
+            await loop.sock_connect(sock, self._addr)
+            challenge = bytearray(4 + linkauth.NONCE_BYTES)
+            await _recv_exact_on_loop(loop, sock, memoryview(challenge))
+            if challenge[:4] != b"KVCH":
+                raise ConnectionError("unexpected data-port greeting")
+            mac = linkauth.proof(self._secret, bytes(challenge[4:]), self._link_id)
+            await loop.sock_sendall(sock, HELLO.pack(b"KVHI", VERSION, 0, self._link_id, mac))
+            answer = bytearray(4)
+            await _recv_exact_on_loop(loop, sock, memoryview(answer))
+            if answer != b"KVOK":
+                raise ConnectionError("the peer refused the data connection")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _expect_ok_on_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        head = bytearray(REPLY.size)
+        await _recv_exact_on_loop(loop, sock, memoryview(head))
+        magic, status, size = REPLY.unpack(head)
+        if magic != b"KVRS":
+            raise ConnectionError("bad reply frame")
+        if status != 0:
+            message = bytearray(min(size, 1 << 16))
+            await _recv_exact_on_loop(loop, sock, memoryview(message))
+            try:
+                code = LlmStatus(status)
+            except ValueError:
+                code = LlmStatus.LLM_FAILED
+            fail(code, f"peer refused the read: {message.decode(errors='replace')}")
+
+    # -- everything else on worker threads ----------------------------------------------------------------------------
     def _connect(self, deadline: float) -> socket.socket:
         timeout = max(0.001, deadline - time.monotonic())
         try:
@@ -396,5 +483,6 @@ class TcpChannel(PeerChannel):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for s in idle:
+        for s in idle + self._loop_idle:
             s.close()
+        self._loop_idle = []
