@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import abc
+import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbroker._types import CacheDesc, TensorLocation
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
     from kvbrokerd.registry import CacheEntry
+
+
+_Part = TypeVar("_Part")
 
 
 @dataclass(eq=False)
@@ -71,3 +76,20 @@ class PeerChannel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases connections and mappings; idempotent."""
+
+
+def run_parts(executor: concurrent.futures.Executor, work: Callable[[_Part], None], parts: list[_Part]) -> None:
+    """Runs work(part) for every part, the first on this thread and the others on `executor`, and returns only
+    when every one has stopped (callers unpin memory after that); then raises the first error, if any."""
+    futures = [executor.submit(work, p) for p in parts[1:]]
+    errors: list[BaseException] = []
+    try:
+        work(parts[0])
+    except BaseException as e:
+        errors.append(e)
+    concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            errors.append(f.exception())  # type: ignore[arg-type]
+    if errors:
+        raise errors[0]

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.backends.base import run_parts
+from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.planner import Plan, Progress, Run, split_runs
 
 # Below this many bytes a second copying thread costs more than it saves.
@@ -51,19 +52,5 @@ def copy_plan(src_addr: list[int], dst_addr: list[int], plan: Plan, progress: Pr
     if threads < 2 or plan.total_bytes < PARALLEL_MIN_BYTES or len(runs) < 2:
         copy(runs)
         return plan.total_bytes
-    chunks = split_runs(runs, threads)
-    futures = [executor.submit(copy, c) for c in chunks[1:]]
-    try:
-        copy(chunks[0])
-    finally:
-        # Every copier stops before we return: the caller unpins the memory after that.
-        concurrent.futures.wait(futures)
-    errors: list[LlmError] = []
-    for f in futures:
-        try:
-            f.result()
-        except LlmError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
+    run_parts(executor, copy, split_runs(runs, threads))
     return plan.total_bytes

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvbroker._status import LlmError
 from kvbrokerd import linkauth
-from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
+from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache, run_parts
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.planner import Progress, Run, split_runs
 
@@ -426,21 +426,8 @@ class TcpChannel(PeerChannel):
     def _run(self, op: _Op, cache_id: int, local: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         """Spreads the plan over the pool's connections (large plans only) and waits for every part."""
         parts = 1 if plan.total_bytes < _SPLIT_MIN_BYTES else min(self._max, plan.num_runs)
-        chunks = split_runs(plan.runs(), parts)
-        futures = [self._executor.submit(self._on_connection, op, cache_id, local, c, progress, deadline)
-                   for c in chunks[1:]]
-        errors: list[BaseException] = []
-        try:
-            self._on_connection(op, cache_id, local, chunks[0], progress, deadline)
-        except BaseException as e:
-            errors.append(e)
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        run_parts(self._executor, lambda runs: self._on_connection(op, cache_id, local, runs, progress, deadline),
+                  split_runs(plan.runs(), parts))
         return plan.total_bytes
 
     def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,

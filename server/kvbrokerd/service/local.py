@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import grpc.aio
@@ -55,6 +55,21 @@ def _result(cluster_id: int, err: LlmError | None) -> broker_pb2.ClusterResult:
     status = LlmStatus.LLM_SUCCESS if err is None else err.status
     return broker_pb2.ClusterResult(remote_cluster_id=cluster_id, status=status.name, status_code=int(status),
                                     message="" if err is None else err.message)
+
+
+async def _per_cluster(clusters: Iterable[broker_pb2.ClusterInfo],
+                       op: Callable[[broker_pb2.ClusterInfo], Awaitable[object]]) -> list[broker_pb2.ClusterResult]:
+    """LLM-DataDist's per-cluster results: every cluster gets its own status. The handshakes run concurrently, so
+    one unreachable peer does not delay the others."""
+
+    async def one(c: broker_pb2.ClusterInfo) -> broker_pb2.ClusterResult:
+        try:
+            await op(c)
+            return _result(c.remote_cluster_id, None)
+        except LlmError as err:
+            return _result(c.remote_cluster_id, err)
+
+    return list(await asyncio.gather(*map(one, clusters)))
 
 
 def _check_cluster_count(n: int) -> None:
@@ -135,31 +150,18 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                            ) -> broker_pb2.LinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-
-        async def link_one(c: broker_pb2.ClusterInfo) -> broker_pb2.ClusterResult:
-            try:
-                await self.node.links.link(c.remote_cluster_id, c.remote_address, timeout)
-                return _result(c.remote_cluster_id, None)
-            except LlmError as err:
-                return _result(c.remote_cluster_id, err)
-
-        # Handshakes run concurrently: one unreachable peer does not delay the others.
-        return broker_pb2.LinkClustersResponse(results=await asyncio.gather(*map(link_one, request.clusters)))
+        results = await _per_cluster(request.clusters,
+                                     lambda c: self.node.links.link(c.remote_cluster_id, c.remote_address, timeout))
+        return broker_pb2.LinkClustersResponse(results=results)
 
     @llm_errors
     async def UnlinkClusters(self, request: broker_pb2.UnlinkClustersRequest, context: grpc.aio.ServicerContext
                              ) -> broker_pb2.UnlinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-
-        async def unlink_one(c: broker_pb2.ClusterInfo) -> broker_pb2.ClusterResult:
-            try:
-                await self.node.links.unlink(c.remote_cluster_id, request.force, timeout)
-                return _result(c.remote_cluster_id, None)
-            except LlmError as err:
-                return _result(c.remote_cluster_id, err)
-
-        return broker_pb2.UnlinkClustersResponse(results=await asyncio.gather(*map(unlink_one, request.clusters)))
+        results = await _per_cluster(request.clusters,
+                                     lambda c: self.node.links.unlink(c.remote_cluster_id, request.force, timeout))
+        return broker_pb2.UnlinkClustersResponse(results=results)
 
     @llm_errors
     async def ListLinks(self, request: broker_pb2.ListLinksRequest, context: grpc.aio.ServicerContext
