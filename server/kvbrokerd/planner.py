@@ -6,7 +6,10 @@ merged into runs, and runs are crossed with the selected tensor pairs into flat 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -232,9 +235,32 @@ class Progress:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self._landed: list[tuple[int, int]] = []  # list.append is atomic: no lock needed between copy threads
+        self.cancelled = False
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
 
     def mark(self, run_index: int, nbytes: int) -> None:
         self._landed.append((run_index, nbytes))
+
+    def attach(self, sock: socket.socket) -> None:
+        """A socket this transfer waits on: `cancel` shuts it down, which wakes a thread blocked on it."""
+        with self._lock:
+            self._sockets.add(sock)
+        if self.cancelled:
+            self.cancel()
+
+    def detach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+    def cancel(self) -> None:
+        """The caller went away: copy loops stop at their next check, socket waits end now."""
+        self.cancelled = True
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _per_run(self) -> np.ndarray:
         landed = np.zeros(self.plan.num_runs, dtype=np.uint64)

@@ -223,6 +223,14 @@ class TransferManager:
         except LlmError as e:
             self._on_failure(job, e, transfer_id, progress)
             raise
+        except asyncio.CancelledError:
+            # The caller cancelled or disconnected: stop moving bytes for it.
+            progress.cancel()  # a worker thread stops at its next check or when its socket is shut down
+            if isinstance(work, asyncio.Task):
+                work.cancel()  # a coroutine on the loop stops at its next await
+            # (never cancel an executor future: that would release the memory while the thread still copies)
+            log.info("cancelled by the caller")
+            raise
         finally:
             def release(_: object = None) -> None:
                 self.in_flight -= 1

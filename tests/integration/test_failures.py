@@ -164,3 +164,42 @@ def test_small_pull_from_a_hung_peer_times_out_on_the_event_loop_path(tmp_path: 
                 assert d.get_cluster_info().cluster_id == 2  # the loop was never blocked
         finally:
             src.signal(signal.SIGCONT)
+
+
+async def test_a_caller_that_cancels_cancels_its_transfer(tmp_path: Path) -> None:
+    """The caller gives up (cancels its call): the daemon stops waiting on the frozen peer at once instead of
+    holding the transfer until its 60 s deadline."""
+    import asyncio
+    import urllib.request
+
+    from kvbroker import AsyncClient
+
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, \
+            LocalDaemon(tmp_path, 2, backends=("tcp",), extra_args=["--metrics-listen", "127.0.0.1:0"]) as dst:
+        src_id, dst_id = _setup(src, dst)
+        with dst.client() as d:
+            metrics_at = d.get_cluster_info().metrics_address
+
+        def in_flight() -> float:
+            with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=5) as resp:
+                lines = resp.read().decode().splitlines()
+            return float(next(x for x in lines if x.startswith("kvbroker_transfers_in_flight ")).split()[1])
+
+        src.signal(signal.SIGSTOP)
+        try:
+            async with AsyncClient(dst.target, timeout=60) as client:
+                pull = asyncio.ensure_future(client.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS))
+                await asyncio.sleep(0.5)
+                assert in_flight() == 1
+                pull.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pull
+            deadline = time.monotonic() + 5
+            while in_flight() != 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert in_flight() == 0
+        finally:
+            src.signal(signal.SIGCONT)
+        with dst.client() as d:  # and the link is not blamed for it
+            assert d.list_links()[0].state == LinkState.READY
+            assert d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS).bytes_moved == 32 << 20

@@ -44,8 +44,11 @@ def copy_plan(src_addr: list[int], dst_addr: list[int], plan: Plan, progress: Pr
 
     def copy(chunk: list[Run]) -> None:
         for i, (idx, st, so, dt, do, n) in enumerate(chunk):
-            if i % _DEADLINE_CHECK_EVERY == 0 and time.monotonic() > deadline:
-                fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
+            if i % _DEADLINE_CHECK_EVERY == 0:
+                if time.monotonic() > deadline:
+                    fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
+                if progress.cancelled:
+                    fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
             ctypes.memmove(dst_addr[dt] + do, src_addr[st] + so, n)
             progress.mark(idx, n)
 

@@ -433,16 +433,20 @@ class TcpChannel(PeerChannel):
     def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,
                        deadline: float) -> None:
         sock = self._acquire(deadline)
+        progress.attach(sock)
         ok = False
         try:
             for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
                 op(sock, cache_id, local, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
-            ok = True
-        except TimeoutError:
-            fail(LlmStatus.LLM_TIMEOUT, "deadline passed while moving blocks over tcp")
+            ok = not progress.cancelled
         except (OSError, ConnectionError) as e:
+            if progress.cancelled:  # we shut the socket down ourselves: the link is fine
+                fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
+            if isinstance(e, TimeoutError):
+                fail(LlmStatus.LLM_TIMEOUT, "deadline passed while moving blocks over tcp")
             fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
         finally:
+            progress.detach(sock)
             if ok:
                 self._release(sock)
             else:
