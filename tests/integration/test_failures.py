@@ -197,7 +197,7 @@ async def test_a_caller_that_cancels_cancels_its_transfer(tmp_path: Path) -> Non
             for _ in range(50):  # polling a remote daemon's state: there is no event to wait on
                 if in_flight() == 0:
                     break
-                await asyncio.sleep(0.1)  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
             assert in_flight() == 0
         finally:
             src.signal(signal.SIGCONT)
