@@ -46,6 +46,7 @@ class Config:
     tls_ca: str = field(default="", metadata={"help": "PEM CA bundle that peers' certificates must chain to"})
     data_tls: bool = field(default=False, metadata={"help": "TLS on tcp data connections too (needs tls_*)"})
     max_transfers: int = field(default=256, metadata={"help": "most transfers in flight; more are refused"})
+    parallel_transfers: int = field(default=2, metadata={"help": "large transfers copying at once (others queue)"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
@@ -64,7 +65,8 @@ class Config:
                 raise ConfigError(f"{name}: {value!r} is not host:port")
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a port")
-        for name in ("max_caches", "data_threads", "max_transfers", "max_inflight_bytes", "max_links"):
+        for name in ("max_caches", "data_threads", "max_transfers", "parallel_transfers", "max_inflight_bytes",
+                     "max_links"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.metrics_listen and not _is_host_port(self.metrics_listen):

@@ -56,6 +56,7 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[tuple[health.aio.HealthServicer, str]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._parts_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._data_server: tcp_backend.DataServer | None = None
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
@@ -71,16 +72,20 @@ class Daemon:
             self._registry = Registry(Path(cfg.shm_dir), cfg.max_caches)
             self._registry.open()
             epoch = self._registry.instance
-            self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-data")
+            # Two pools: transfers run on one and may wait on the parts they spread over the other. Parts never wait on
+            # anything, so many concurrent transfers cannot starve their own parts (a deadlock with one pool).
+            self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-transfer")
+            self._parts_executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-part")
             tls = TlsMaterial.from_config(cfg)
             self._links = LinkTable(
-                cfg.cluster_id, epoch, cfg.backends, self._executor,
+                cfg.cluster_id, epoch, cfg.backends, self._parts_executor,
                 credentials=tls.channel_credentials() if tls else None,
                 data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink)
             self.metrics = Metrics()
-            transfers = TransferManager(self._registry, self._links, self._executor,
+            transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
+                                        parallel_transfers=cfg.parallel_transfers,
                                         metrics=self.metrics)
             self._sessions = SessionTable(self._registry)
             self._sessions.start()
@@ -175,8 +180,9 @@ class Daemon:
             await self._links.close()
         if self._data_server is not None:
             self._data_server.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._executor, self._parts_executor):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         if self._registry is not None:
             self._registry.close()
         if self.metrics is not None:

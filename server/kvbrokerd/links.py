@@ -131,7 +131,7 @@ class LinkTable:
         self.auto_relink = auto_relink
         self.epoch = epoch
         self.backends = backends
-        self._executor = executor
+        self._executor = executor  # for the parts of a transfer (see daemon.py)
         self.links: dict[int, Link] = {}
         self.inbound: dict[bytes, InboundLink] = {}
         """Links peers made to us, by link id."""

@@ -110,12 +110,19 @@ class Deadline:
 
 
 class TransferManager:
-    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor, *,
-                 max_transfers: int = 256, max_inflight_bytes: int = 16 << 30, metrics: Metrics | None = None) -> None:
+    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor,
+                 parts_executor: concurrent.futures.Executor, *,
+                 max_transfers: int = 256, max_inflight_bytes: int = 16 << 30, metrics: Metrics | None = None,
+                 parallel_transfers: int = 2) -> None:
+        # Transfers that need worker threads run at most `parallel_transfers` at a time (each already spreads its
+        # bytes over several threads or connections); the rest wait their turn in FIFO order. On a machine with few
+        # cores, dozens of transfers copying at once only thrash: the same bytes take longer.
+        self._gate = asyncio.Semaphore(parallel_transfers)
         self.metrics = metrics
         self._registry = registry
         self._links = links
         self._executor = executor
+        self._parts_executor = parts_executor
         self.max_transfers = max_transfers
         self.max_inflight_bytes = max_inflight_bytes
         self.in_flight = 0
@@ -178,6 +185,26 @@ class TransferManager:
     async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
         """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
         plan = job.plan if plan is None else plan
+        channel = job.link.channel if job.link is not None else None
+        on_loop = channel is not None and job.direction == Direction.PULL and channel.runs_on_loop(plan)
+        inline = (memcopy.small_enough_for_the_loop(plan) if job.direction == Direction.COPY else
+                  channel is not None and channel.runs_inline(plan))
+        if on_loop or inline:
+            return await self._run(job, deadline, transfer_id, plan, on_loop, inline)
+        try:
+            async with asyncio.timeout(deadline.remaining()):
+                await self._gate.acquire()
+        except TimeoutError:
+            err = LlmError(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} waited for its turn past its deadline")
+            self._on_failure(job, err, transfer_id, Progress(plan))
+            raise err from None
+        try:
+            return await self._run(job, deadline, transfer_id, plan, False, False)
+        finally:
+            self._gate.release()
+
+    async def _run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan, on_loop: bool,
+                   inline: bool) -> int:
         if self.in_flight >= self.max_transfers:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{self.in_flight} transfers in flight (max_transfers); retry later")
         if self.inflight_bytes + plan.total_bytes > self.max_inflight_bytes:
@@ -194,14 +221,11 @@ class TransferManager:
             for entry in pinned:
                 self._registry.unpin(entry)
             raise
-        channel = job.link.channel if job.link is not None else None
-        inline = channel is not None and channel.runs_inline(plan)
-        if job.direction == Direction.COPY:
-            inline = memcopy.small_enough_for_the_loop(plan)
         work: asyncio.Future[int]
-        if channel is not None and job.remote is not None and job.direction == Direction.PULL \
-                and channel.runs_on_loop(plan):
-            work = asyncio.ensure_future(channel.pull_on_loop(job.remote, pinned[0], plan, progress, deadline.at))
+        if on_loop:
+            assert job.link is not None and job.link.channel is not None and job.remote is not None
+            work = asyncio.ensure_future(job.link.channel.pull_on_loop(job.remote, pinned[0], plan, progress,
+                                                                       deadline.at))
         elif inline:
             work = asyncio.get_running_loop().create_future()
             try:
@@ -251,7 +275,7 @@ class TransferManager:
             # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
             dst, src = pinned
             src_addr, dst_addr = memcopy.addresses(src.views)[1], memcopy.addresses(dst.views)[1]
-            return lambda: memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline.at, self._executor)
+            return lambda: memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline.at, self._parts_executor)
         assert job.link is not None and job.link.channel is not None and job.remote is not None
         channel, remote, local = job.link.channel, job.remote, pinned[0]
         if job.direction == Direction.PULL:
