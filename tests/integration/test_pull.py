@@ -133,3 +133,27 @@ async def test_async_client_concurrent_pulls_into_disjoint_blocks(linked_pair: P
         finally:
             await s.deallocate_cache(src)
             await d.deallocate_cache(dst)
+
+
+async def test_many_concurrent_large_pulls_all_finish(linked_pair: Pair) -> None:
+    """More concurrent large pulls than worker threads, each split into parts: none may starve (this once timed
+    out, each transfer holding a worker while its parts waited behind the others)."""
+    import asyncio
+
+    from kvbroker import AsyncClient
+
+    src_d, dst_d = linked_pair
+    desc = CacheDesc(num_tensors=2, shape=(512, 64 << 10), data_type=DataType.UINT8)  # 64 MiB per cache
+    async with AsyncClient(src_d.target) as s, AsyncClient(dst_d.target, timeout=60) as d:
+        src, dst = await s.allocate_cache(desc), await d.allocate_cache(desc)
+        try:
+            fill(src, 6)
+            groups = np.array_split(np.random.default_rng(3).permutation(512), 24)
+            results = await asyncio.gather(*(
+                d.pull_kv_blocks(CacheIndex(src_d.cluster_id, src.cache_id), dst, g.tolist(), g.tolist())
+                for g in groups))
+            assert sum(r.bytes_moved for r in results) == 512 * (64 << 10) * 2
+            assert_bytes_equal(dst.tensors, [t.copy() for t in src.tensors])
+        finally:
+            await s.deallocate_cache(src)
+            await d.deallocate_cache(dst)
