@@ -143,7 +143,7 @@ async def test_many_concurrent_large_pulls_all_finish(linked_pair: Pair) -> None
     from kvbroker import AsyncClient
 
     src_d, dst_d = linked_pair
-    desc = CacheDesc(num_tensors=2, shape=(512, 64 << 10), data_type=DataType.UINT8)  # 64 MiB per cache
+    desc = CacheDesc(num_tensors=2, shape=(512, 256 << 10), data_type=DataType.UINT8)  # 256 MiB per cache
     async with AsyncClient(src_d.target) as s, AsyncClient(dst_d.target, timeout=60) as d:
         src, dst = await s.allocate_cache(desc), await d.allocate_cache(desc)
         try:
@@ -152,7 +152,7 @@ async def test_many_concurrent_large_pulls_all_finish(linked_pair: Pair) -> None
             results = await asyncio.gather(*(
                 d.pull_kv_blocks(CacheIndex(src_d.cluster_id, src.cache_id), dst, g.tolist(), g.tolist())
                 for g in groups))
-            assert sum(r.bytes_moved for r in results) == 512 * (64 << 10) * 2
+            assert sum(r.bytes_moved for r in results) == 512 * (256 << 10) * 2
             assert_bytes_equal(dst.tensors, [t.copy() for t in src.tensors])
         finally:
             await s.deallocate_cache(src)
