@@ -49,6 +49,8 @@ class CacheEntry:
     created_unix: float = field(default_factory=time.time)
     owner: str = ""
     """Client session whose lease keeps the cache alive ("" = no lease)."""
+    addresses: list[int] = field(default_factory=list)
+    """Base address of each tensor in this process (for memmove; valid while the entry is pinned)."""
 
 
 def validate_desc(desc: CacheDesc) -> None:
@@ -252,7 +254,8 @@ class Registry:
                 m.close()
             param_invalid(f"cannot map shm segment: {e}")
         views = [memoryview(maps[t.segment].mmap)[t.offset : t.offset + desc.tensor_nbytes] for t in tensors]
-        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, maps, views, owner=owner)
+        addresses = [int(np.frombuffer(v, np.uint8).ctypes.data) for v in views]
+        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, maps, views, owner=owner, addresses=addresses)
         with self._lock:
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)

@@ -274,8 +274,8 @@ class TransferManager:
         if job.direction == Direction.COPY:
             # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
             dst, src = pinned
-            src_addr, dst_addr = memcopy.addresses(src.views)[1], memcopy.addresses(dst.views)[1]
-            return lambda: memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline.at, self._parts_executor)
+            return lambda: memcopy.copy_plan(src.addresses, dst.addresses, plan, progress, deadline.at,
+                                             self._parts_executor)
         assert job.link is not None and job.link.channel is not None and job.remote is not None
         channel, remote, local = job.link.channel, job.remote, pinned[0]
         if job.direction == Direction.PULL:

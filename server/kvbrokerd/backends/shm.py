@@ -76,9 +76,8 @@ class ShmChannel(PeerChannel):
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
         src_addr = self._remote_addresses(remote)
-        arrays, dst_addr = memcopy.addresses(dst.views)
-        moved = memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline, self._executor, self._copy_threads)
-        del arrays
+        moved = memcopy.copy_plan(src_addr, dst.addresses, plan, progress, deadline, self._executor,
+                                  self._copy_threads)
         # The peer may have dropped the cache while we copied: then what we read may be stale, and we say so.
         self._check_live(remote)
         return moved
@@ -86,9 +85,8 @@ class ShmChannel(PeerChannel):
     def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
         dst_addr = self._remote_addresses(remote)
-        arrays, src_addr = memcopy.addresses(src.views)
-        moved = memcopy.copy_plan(src_addr, dst_addr, plan, progress, deadline, self._executor, self._copy_threads)
-        del arrays
+        moved = memcopy.copy_plan(src.addresses, dst_addr, plan, progress, deadline, self._executor,
+                                  self._copy_threads)
         return moved
 
     def forget(self, remote: RemoteCache) -> None:
