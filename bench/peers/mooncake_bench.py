@@ -1,0 +1,124 @@
+"""Mooncake Transfer Engine (protocol tcp, P2PHANDSHAKE metadata) block READs between two engines in two processes.
+
+Run by kvbench.py with the python of bench/.venvs/mooncake (see bench/setup_peers.sh):
+    bench/.venvs/mooncake/bin/python bench/peers/mooncake_bench.py
+The initiator READs every block of the target's registered buffer into its own, in the same scattered order as
+kvbroker's pull (peer_common.Layout), with batch_transfer_sync_read in batches of at most --batch requests (its TCP
+transport rejects larger batches). Prints one KVBENCH_RESULT JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from peer_common import (
+    Ctl,
+    add_common_args,
+    check_pattern,
+    emit,
+    fill_pattern,
+    layouts,
+    parse_size,
+    run_timed,
+    spawn_target,
+)
+
+MAX_BATCH = 2048
+
+
+def make_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize returned {rc}")
+    return engine
+
+
+def register(engine: Any, buf: np.ndarray) -> None:
+    rc = engine.register_memory(buf.ctypes.data, buf.nbytes)
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.register_memory returned {rc}")
+
+
+def target(args: argparse.Namespace) -> None:
+    ctl = Ctl.connect(args.ctl)
+    buf = np.empty(args.tensors * parse_size(args.tensor_bytes), dtype=np.uint8)
+    engine = make_engine()
+    register(engine, buf)
+    ctl.send({"session": f"127.0.0.1:{engine.get_rpc_port()}", "addr": buf.ctypes.data})
+    while True:
+        msg = ctl.recv()
+        if msg["cmd"] == "fill":
+            fill_pattern(buf, int(msg["block"]))
+            ctl.send({"ok": True})
+        elif msg["cmd"] == "done":
+            break
+    ctl.close()
+
+
+def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    proc, ctl = spawn_target(__file__, argv)
+    try:
+        hello = ctl.recv()
+        session, remote_addr = hello["session"], int(hello["addr"])
+        dst = np.empty(args.tensors * parse_size(args.tensor_bytes), dtype=np.uint8)
+        dst[:] = 255  # first touch outside timing
+        engine = make_engine()
+        register(engine, dst)
+        total = parse_size(args.total_bytes)
+        out: dict[str, Any] = {}
+        for lay in layouts(args):
+            ctl.send({"cmd": "fill", "block": lay.block})
+            ctl.recv()
+            src_off, dst_off = lay.offsets()
+            # Request lists built once per size (plain ints, as the binding wants), cut into batches.
+            batches = []
+            for i in range(0, len(src_off), args.batch):
+                s, d = src_off[i : i + args.batch], dst_off[i : i + args.batch]
+                batches.append(((d + dst.ctypes.data).tolist(), (s + remote_addr).tolist(), [lay.block] * len(s)))
+
+            def pull(batches: list[tuple[list[int], list[int], list[int]]] = batches) -> None:
+                for local, remote, lengths in batches:
+                    rc = engine.batch_transfer_sync_read(session, local, remote, lengths)
+                    if rc != 0:
+                        raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
+
+            r = run_timed(lay, total, args.trials, pull)
+            check_pattern(dst, src_off, dst_off, lay.block)
+            r["batches_per_pull"] = len(batches)
+            out[str(lay.block)] = r
+        ctl.send({"cmd": "done"})
+        return out
+    finally:
+        ctl.close()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--batch", type=int, default=MAX_BATCH, help="requests per batch (its tcp queue caps 2048)")
+    args = parser.parse_args()
+    if args.role == "target":
+        target(args)
+        return
+    t0 = time.perf_counter()
+    results = initiator(args, sys.argv[1:])
+    from importlib.metadata import version
+
+    emit({"subject": "mooncake-tcp", "results": results,
+          "info": {"mooncake_version": version("mooncake-transfer-engine-non-cuda"), "protocol": "tcp",
+                   "metadata": "P2PHANDSHAKE", "batch": args.batch, "seconds": time.perf_counter() - t0}})
+
+
+if __name__ == "__main__":
+    main()

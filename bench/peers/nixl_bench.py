@@ -1,0 +1,152 @@
+"""NIXL (UCX backend, DRAM) block READs between two agents in two processes; prints one JSON object.
+
+Run by kvbench.py with the python of bench/.venvs/nixl (see bench/setup_peers.sh):
+    bench/.venvs/nixl/bin/python bench/peers/nixl_bench.py --ucx tcp      # UCX_TLS=tcp UCX_NET_DEVICES=lo
+    bench/.venvs/nixl/bin/python bench/peers/nixl_bench.py --ucx default  # UCX picks (same host: shm / CMA)
+The initiator (this process) READs every block of the target's cache into its own, in the same scattered order as
+kvbroker's pull (peer_common.Layout), one prepared transfer per whole-cache pull, polled to completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from peer_common import (
+    Ctl,
+    add_common_args,
+    check_pattern,
+    emit,
+    fill_pattern,
+    layouts,
+    parse_size,
+    run_timed,
+    spawn_target,
+)
+
+UCX_ENV = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
+# Measured on the 2-core machine: same-host (CMA) copies run in the polling thread, so busy polling is fastest;
+# over UCX tcp a busy poll competes with the progress threads of both agents, and a 1 ms sleep is fastest.
+POLL_SLEEP_US = {"tcp": 1000.0, "default": 0.0}
+
+
+def make_agent(name: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def register(agent: Any, buf: np.ndarray) -> None:
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+
+
+def block_descs(addr: int, nbytes: int, block: int) -> np.ndarray:
+    """Nx3 (address, length, device) descriptors, one per block of a flat buffer."""
+    n = nbytes // block
+    d = np.zeros((n, 3), dtype=np.uint64)
+    d[:, 0] = addr + np.arange(n, dtype=np.uint64) * np.uint64(block)
+    d[:, 1] = block
+    return d
+
+
+def target(args: argparse.Namespace) -> None:
+    ctl = Ctl.connect(args.ctl)
+    cache_bytes = args.tensors * parse_size(args.tensor_bytes)
+    buf = np.empty(cache_bytes, dtype=np.uint8)
+    agent = make_agent("kvbench-target")
+    register(agent, buf)
+    ctl.send({"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": buf.ctypes.data})
+    while True:
+        msg = ctl.recv()
+        if msg["cmd"] == "fill":  # the pattern of this block size (block k holds k % 251)
+            fill_pattern(buf, int(msg["block"]))
+            ctl.send({"ok": True})
+        elif msg["cmd"] == "done":
+            break
+    ctl.close()
+
+
+def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    proc, ctl = spawn_target(__file__, argv)
+    try:
+        hello = ctl.recv()
+        cache_bytes = args.tensors * parse_size(args.tensor_bytes)
+        dst = np.empty(cache_bytes, dtype=np.uint8)
+        dst[:] = 255  # first touch outside timing
+        agent = make_agent("kvbench-initiator")
+        register(agent, dst)
+        remote = agent.add_remote_agent(base64.b64decode(hello["meta"]))
+        total = parse_size(args.total_bytes)
+        poll_sleep = (POLL_SLEEP_US[args.ucx] if args.poll_sleep_us is None else args.poll_sleep_us) / 1e6
+        out: dict[str, Any] = {}
+        for lay in layouts(args):
+            ctl.send({"cmd": "fill", "block": lay.block})
+            ctl.recv()
+            local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(dst.ctypes.data, cache_bytes, lay.block),
+                                            "DRAM")
+            remote_h = agent.prep_xfer_dlist(remote, block_descs(int(hello["addr"]), cache_bytes, lay.block), "DRAM")
+            src_off, dst_off = lay.offsets()
+            src_idx = (src_off // lay.block).astype(np.int32)
+            dst_idx = (dst_off // lay.block).astype(np.int32)
+
+            def pull(local_h: Any = local_h, remote_h: Any = remote_h, src_idx: np.ndarray = src_idx,
+                     dst_idx: np.ndarray = dst_idx) -> None:
+                handle = agent.make_prepped_xfer("READ", local_h, dst_idx, remote_h, src_idx)
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    if poll_sleep:
+                        time.sleep(poll_sleep)
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL transfer ended in state {state}")
+                agent.release_xfer_handle(handle)
+
+            r = run_timed(lay, total, args.trials, pull)
+            check_pattern(dst, src_off, dst_off, lay.block)
+            out[str(lay.block)] = r
+            agent.release_dlist_handle(local_h)
+            agent.release_dlist_handle(remote_h)
+        ctl.send({"cmd": "done"})
+        return out
+    finally:
+        ctl.close()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--ucx", choices=sorted(UCX_ENV), default="default",
+                        help="tcp: UCX_TLS=tcp UCX_NET_DEVICES=lo; default: UCX chooses (same-host transports)")
+    parser.add_argument("--poll-sleep-us", type=float, default=None,
+                        help="sleep between completion polls; default: NIXL's fastest here (busy-poll for same host, "
+                             "1 ms for tcp, where busy polling starves UCX's progress threads on 2 cores)")
+    args = parser.parse_args()
+    os.environ.update(UCX_ENV[args.ucx])  # before nixl/UCX load; the target inherits it
+    if args.role == "target":
+        target(args)
+        return
+    argv = sys.argv[1:]
+    t0 = time.perf_counter()
+    results = initiator(args, argv)
+    import nixl
+
+    emit({
+        "subject": f"nixl-{'tcp' if args.ucx == 'tcp' else 'samehost'}",
+        "results": results,
+        "info": {"nixl_version": getattr(nixl, "__version__", "1.5.1"), "ucx_env": UCX_ENV[args.ucx],
+                 "poll_sleep_us": POLL_SLEEP_US[args.ucx] if args.poll_sleep_us is None else args.poll_sleep_us,
+                 "seconds": time.perf_counter() - t0},
+    })
+
+
+if __name__ == "__main__":
+    main()
