@@ -67,7 +67,8 @@ def test_a_living_client_keeps_its_caches_and_no_lease_means_forever(tmp_path: P
     with LocalDaemon(tmp_path, 1) as d, d.client(lease_ttl=1.0) as alive, d.client(lease_ttl=None) as plain:
         kept = alive.allocate_cache(SMALL)
         forever = plain.allocate_cache(SMALL)
-        assert plain.list_caches()[1].owner == "" if plain.list_caches()[0].cache_id == kept.cache_id else True
+        owners = {r.cache_id: r.owner for r in plain.list_caches()}
+        assert owners == {kept.cache_id: alive.session_id, forever.cache_id: ""}
         time.sleep(2.5)  # more than two lease lengths: renewals must have happened
         ids = {r.cache_id for r in plain.list_caches()}
         assert {kept.cache_id, forever.cache_id} <= ids
