@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -239,6 +240,11 @@ def test_bench_metrics_move_while_it_runs() -> None:
                 seen.append(moved)
             time.sleep(0.1)
     finally:
-        proc.kill()
-        proc.communicate()
+        # Ctrl-C, as a person would: the CLI stops its two daemons on the way out (SIGKILL would orphan them).
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
     assert len(set(seen)) >= 2 and seen == sorted(seen), seen  # the counter grew between two scrapes
