@@ -8,6 +8,7 @@ peer's live cache ids, checked before and after each copy, so a deallocated cach
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,29 @@ if TYPE_CHECKING:
 
 NAME = "shm"
 CAPABILITIES = Capabilities(same_host_only=True, one_sided_read=True)
+
+
+class _Mapping:
+    """A remote cache's segments mapped into this process, with each tensor's base address."""
+
+    def __init__(self, maps: dict[str, SegmentMap], arrays: list[np.ndarray]) -> None:
+        self.maps = maps
+        self.arrays = arrays  # hold buffer exports: the mmaps cannot close while these live
+        self.addresses = [int(a.ctypes.data) for a in arrays]
+
+    @classmethod
+    def open(cls, remote: RemoteCache) -> _Mapping:
+        maps: dict[str, SegmentMap] = {}
+        try:
+            for loc in remote.tensors:
+                if loc.segment not in maps:
+                    maps[loc.segment] = SegmentMap(Path(remote.shm_dir) / loc.segment)
+            n = remote.desc.tensor_nbytes
+            return cls(maps, [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors])
+        except (OSError, ValueError) as e:
+            for m in maps.values():
+                m.close()
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: cannot map its memory ({e})")
 
 
 def probe(control_path: str, nonce: bytes) -> SegmentMap | None:
@@ -47,26 +71,20 @@ class ShmChannel(PeerChannel):
         self._live = control_view(control)[1]
         self._executor = executor
         self._copy_threads = copy_threads
+        self._lock = threading.Lock()
 
     def runs_inline(self, plan: Plan) -> bool:
         return memcopy.small_enough_for_the_loop(plan)
 
-    def _remote_addresses(self, remote: RemoteCache) -> list[int]:
-        state = remote.backend_state.get(NAME)
-        if state is None:
-            maps: dict[str, SegmentMap] = {}
-            try:
-                for loc in remote.tensors:
-                    if loc.segment not in maps:
-                        maps[loc.segment] = SegmentMap(Path(remote.shm_dir) / loc.segment)
-                n = remote.desc.tensor_nbytes
-                views = [np.frombuffer(maps[t.segment].mmap, np.uint8, n, t.offset) for t in remote.tensors]
-            except (OSError, ValueError) as e:
-                for m in maps.values():
-                    m.close()
-                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id}: cannot map its memory ({e})")
-            state = remote.backend_state[NAME] = (maps, *memcopy.addresses(views))
-        return state[2]
+    def _mapping(self, remote: RemoteCache) -> _Mapping:
+        """The peer's segments mapped here, made once per remote cache (under a lock: concurrent transfers of a
+        new cache must share one mapping). A copy holds the returned object: the mapping stays valid while it
+        runs, even if the cache is forgotten meanwhile (the memory is unmapped when the last holder lets go)."""
+        with self._lock:
+            mapping: _Mapping | None = remote.backend_state.get(NAME)
+            if mapping is None:
+                mapping = remote.backend_state[NAME] = _Mapping.open(remote)
+            return mapping
 
     def _check_live(self, remote: RemoteCache) -> None:
         if not is_live(self._live, remote.cache_id):
@@ -75,8 +93,8 @@ class ShmChannel(PeerChannel):
 
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
-        src_addr = self._remote_addresses(remote)
-        moved = memcopy.copy_plan(src_addr, dst.addresses, plan, progress, deadline, self._executor,
+        source = self._mapping(remote)
+        moved = memcopy.copy_plan(source.addresses, dst.addresses, plan, progress, deadline, self._executor,
                                   self._copy_threads)
         # The peer may have dropped the cache while we copied: then what we read may be stale, and we say so.
         self._check_live(remote)
@@ -84,17 +102,13 @@ class ShmChannel(PeerChannel):
 
     def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
         self._check_live(remote)
-        dst_addr = self._remote_addresses(remote)
-        moved = memcopy.copy_plan(src.addresses, dst_addr, plan, progress, deadline, self._executor,
-                                  self._copy_threads)
-        return moved
+        target = self._mapping(remote)
+        return memcopy.copy_plan(src.addresses, target.addresses, plan, progress, deadline, self._executor,
+                                 self._copy_threads)
 
     def forget(self, remote: RemoteCache) -> None:
-        state = remote.backend_state.pop(NAME, None)
-        if state is not None:
-            state[1].clear()
-            for m in state[0].values():
-                m.close()
+        with self._lock:
+            remote.backend_state.pop(NAME, None)  # unmapped once no running copy holds it
 
     def close(self) -> None:
         self._live = np.zeros(1, dtype=np.uint64)
