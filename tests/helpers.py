@@ -6,7 +6,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbroker import Cache
+from kvbroker import Cache, CacheDesc, Client
+
+
+class Allocations:
+    """Caches a fixture allocates (and fills), released together when it ends."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[Client, Cache]] = []
+
+    def alloc(self, client: Client, desc: CacheDesc, seed: int) -> Cache:
+        cache = client.allocate_cache(desc)
+        self._made.append((client, cache))
+        fill(cache, seed)
+        return cache
+
+    def release(self) -> None:
+        for client, cache in self._made:
+            client.deallocate_cache(cache)
 
 
 def fill(cache: Cache, seed: int) -> None:

@@ -25,6 +25,7 @@ from peer_common import (
     parse_size,
     run_timed,
     spawn_target,
+    stop_target,
 )
 
 MAX_BATCH = 2048
@@ -96,11 +97,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         ctl.send({"cmd": "done"})
         return out
     finally:
-        ctl.close()
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
+        stop_target(proc, ctl)
 
 
 def main() -> None:

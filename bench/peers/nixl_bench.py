@@ -27,6 +27,7 @@ from peer_common import (
     parse_size,
     run_timed,
     spawn_target,
+    stop_target,
 )
 
 UCX_ENV = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
@@ -114,11 +115,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         ctl.send({"cmd": "done"})
         return out
     finally:
-        ctl.close()
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
+        stop_target(proc, ctl)
 
 
 def main() -> None:

@@ -191,6 +191,15 @@ def spawn_target(script: str, argv: list[str]) -> tuple[Any, Ctl]:
     return proc, Ctl(conn)
 
 
+def stop_target(proc: Any, ctl: Ctl) -> None:
+    """Closes the control channel and waits for the target (killing it after 30 s)."""
+    ctl.close()
+    try:
+        proc.wait(30)
+    except Exception:
+        proc.kill()
+
+
 def run_timed(layout: Layout, total_bytes: int, trials: int, pull: Any) -> dict[str, Any]:
     """Warm-up pull, then `trials` timed trials of `reps` whole-cache pulls; `pull()` does one pull."""
     pull()

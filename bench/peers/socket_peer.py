@@ -34,6 +34,7 @@ from peer_common import (
     median,
     parse_size,
     spawn_target,
+    stop_target,
 )
 
 
@@ -140,11 +141,7 @@ def receiver(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             c.close()
         return out
     finally:
-        ctl.close()
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
+        stop_target(proc, ctl)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from kvbroker._errors import error_from_rpc
 from kvbroker._local import LocalDaemon
 from kvbroker._status import grpc_code_for
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
+from tests.helpers import Allocations, assert_bytes_equal, expected_pull, fill, snapshot
 
 Pair = tuple[LocalDaemon, LocalDaemon]
 
@@ -81,14 +81,8 @@ class World:
 def world(linked_pair: Pair) -> Iterator[World]:
     src_d, dst_d = linked_pair
     with src_d.client() as s, dst_d.client() as d:
-        made: list[tuple[Client, Cache]] = []
-
-        def alloc(c: Client, desc: CacheDesc, seed: int) -> Cache:
-            cache = c.allocate_cache(desc)
-            made.append((c, cache))
-            fill(cache, seed)
-            return cache
-
+        caches = Allocations()
+        alloc = caches.alloc
         try:
             src = {name: alloc(s, desc, i) for i, (name, desc) in enumerate(SRC_DESCS.items())}
             dst = {name: alloc(d, desc, 100 + i) for i, (name, desc) in enumerate(DST_DESCS.items())}
@@ -97,8 +91,7 @@ def world(linked_pair: Pair) -> Iterator[World]:
             d.deallocate_cache(freed_dst)
             yield World(src_d, dst_d, s, d, src, dst, freed_src.cache_id, freed_dst.cache_id)
         finally:
-            for c, cache in made:
-                c.deallocate_cache(cache)
+            caches.release()
 
 
 # -- Strategies ----------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from kvbroker import (
 )
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
+from tests.helpers import Allocations, assert_bytes_equal, expected_pull, fill, snapshot
 
 Pair = tuple[LocalDaemon, LocalDaemon]
 
@@ -85,21 +85,14 @@ class Env:
 def env(linked_pair: Pair) -> Iterator[Env]:
     src_d, dst_d = linked_pair
     with src_d.client() as s, dst_d.client() as d:
-        made: list[tuple[Client, Cache]] = []
-
-        def alloc(c: Client, desc: CacheDesc, seed: int) -> Cache:
-            cache = c.allocate_cache(desc)
-            made.append((c, cache))
-            fill(cache, seed)
-            return cache
-
+        caches = Allocations()
+        alloc = caches.alloc
         try:
             yield Env(src_d, dst_d, s, d, src=alloc(s, MAIN, 1), dst=alloc(d, MAIN, 2),
                       src_six=alloc(s, SIX_TENSORS, 3), src_wide=alloc(s, WIDE_BLOCKS, 4),
                       others=[alloc(d, SIX_TENSORS, 5)])
         finally:
-            for c, cache in made:
-                c.deallocate_cache(cache)
+            caches.release()
 
 
 def expect_error(env: Env, call: Callable[[], object], exc: type[LlmError], status: LlmStatus,
