@@ -147,6 +147,17 @@ class LinkState(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Notification:
+    """A message a linked peer's client sent to this daemon (`send_notification` there, `fetch_notifications`
+    here); `cluster_id` is the sender's, as its authenticated link says."""
+
+    cluster_id: int
+    topic: str
+    payload: bytes
+    received_unix: float
+
+
+@dataclass(frozen=True, slots=True)
 class LinkInfo:
     """A link as `list_links` reports it."""
 

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker._types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvbrokerd import linkauth
 from kvbrokerd.backends import tcp as tcp_backend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
@@ -41,6 +42,10 @@ _SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Peers send small requests only; a stranger must not make us buffer 64 MiB messages.
+MAX_PEER_REQUEST_BYTES = 1 << 20
+_PEER_SERVER_OPTIONS = [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES),
+                        *_SERVER_OPTIONS[2:]]
 LOCAL_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 
@@ -77,11 +82,16 @@ class Daemon:
             self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-transfer")
             self._parts_executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-part")
             tls = TlsMaterial.from_config(cfg)
+            if cfg.insecure_peers and not (cfg.peer_token_file or tls):
+                log.warning("--insecure-peers: ANY process that reaches the peer port can link to this daemon and "
+                            "read or write its caches; use --peer-token-file or mutual TLS outside development")
             self._links = LinkTable(
                 cfg.cluster_id, epoch, cfg.backends, self._parts_executor,
+                token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
                 data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, shm_dir=Path(cfg.shm_dir),
+                inbound_ttl_s=cfg.peer_link_ttl)
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -122,7 +132,7 @@ class Daemon:
                      credentials: grpc.ServerCredentials | None = None) -> int:
         """One listener: the local API (KvBroker) or the peer API (Peer), each with health and reflection. The
         local API is never served on the peer port: that port is reachable from the network."""
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else _PEER_SERVER_OPTIONS)
         if service == LOCAL_SERVICE:
             broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
         else:

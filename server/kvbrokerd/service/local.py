@@ -14,6 +14,7 @@ from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
 from kvbroker._types import TensorLocation, TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
+from kvbrokerd import notifications
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
@@ -248,6 +249,27 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                                                         transfer_id=result.transfer_id, num_runs=result.num_runs,
                                                         backends=backends)
 
+    @llm_errors
+    async def SendNotification(self, request: broker_pb2.SendNotificationRequest,
+                               context: grpc.aio.ServicerContext) -> broker_pb2.SendNotificationResponse:
+        notifications.check(request.topic, request.payload)
+        link = self.node.links.get_ready(request.cluster_id)
+        remaining = time_remaining(context)
+        await link.notify(request.topic, bytes(request.payload), 10.0 if remaining is None else remaining)
+        return broker_pb2.SendNotificationResponse()
+
+    @llm_errors
+    async def FetchNotifications(self, request: broker_pb2.FetchNotificationsRequest,
+                                 context: grpc.aio.ServicerContext) -> broker_pb2.FetchNotificationsResponse:
+        wait_s = request.wait_ms / 1000
+        remaining = time_remaining(context)
+        if remaining is not None:
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))  # answer before the caller's deadline
+        got = await self.node.notifications.fetch(request.topic, request.max_count, wait_s)
+        return broker_pb2.FetchNotificationsResponse(notifications=[
+            broker_pb2.Notification(cluster_id=n.cluster_id, topic=n.topic, payload=n.payload,
+                                    received_unix=n.received_unix) for n in got])
+
 
 _Summary = TypeVar("_Summary", bound=Message)
 
@@ -293,3 +315,4 @@ def _wait(context: grpc.aio.ServicerContext) -> float:
     if remaining is None:
         return 10.0
     return max(0.0, min(10.0, remaining - min(0.1, remaining * 0.2)))
+
