@@ -4,6 +4,7 @@ the deployment token), so tests can send what no honest daemon would."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class FakePeerLink:
 
     @property
     def data_port(self) -> int:
-        return int(self.description.data_address.rpartition(":")[2])
+        return int(json.loads(self.description.backend_info["tcp"])["port"])
 
     def signed(self, method: str, request: Message, seq: int | None = None) -> Message:
         sign(request, method, self.secret, self.link_id, next(self._seq) if seq is None else seq)

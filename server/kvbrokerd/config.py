@@ -17,7 +17,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-KNOWN_BACKENDS = ("shm", "tcp")
+from kvbrokerd import backends as _backends
+
+KNOWN_BACKENDS = tuple(_backends.MODULES)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -33,7 +35,7 @@ class Config:
     peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
     advertise_address: str = field(default="", metadata={"help": "address peers should dial, if not peer_listen"})
     data_port: int = field(default=0, metadata={"help": "tcp data-plane port on the peer host (0 = any free port)"})
-    backends: tuple[str, ...] = field(default=KNOWN_BACKENDS,
+    backends: tuple[str, ...] = field(default=_backends.DEFAULT_BACKENDS,
                                       metadata={"help": "data-plane backends allowed, in order of preference"})
     shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of POSIX shared-memory segments"})
     max_caches: int = field(default=4096, metadata={"help": "most caches this daemon holds at once"})
@@ -63,9 +65,13 @@ class Config:
             object.__setattr__(self, "listen", "unix://" + self.listen)
         if not 0 <= self.cluster_id < 2**64:
             raise ConfigError(f"cluster_id: {self.cluster_id} is not a uint64")
-        unknown = [b for b in self.backends if b not in KNOWN_BACKENDS]
-        if unknown or not self.backends:
-            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — choose from {KNOWN_BACKENDS}")
+        if not self.backends or len(set(self.backends)) != len(self.backends):
+            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — name each of {KNOWN_BACKENDS} at "
+                              "most once")
+        for name in self.backends:
+            reason = _backends.unavailable(name)
+            if reason:
+                raise ConfigError(f"backends: {reason}")
         if not self.listen.startswith("unix://") and ":" not in self.listen:
             raise ConfigError(f"listen: {self.listen!r} is neither unix:///path nor host:port")
         for name in ("peer_listen", "advertise_address"):

@@ -20,8 +20,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker._types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvbrokerd import linkauth
-from kvbrokerd.backends import tcp as tcp_backend
+from kvbrokerd import backends, linkauth
+from kvbrokerd.backends.base import Backend, LocalContext
+from kvbrokerd.backends.tcp import TcpBackend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
 from kvbrokerd.metrics import Metrics
@@ -37,6 +38,7 @@ from kvbrokerd.transfers import TransferManager
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+BACKEND_WATCH_INTERVAL_S = 1.0
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -62,7 +64,8 @@ class Daemon:
         self._health: list[tuple[health.aio.HealthServicer, str]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._parts_executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._data_server: tcp_backend.DataServer | None = None
+        self._backends: list[Backend] = []
+        self._health_watch: asyncio.Task[None] | None = None
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
         self._sessions: SessionTable | None = None
@@ -86,10 +89,9 @@ class Daemon:
                 log.warning("--insecure-peers: ANY process that reaches the peer port can link to this daemon and "
                             "read or write its caches; use --peer-token-file or mutual TLS outside development")
             self._links = LinkTable(
-                cfg.cluster_id, epoch, cfg.backends, self._parts_executor,
+                cfg.cluster_id, epoch, {},
                 token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
-                data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink, shm_dir=Path(cfg.shm_dir),
                 inbound_ttl_s=cfg.peer_link_ttl)
             self.metrics = Metrics()
@@ -100,13 +102,18 @@ class Daemon:
             self._sessions = SessionTable(self._registry)
             self._sessions.start()
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
-            data_address = ""
-            if "tcp" in cfg.backends:
-                self._data_server = tcp_backend.DataServer(
-                    self._registry, self._links.secret_for, peer_host, cfg.data_port,
-                    tls=tls.data_server_context() if tls and cfg.data_tls else None)
-                self._data_server.start()
-                data_address = f":{self._data_server.port}"
+            ctx = LocalContext(
+                cluster_id=cfg.cluster_id, registry=self._registry, shm_dir=Path(cfg.shm_dir), peer_host=peer_host,
+                parts_executor=self._parts_executor, secret_for=self._links.secret_for, data_port=cfg.data_port,
+                data_server_tls=tls.data_server_context() if tls and cfg.data_tls else None,
+                data_client_tls=tls.data_client_context() if tls and cfg.data_tls else None)
+            for name in cfg.backends:
+                backend = backends.backend_class(name)(ctx)
+                self._backends.append(backend)
+                await backend.start()
+            self._links.backends = {b.name: b for b in self._backends}
+            tcp = self._links.backends.get("tcp")
+            data_address = f":{tcp.port}" if isinstance(tcp, TcpBackend) else ""
             node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
                         transfers, self._sessions)
             peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
@@ -119,14 +126,34 @@ class Daemon:
             if cfg.metrics_listen:
                 self.metrics_port = self.metrics.serve(cfg.metrics_listen)
                 node.metrics_address = f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
-            for h, name in self._health:
-                await h.set("", health_pb2.HealthCheckResponse.SERVING)
-                await h.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self._set_health(serving=True)
+            self._health_watch = asyncio.create_task(self._watch_backends())
         except BaseException:
             await self.stop(grace=0)
             raise
         log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
                  self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
+
+    async def _set_health(self, *, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for h, name in self._health:
+            await h.set("", status)
+            await h.set(name, status)
+
+    async def _watch_backends(self) -> None:
+        """Health follows the data plane: NOT_SERVING while a backend's server is down (e.g. its accept loop is
+        backing off from EMFILE), SERVING again when it recovers."""
+        serving = True
+        while True:
+            await asyncio.sleep(BACKEND_WATCH_INTERVAL_S)
+            down = [b.name for b in self._backends if not b.serving]
+            if bool(down) == serving:
+                serving = not down
+                if down:
+                    log.error("data plane down (%s): health is NOT_SERVING", ", ".join(down))
+                else:
+                    log.info("data plane serving again: health is SERVING")
+                await self._set_health(serving=serving)
 
     async def _serve(self, address: str, node: Node, service: str,
                      credentials: grpc.ServerCredentials | None = None) -> int:
@@ -181,6 +208,8 @@ class Daemon:
             await self._stopped.wait()
             return
         self._stopping = True
+        if self._health_watch is not None:
+            self._health_watch.cancel()
         for h, _ in self._health:
             await h.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
@@ -188,8 +217,8 @@ class Daemon:
             await self._sessions.stop()
         if self._links is not None:
             await self._links.close()
-        if self._data_server is not None:
-            self._data_server.close()
+        for backend in self._backends:
+            backend.close()
         for pool in (self._executor, self._parts_executor):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

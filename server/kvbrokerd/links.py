@@ -11,14 +11,12 @@ malformed answer fails that link with LLM_LINK_FAILED and the reason.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import itertools
 import logging
-import re
-import ssl
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,13 +25,17 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from kvbroker._convert import desc_from_pb
-from kvbroker._shm import SegmentMap
 from kvbroker._types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
-from kvbrokerd.backends import shm as shm_backend
-from kvbrokerd.backends import tcp as tcp_backend
-from kvbrokerd.backends.base import PeerChannel, RemoteCache
+from kvbrokerd.backends.base import (
+    MAX_ADVERTISEMENT_BYTES,
+    Backend,
+    BackendUnusable,
+    PeerChannel,
+    PeerInfo,
+    RemoteCache,
+)
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
 
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 MAX_LINKS = 1024
 MAX_PEER_ANSWER_BYTES = 16 << 20
 """Largest answer we accept from a peer (a cache description of 4096 tensors is well under 1 MiB)."""
-_SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _PEER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PEER_ANSWER_BYTES)]
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_MISSES = 3
@@ -113,7 +114,9 @@ class Link:
             fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id} described cache {cache_id} "
                  f"unusably: {e}")
         # Segment names are resolved in OUR shm dir: a peer never names a path on this host.
-        return RemoteCache(cache_id=cache_id, desc=desc, shm_dir=str(self.shm_dir), tensors=tensors)
+        info = {name: bytes(v) for name, v in resp.backend_info.items() if len(v) <= MAX_ADVERTISEMENT_BYTES}
+        return RemoteCache(cache_id=cache_id, desc=desc, shm_dir=str(self.shm_dir), tensors=tensors,
+                           backend_info=info)
 
     def forget_cache(self, cache_id: int) -> None:
         remote = self.remote_caches.pop(cache_id, None)
@@ -154,21 +157,19 @@ def _peer_call_failed(e: grpc.aio.AioRpcError, cluster_id: int, what: str) -> No
 
 
 class LinkTable:
-    def __init__(self, cluster_id: int, epoch: str, backends: tuple[str, ...],
-                 executor: concurrent.futures.Executor, *, token: bytes | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, data_tls: ssl.SSLContext | None = None,
-                 max_links: int = MAX_LINKS, auto_relink: bool = False, shm_dir: Path = Path("/dev/shm"),
-                 inbound_ttl_s: float | None = None) -> None:
+    def __init__(self, cluster_id: int, epoch: str, backends: Mapping[str, Backend], *, token: bytes | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, max_links: int = MAX_LINKS,
+                 auto_relink: bool = False, shm_dir: Path = Path("/dev/shm"), inbound_ttl_s: float | None = None
+                 ) -> None:
+        """`backends`: this daemon's started backends, in order of preference."""
         self.cluster_id = cluster_id
         self._key = linkauth.token_key(token)
         self._credentials = credentials
-        self._data_tls = data_tls
         self.max_links = max_links
         self.auto_relink = auto_relink
         self.epoch = epoch
-        self.backends = backends
+        self.backends = dict(backends)
         self.shm_dir = shm_dir
-        self._executor = executor  # for the parts of a transfer (see daemon.py)
         self.links: dict[int, Link] = {}
         self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
                                     **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
@@ -261,29 +262,29 @@ class LinkTable:
         link.last_seen = time.time()
 
     def _choose_backend(self, link: Link, resp: peer_pb2.AuthenticateResponse) -> tuple[PeerChannel, str]:
-        peer_backends = set(resp.backends)
-        for name in self.backends:
-            if name not in peer_backends:
+        """The first backend of our order that the peer serves and that can reach it; every other one's reason goes
+        into the failure."""
+        peer = PeerInfo(link.remote_cluster_id, link.remote_address, link.secret)
+        reasons = []
+        for name, backend in self.backends.items():
+            info = resp.backend_info.get(name)
+            if info is None:
+                reasons.append(f"{name}: not served by the peer")
                 continue
-            if name == shm_backend.NAME:
-                control = self._probe_shm(resp.shm_probe_segment, bytes(resp.shm_probe_nonce))
-                if control is None:
-                    log.info("cluster %d: shm probe failed (no shared host memory); trying the next backend",
-                             link.remote_cluster_id)
-                    continue
-                return shm_backend.ShmChannel(control, self._executor), name
-            if name == tcp_backend.NAME:
-                host, port = _data_endpoint(resp.data_address, link.remote_address)
-                return tcp_backend.TcpChannel(host, port, link.secret, self._executor, tls=self._data_tls), name
-        fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
-             f"{link.remote_cluster_id} serves {sorted(peer_backends)}")
-
-    def _probe_shm(self, segment: str, nonce: bytes) -> SegmentMap | None:
-        """The peer's control page, looked up by name in OUR shm dir (never a path the peer chose)."""
-        if not _SEGMENT_NAME.fullmatch(segment) or segment.startswith("."):
-            log.warning("cluster sent an invalid shm probe segment name %r; not using shm", segment[:80])
-            return None
-        return shm_backend.probe(str(self.shm_dir / segment), nonce)
+            if len(info) > MAX_ADVERTISEMENT_BYTES:
+                reasons.append(f"{name}: advertisement larger than {MAX_ADVERTISEMENT_BYTES} bytes")
+                continue
+            try:
+                return backend.connect(peer, bytes(info)), name
+            except BackendUnusable as e:
+                log.info("cluster %d: backend %s unusable (%s); trying the next", link.remote_cluster_id, name, e)
+                reasons.append(f"{name}: {e}")
+        served = sorted(resp.backend_info)[:16]
+        if not set(served) & set(self.backends):
+            fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
+                 f"{link.remote_cluster_id} serves {served}")
+        fail(LlmStatus.LLM_LINK_FAILED, f"no usable backend with cluster {link.remote_cluster_id}: we allow "
+             f"{list(self.backends)}, it serves {served} ({'; '.join(reasons)})")
 
     async def unlink(self, cluster_id: int, force: bool, timeout: float) -> None:
         link = self.links.get(cluster_id)
@@ -363,16 +364,6 @@ class LinkTable:
 
     def secret_for(self, lid: bytes) -> bytes | None:
         return self.inbound.secret_for(lid)
-
-
-def _data_endpoint(data_address: str, peer_address: str) -> tuple[str, int]:
-    """The peer's tcp data endpoint; an empty host means the host we reached its peer API on."""
-    host, sep, port = data_address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or len(data_address) > 300:
-        raise ValueError(f"bad data address {data_address[:80]!r}")
-    if not host:
-        host = peer_address.rpartition(":")[0]
-    return host.strip("[]"), int(port)
 
 
 __all__ = ["PROTOCOL_VERSION", "InboundLink", "Link", "LinkTable", "LlmError"]

@@ -3,6 +3,7 @@ links that strangers can neither make, learn from, replace nor fill, and peer an
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -171,19 +172,20 @@ def test_notifications_travel_from_the_linking_side_to_the_linked_side(pair: tup
 
 
 # -- what a compromised peer answers ---------------------------------------------------------------------------------
-def _description(**fields: object) -> peer_pb2.AuthenticateResponse:
-    base: dict[str, object] = {"cluster_id": 50, "instance_epoch": "evil", "backends": ["tcp"],
-                               "data_address": "127.0.0.1:9"}
-    base.update(fields)
-    return peer_pb2.AuthenticateResponse(**base)  # type: ignore[arg-type]
+def _description(epoch: str = "evil", **backend_info: bytes) -> peer_pb2.AuthenticateResponse:
+    return peer_pb2.AuthenticateResponse(cluster_id=50, instance_epoch=epoch,
+                                         backend_info=backend_info or {"tcp": b'{"port": 9}'})
 
 
 @pytest.mark.parametrize("description", [
-    _description(data_address="127.0.0.1:notaport"),
-    _description(data_address="nohostport"),
-    _description(data_address="127.0.0.1:99999"),
-    _description(backends=["rdma"]),
-    _description(instance_epoch="e" * 65),
+    _description(tcp=b'{"port": "notaport"}'),
+    _description(tcp=b"not json"),
+    _description(tcp=b'{"port": 99999}'),
+    _description(tcp=b'{"port": 1.5}'),
+    _description(tcp=b"[]"),
+    _description(rdma=b"x"),
+    _description(tcp=b" " * (64 * 1024 + 1)),
+    _description(epoch="e" * 65),
 ])
 def test_a_malformed_peer_answer_fails_that_cluster_only(pair: tuple[LocalDaemon, LocalDaemon],
                                                         description: peer_pb2.AuthenticateResponse) -> None:
@@ -201,10 +203,11 @@ def test_a_peer_never_names_a_path_on_this_host(pair: tuple[LocalDaemon, LocalDa
     secret = tmp_path / "victim"
     secret.write_bytes(b"N" * 16 + b"\0" * 4096)
     for name in (str(secret), "../" * 6 + str(secret).lstrip("/"), ".", ".."):
-        desc = _description(backends=["shm"], shm_probe_segment=name, shm_probe_nonce=b"N" * 16)
+        desc = _description(shm=json.dumps({"segment": name, "nonce": (b"N" * 16).hex()}).encode())
         with peerkit.FakePeer(50, peerkit.token_of(a.workdir), desc) as evil, a.client() as ca:
             [r] = ca.link_clusters([ClusterInfo(50, evil.address)])
-            assert r.status == LlmStatus.LLM_LINK_FAILED and "no common backend" in r.message
+            assert r.status == LlmStatus.LLM_LINK_FAILED and "no usable backend" in r.message
+            assert "invalid shm segment name" in r.message
 
 
 def test_a_bad_cache_description_fails_the_pull_not_the_daemon(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
@@ -226,13 +229,16 @@ def test_a_bad_cache_description_fails_the_pull_not_the_daemon(pair: tuple[Local
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data_address=st.text(max_size=40), backends=st.lists(st.sampled_from(["tcp", "shm", "x", ""]), max_size=3),
-       segment=st.text(max_size=30), nonce=st.binary(max_size=20))
-def test_fuzzed_peer_descriptions(pair: tuple[LocalDaemon, LocalDaemon], data_address: str, backends: list[str],
-                                  segment: str, nonce: bytes) -> None:
+@given(info=st.dictionaries(st.sampled_from(["tcp", "shm", "x", ""]),
+                            st.one_of(st.binary(max_size=64),
+                                      st.builds(lambda p: json.dumps({"port": p}).encode(),
+                                                st.one_of(st.integers(), st.text(max_size=8), st.none())),
+                                      st.builds(lambda s, n: json.dumps({"segment": s, "nonce": n}).encode(),
+                                                st.text(max_size=30), st.text(max_size=40))),
+                            max_size=3))
+def test_fuzzed_peer_descriptions(pair: tuple[LocalDaemon, LocalDaemon], info: dict[str, bytes]) -> None:
     a, _ = pair
-    desc = _description(data_address=data_address, backends=backends, shm_probe_segment=segment,
-                        shm_probe_nonce=nonce)
+    desc = peer_pb2.AuthenticateResponse(cluster_id=50, instance_epoch="evil", backend_info=info)
     with peerkit.FakePeer(50, peerkit.token_of(a.workdir), desc) as evil, a.client() as ca:
         [r] = ca.link_clusters([ClusterInfo(50, evil.address)], timeout=5)
         assert r.ok or r.status == LlmStatus.LLM_LINK_FAILED, r

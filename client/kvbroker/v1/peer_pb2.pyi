@@ -115,39 +115,49 @@ Global___AuthenticateRequest: _TypeAlias = AuthenticateRequest  # noqa: Y015
 class AuthenticateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class BackendInfoEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
-    BACKENDS_FIELD_NUMBER: _builtins.int
-    DATA_ADDRESS_FIELD_NUMBER: _builtins.int
-    SHM_PROBE_SEGMENT_FIELD_NUMBER: _builtins.int
-    SHM_PROBE_NONCE_FIELD_NUMBER: _builtins.int
+    BACKEND_INFO_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """Responder's cluster id."""
     instance_epoch: _builtins.str
     """Responder's instance epoch."""
-    data_address: _builtins.str
-    """TCP data-plane endpoint "host:port" (host may be empty: use the peer address's host)."""
-    shm_probe_segment: _builtins.str
-    """Name of the responder's shared-memory probe segment (a plain name, resolved in the caller's own shm dir)."""
-    shm_probe_nonce: _builtins.bytes
-    """Expected content of the probe segment: the caller can use the shm backend only if it reads the same bytes."""
     @_builtins.property
-    def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Backends the responder serves."""
+    def backend_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """What each backend the responder serves needs its peers to know (e.g. "tcp": its data port, "shm": the name of
+        its probe page and the nonce in it), by backend name; opaque to the handshake, at most 64 KiB each.
+        """
 
     def __init__(
         self,
         *,
         cluster_id: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
-        backends: _abc.Iterable[_builtins.str] | None = ...,
-        data_address: _builtins.str = ...,
-        shm_probe_segment: _builtins.str = ...,
-        shm_probe_nonce: _builtins.bytes = ...,
+        backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "data_address", b"data_address", "instance_epoch", b"instance_epoch", "shm_probe_nonce", b"shm_probe_nonce", "shm_probe_segment", b"shm_probe_segment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,10 +223,31 @@ Global___GetCacheInfoRequest: _TypeAlias = GetCacheInfoRequest  # noqa: Y015
 class GetCacheInfoResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class BackendInfoEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CACHE_ID_FIELD_NUMBER: _builtins.int
     DESC_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    BACKEND_INFO_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.int
     """Cache id."""
     instance_epoch: _builtins.str
@@ -229,6 +260,10 @@ class GetCacheInfoResponse(_message.Message):
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TensorLocation]:
         """One location per tensor (for the shm backend); segment names only, never paths."""
 
+    @_builtins.property
+    def backend_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """What each backend the responder serves adds to the description (e.g. a device engine's registration), by name."""
+
     def __init__(
         self,
         *,
@@ -236,10 +271,11 @@ class GetCacheInfoResponse(_message.Message):
         desc: _types_pb2.CacheDesc | None = ...,
         tensors: _abc.Iterable[_types_pb2.TensorLocation] | None = ...,
         instance_epoch: _builtins.str = ...,
+        backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,8 @@ peer's live cache ids, checked before and after each copy, so a deallocated cach
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ import numpy as np
 
 from kvbroker._shm import SegmentMap
 from kvbrokerd.backends import memcopy
-from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache
+from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.registry import control_view, is_live
 
@@ -113,3 +115,36 @@ class ShmChannel(PeerChannel):
     def close(self) -> None:
         self._live = np.zeros(1, dtype=np.uint64)
         self._control.close()
+
+
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+class ShmBackend(Backend):
+    """Advertises this daemon's control page (by name) and nonce; a peer that can map the page by that name in its
+    OWN shm dir and finds the nonce shares our host memory."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+
+    def advertise(self) -> bytes:
+        control = self.ctx.registry.control_path
+        if control is None:
+            return b""
+        return json.dumps({"segment": control.name, "nonce": self.ctx.registry.nonce.hex()}).encode()
+
+    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+        try:
+            ad = json.loads(info)
+            segment, nonce = str(ad["segment"]), bytes.fromhex(str(ad["nonce"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise BackendUnusable(f"unreadable shm advertisement ({type(e).__name__})") from None
+        if not _SEGMENT_NAME.fullmatch(segment):
+            raise BackendUnusable(f"invalid shm segment name {segment[:80]!r}")
+        control = probe(str(self.ctx.shm_dir / segment), nonce)  # our dir, never a path the peer chose
+        if control is None:
+            raise BackendUnusable("no shared host memory (the probe found no such page here)")
+        return ShmChannel(control, self.ctx.parts_executor)
+
+
+BACKEND = ShmBackend

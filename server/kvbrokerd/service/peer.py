@@ -27,12 +27,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                            ) -> peer_pb2.AuthenticateResponse:
         n = self.node
         n.links.inbound.authenticate(request)
-        control = n.registry.control_path
         return peer_pb2.AuthenticateResponse(
-            cluster_id=n.cluster_id, instance_epoch=n.epoch, backends=list(n.backends),
-            data_address=n.data_address, shm_probe_segment=control.name if control else "",
-            shm_probe_nonce=n.registry.nonce,
-        )
+            cluster_id=n.cluster_id, instance_epoch=n.epoch,
+            backend_info={name: b.advertise() for name, b in n.links.backends.items()})
 
     @llm_errors
     async def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.aio.ServicerContext
@@ -42,6 +39,8 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         return peer_pb2.GetCacheInfoResponse(
             cache_id=entry.cache_id, desc=desc_to_pb(entry.desc),
             tensors=[tensor_location_to_pb(t) for t in entry.tensors], instance_epoch=self.node.epoch,
+            backend_info={name: info for name, b in self.node.links.backends.items()
+                          if (info := b.describe_cache(entry))},
         )
 
     @llm_errors
