@@ -81,7 +81,7 @@ class Daemon:
                 cfg.cluster_id, epoch, cfg.backends, self._parts_executor,
                 credentials=tls.channel_credentials() if tls else None,
                 data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, shm_dir=Path(cfg.shm_dir))
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,

@@ -16,6 +16,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 
 import grpc
 import grpc.aio
@@ -123,8 +124,9 @@ class LinkTable:
     def __init__(self, cluster_id: int, epoch: str, backends: tuple[str, ...],
                  executor: concurrent.futures.Executor, *, credentials: grpc.ChannelCredentials | None = None,
                  data_tls: ssl.SSLContext | None = None, max_links: int = MAX_LINKS,
-                 auto_relink: bool = False) -> None:
+                 auto_relink: bool = False, shm_dir: Path = Path("/dev/shm")) -> None:
         self.cluster_id = cluster_id
+        self.shm_dir = shm_dir
         self._credentials = credentials
         self._data_tls = data_tls
         self.max_links = max_links
@@ -200,12 +202,12 @@ class LinkTable:
             if name not in peer_backends:
                 continue
             if name == shm_backend.NAME:
-                control = shm_backend.probe(resp.shm_probe_path, resp.shm_probe_nonce)
+                control = shm_backend.probe(PurePath(resp.shm_probe_path).name, resp.shm_probe_nonce, self.shm_dir)
                 if control is None:
                     log.info("cluster %d: shm probe failed (no shared host memory); trying the next backend",
                              link.remote_cluster_id)
                     continue
-                return shm_backend.ShmChannel(control, self._executor), name
+                return shm_backend.ShmChannel(control, self._executor, self.shm_dir), name
             if name == tcp_backend.NAME:
                 host, _, port = resp.data_address.rpartition(":")
                 if not host:
