@@ -1,4 +1,5 @@
-"""Memory that vanishes, fills up, or belongs to someone else never kills a daemon (issue 10, findings 3, 7 and 8).
+"""Memory that vanishes, fills up, or belongs to someone else never kills a daemon, and a peer never makes one
+touch a file outside its shm directory (issue 10, findings 2, 3, 7 and 8).
 
 Real daemons share a private shm directory (`--shm-dir`), so the tests see only the files they made. The test
 process plays the model server: it registers its own segments and then truncates them, as a careless one would.
@@ -7,6 +8,9 @@ It never touches a truncated cache's arrays itself (that would be its own SIGBUS
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -16,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -24,6 +29,7 @@ from kvbroker import (
     CacheDesc,
     CacheIndex,
     Client,
+    ClusterInfo,
     DataType,
     KvCacheNotExistError,
     LlmError,
@@ -31,7 +37,10 @@ from kvbroker import (
     OutOfMemoryError,
     TensorLocation,
 )
+from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._local import LocalDaemon
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbrokerd.links import PROTOCOL_VERSION
 from tests.conftest import cluster_of
 from tests.helpers import fill
 
@@ -306,3 +315,92 @@ def test_shm_push_while_the_destination_goes_away(pair: Pair, how: str) -> None:
     assert err.value.status == want, err.value
     assert sorted(err.value.failed_dst_blocks or []) == src_blocks
     assert pair.dst.proc is not None and pair.dst.proc.poll() is None, pair.dst.log_tail()
+
+
+# -- a linked peer names local files -------------------------------------------------------------------------------
+
+class _FakePeer(peer_pb2_grpc.PeerServicer):
+    """A Peer server that answers what the test tells it to: a stand-in for a hostile daemon (nothing real can be
+    made to send these answers)."""
+
+    EPOCH = "0123abcd"
+
+    def __init__(self, probe_path: str, nonce: bytes, segments: list[str], shm_dir: str = "/") -> None:
+        self.probe_path, self.nonce, self.segments, self.shm_dir = probe_path, nonce, segments, shm_dir
+
+    def Handshake(self, request: peer_pb2.HandshakeRequest, context: object) -> peer_pb2.HandshakeResponse:
+        return peer_pb2.HandshakeResponse(
+            protocol_version=PROTOCOL_VERSION, cluster_id=request.expected_cluster_id, instance_epoch=self.EPOCH,
+            backends=["shm"], link_token=b"t" * 32, shm_probe_path=self.probe_path, shm_probe_nonce=self.nonce)
+
+    def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: object) -> peer_pb2.GetCacheInfoResponse:
+        return peer_pb2.GetCacheInfoResponse(
+            cache_id=request.cache_id, desc=desc_to_pb(DESC), instance_epoch=self.EPOCH, shm_dir=self.shm_dir,
+            tensors=[tensor_location_to_pb(TensorLocation(s, 0)) for s in self.segments])
+
+    def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: object) -> peer_pb2.HeartbeatResponse:
+        return peer_pb2.HeartbeatResponse(instance_epoch=self.EPOCH, link_known=True)
+
+    def Unlink(self, request: peer_pb2.PeerUnlinkRequest, context: object) -> peer_pb2.PeerUnlinkResponse:
+        return peer_pb2.PeerUnlinkResponse()
+
+
+@contextlib.contextmanager
+def _fake_peer(servicer: _FakePeer) -> Iterator[str]:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    """A root-only file outside the shm directory that no peer may read or write through us."""
+    path = tmp_path / "secret"
+    path.write_bytes(b"S" * DESC.tensor_nbytes * 2)
+    path.chmod(0o600)
+    return path
+
+
+def test_a_peer_cannot_point_the_shm_probe_outside_our_directory(tmp_path: Path, shm_dir: Path) -> None:
+    nonce = os.urandom(16)
+    page = tmp_path / f"kvbroker-{_FakePeer.EPOCH}-ctl"
+    page.write_bytes(nonce + bytes(32))
+    with _fake_peer(_FakePeer(str(page), nonce, [])) as address, _daemon(tmp_path, 2, shm_dir) as d, \
+            d.client() as c:
+        [result] = c.link_clusters([ClusterInfo(remote_cluster_id=9, remote_address=address)])
+        assert result.status == LlmStatus.LLM_LINK_FAILED and "no common backend" in result.message, result
+
+
+@pytest.mark.parametrize("name", ["absolute", "dotdot", "symlink"])
+def test_a_peer_cannot_make_us_read_or_write_files_outside_our_directory(tmp_path: Path, shm_dir: Path,
+                                                                         secret: Path, name: str) -> None:
+    nonce = os.urandom(16)
+    page = shm_dir / f"kvbroker-{_FakePeer.EPOCH}-ctl"
+    page.write_bytes(nonce + bytes(8 * 7) + (7).to_bytes(8, "little"))  # 8 slots: cache 7 is "live"
+    lock = os.open(shm_dir / f"kvbroker-{_FakePeer.EPOCH}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the fake peer's daemon "runs"
+    (shm_dir / "innocent").symlink_to(secret)
+    segment = {"absolute": str(secret), "dotdot": f"../../..{secret}", "symlink": "innocent"}[name]
+    before = secret.read_bytes()
+    try:
+        with _fake_peer(_FakePeer(str(page), nonce, [segment, segment], str(shm_dir))) as address, \
+                _daemon(tmp_path, 2, shm_dir) as d, d.client() as c:
+            [result] = c.link_clusters([ClusterInfo(remote_cluster_id=9, remote_address=address)])
+            assert result.ok, result
+            dst = c.allocate_cache(DESC)
+            with pytest.raises(LlmError) as err:
+                c.pull_kv_blocks(CacheIndex(9, 7), dst, BLOCKS, BLOCKS)
+            assert err.value.status == LlmStatus.LLM_LINK_FAILED, err.value
+            assert not any(t.any() for t in dst.tensors), "nothing of the file may land in the cache"
+            fill(dst, 8)
+            with pytest.raises(LlmError):
+                c.push_kv_blocks(dst, CacheIndex(9, 7), BLOCKS, BLOCKS)
+            assert secret.read_bytes() == before
+            assert d.proc is not None and d.proc.poll() is None, d.log_tail()
+    finally:
+        os.close(lock)
