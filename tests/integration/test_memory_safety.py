@@ -234,6 +234,14 @@ def _can_unshare_pid() -> bool:
     return subprocess.run([*PID_NAMESPACE, "true"], capture_output=True).returncode == 0
 
 
+def _stop_in_namespace(daemon: LocalDaemon) -> int:
+    """SIGTERM to the daemon itself (unshare(1) ignores it), then its exit code as unshare passes it on."""
+    assert daemon.proc is not None
+    [child] = Path(f"/proc/{daemon.proc.pid}/task/{daemon.proc.pid}/children").read_text().split()
+    os.kill(int(child), signal.SIGTERM)
+    return daemon.proc.wait(10)
+
+
 def _allocate_in(daemon: LocalDaemon) -> Path:
     with daemon.client(lease_ttl=None) as c:
         cache = c.allocate_cache(DESC)
@@ -246,11 +254,12 @@ def test_a_daemon_in_another_pid_namespace_keeps_its_segments(tmp_path: Path, sh
     """The second daemon cannot see the first one's PID: by PID it would have taken it for dead."""
     with _daemon(tmp_path, 1, shm_dir) as first:
         segment = _allocate_in(first)
-        with _daemon(tmp_path, 2, shm_dir, wrapper=PID_NAMESPACE):
+        with _daemon(tmp_path, 2, shm_dir, wrapper=PID_NAMESPACE) as second:
             assert segment.exists(), "a live daemon's segment was removed"
             with first.client() as c:
                 assert segment.name in {r.tensors[0].segment for r in c.list_caches()}
                 c.allocate_cache(DESC)  # and it still serves
+            assert _stop_in_namespace(second) == 0, second.log_tail()
 
 
 @pytest.mark.skipif(not _can_unshare_pid(), reason="needs root and unshare(1) for a PID namespace")
@@ -262,10 +271,12 @@ def test_a_killed_daemons_segments_are_freed_by_a_daemon_with_its_pid(tmp_path: 
     assert victim.proc is not None
     victim.proc.wait()
     assert segment.exists()
-    with _daemon(tmp_path, 2, shm_dir, wrapper=PID_NAMESPACE):
+    with _daemon(tmp_path, 2, shm_dir, wrapper=PID_NAMESPACE) as successor:
         assert not segment.exists(), "a dead daemon's segment was left behind"
         owners = {p.name.split("-")[1].split(".")[0] for p in shm_dir.iterdir()}
         assert len(owners) == 1, f"only the live daemon's files remain: {sorted(owners)}"
+        assert _stop_in_namespace(successor) == 0, successor.log_tail()
+    assert not list(shm_dir.iterdir()), "a daemon that stops removes its files, lock included"
 
 
 # -- shm push into a destination that goes away ----------------------------------------------------------------------
