@@ -274,7 +274,7 @@ class TransferManager:
         if job.direction == Direction.COPY:
             # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
             dst, src = pinned
-            return lambda: memcopy.copy_plan(src.addresses, dst.addresses, plan, progress, deadline.at,
+            return lambda: memcopy.copy_plan(src.endpoint(), dst.endpoint(), plan, progress, deadline.at,
                                              self._parts_executor)
         assert job.link is not None and job.link.channel is not None and job.remote is not None
         channel, remote, local = job.link.channel, job.remote, pinned[0]
