@@ -32,6 +32,7 @@ import numpy as np
 from kvbrokerd.errors import LlmStatus, fail
 
 MAX_SLOTS = 1 << 20
+_FEW_RUNS = 16
 
 
 @dataclass(eq=False)
@@ -53,6 +54,12 @@ def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_
               num_blocks: int) -> np.ndarray:
     """Cells (tensor * num_blocks + block) that byte runs touch: run i covers bytes [offset, offset + length) of
     tensor `tensor[i]`. Runs must be non-empty (the planner and the data server check that first)."""
+    if len(tensor) <= _FEW_RUNS:  # plain ints beat a dozen numpy calls on tiny arrays (small pulls' latency)
+        few: list[int] = []
+        for t, off, n in zip(tensor.tolist(), offset.tolist(), length.tolist(), strict=True):
+            first = t * num_blocks + off // block_nbytes
+            few.extend(range(first, first + (off + n - 1) // block_nbytes - off // block_nbytes + 1))
+        return np.array(few, dtype=np.int64)
     bpb = np.int64(block_nbytes)
     first = offset.astype(np.int64) // bpb
     last = (offset.astype(np.int64) + length.astype(np.int64) - 1) // bpb
@@ -73,9 +80,9 @@ class BlockLocks:
         self._caches: weakref.WeakKeyDictionary[object, _CacheCells] = weakref.WeakKeyDictionary()
 
     def _try(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
-             wake: Callable[[], None]) -> Claim | None:
-        """Claims `cells` if none is busy; otherwise registers `wake` for the next release (atomically, so that
-        no release is missed) and returns None."""
+             wake: Callable[[], None] | None) -> Claim | None:
+        """Claims `cells` if none is busy; otherwise registers `wake` (if any) for the next release (atomically,
+        so that no release is missed) and returns None."""
         with self._lock:
             state = self._caches.get(key)
             if state is None:
@@ -84,7 +91,8 @@ class BlockLocks:
                 self._caches[key] = state
             slots = cells % len(state.busy) if len(state.busy) < num_tensors * num_blocks else cells
             if state.busy[slots].any():
-                state.waiters.append(wake)
+                if wake is not None:
+                    state.waiters.append(wake)
                 return None
             state.busy[slots] = True
             return Claim(state, slots)
@@ -111,6 +119,9 @@ class BlockLocks:
     async def claim_async(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
                           deadline: float, what: str) -> Claim:
         """`claim` for the event loop: waits without blocking the loop."""
+        held = self._try(key, num_tensors, num_blocks, cells, None)  # the common case: nobody else writes there
+        if held is not None:
+            return held
         loop = asyncio.get_running_loop()
         while True:
             freed: asyncio.Future[None] = loop.create_future()

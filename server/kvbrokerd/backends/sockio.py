@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import errno
 import ssl
+import struct
 import time
 from collections.abc import Callable
-from socket import socket
+from socket import SO_SNDTIMEO, SOL_SOCKET, socket
 
 IOV_BATCH = 512
 """Buffers per sendmsg/recvmsg_into call: one system call moves many small runs (Linux allows 1024)."""
@@ -53,6 +54,11 @@ class Watch:
             if left <= 0:
                 raise TimeoutError(f"no progress for {self._stall_s:g} s")
         return left if final or self._abandon is None else min(left, POLL_S)
+
+    @property
+    def in_slices(self) -> bool:
+        """Calls wait in POLL_S slices (to ask `abandon`), so a bulk send may block in the kernel that long."""
+        return self._abandon is not None
 
     def progressed(self) -> None:
         if self._stall_s is not None:
@@ -91,20 +97,40 @@ def send_views(sock: socket, views: list[memoryview], watch: Watch) -> None:
         return
     views = list(views)
     i = done = 0
-    while i < len(views):
-        sock.settimeout(watch.timeout())
-        try:
-            sent = sock.sendmsg(views[i : i + IOV_BATCH])
-        except TimeoutError:
-            watch.waited()
-            continue
-        except OSError as e:
-            if _is_fault(e):
-                raise MemoryFault(done) from e
-            raise
-        done += sent
-        watch.progressed()
-        i, _ = _advance(views, i, sent)
+    # A socket with a Python timeout is non-blocking: each sendmsg stops when the send buffer is full and needs a
+    # poll(2) before the next. A blocking socket with a kernel send timeout moves a whole batch per call instead,
+    # and still returns (EAGAIN, or a partial count) after POLL_S to let us check the deadline and `abandon`.
+    in_kernel = watch.in_slices
+    if in_kernel:
+        sock.settimeout(None)
+        _send_timeout(sock, POLL_S)
+    try:
+        while i < len(views):
+            if not in_kernel:
+                sock.settimeout(watch.timeout())
+            try:
+                sent = sock.sendmsg(views[i : i + IOV_BATCH])
+            except (TimeoutError, BlockingIOError):
+                watch.waited()
+                continue
+            except OSError as e:
+                if _is_fault(e):
+                    raise MemoryFault(done) from e
+                raise
+            done += sent
+            watch.progressed()
+            if in_kernel:
+                watch.timeout()  # raises once the deadline has passed, however steadily the reader reads
+            i, _ = _advance(views, i, sent)
+    finally:
+        if in_kernel:
+            _send_timeout(sock, 0.0)
+
+
+def _send_timeout(sock: socket, seconds: float) -> None:
+    """SO_SNDTIMEO (0 = none) of a blocking socket."""
+    whole = int(seconds)
+    sock.setsockopt(SOL_SOCKET, SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int], object], watch: Watch) -> None:
