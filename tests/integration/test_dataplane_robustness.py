@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from kvbroker._types import TensorLocation
 from kvbrokerd.backends import tcp
 from tests import dataport
 from tests.conftest import cluster_of
-from tests.helpers import Allocations, fill
+from tests.helpers import Allocations, fill, snapshot
 
 SMALL = CacheDesc(num_tensors=2, shape=(8, 16 << 10), data_type=DataType.FLOAT32)  # 64 KiB blocks
 LARGE = CacheDesc(num_tensors=2, shape=(8, 1 << 20), data_type=DataType.UINT8)  # 1 MiB blocks
@@ -297,3 +299,36 @@ async def test_concurrent_writes_into_the_same_blocks_are_never_torn(
                         assert len(matches) == 1, f"block {blk} is not one source's block (matches {matches})"
         finally:
             allocations.release()
+
+
+def test_a_write_that_waits_for_its_turn_past_its_deadline_writes_nothing(tmp_path: Path) -> None:
+    """A pull from a frozen peer holds destination blocks 0 and 1; a local copy into blocks 1 and 5 waits for its
+    turn, then fails with LLM_TIMEOUT at its own deadline, reporting both blocks, having written neither."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client() as d:
+        _link(dst, src)
+        a = s.allocate_cache(LARGE)
+        b, c = d.allocate_cache(LARGE), d.allocate_cache(LARGE)
+        for seed, cache in enumerate((a, b, c)):
+            fill(cache, seed)
+        d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, [7], [7])  # learns the source cache
+        src.signal(signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                stalled = pool.submit(d.pull_kv_blocks, CacheIndex(src.cluster_id, a.cache_id), b, [0, 1], [0, 1],
+                                      timeout=4)
+                time.sleep(1.0)
+                before = snapshot(b)
+                with pytest.raises(LlmError) as info:
+                    d.copy_kv_blocks(c, b, [2, 1], [[5, 1]], timeout=1)
+                assert info.value.status == LlmStatus.LLM_TIMEOUT, info.value
+                assert "same destination blocks" in info.value.message
+                assert sorted(info.value.failed_dst_blocks or []) == [1, 5]
+                assert all(np.array_equal(x[5], y[5]) for x, y in zip(b.tensors, before, strict=True))
+                with pytest.raises(LlmError) as hung:
+                    stalled.result()
+                assert hung.value.status == LlmStatus.LLM_TIMEOUT
+        finally:
+            src.signal(signal.SIGCONT)
+        d.copy_kv_blocks(c, b, [2, 1], [[5, 1]], timeout=10)  # the blocks are free again
+        assert _blocks_equal(c, [2, 1], b, [5, 1])
