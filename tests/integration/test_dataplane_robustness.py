@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker import AsyncClient, Cache, CacheDesc, CacheIndex, Client, DataType, LinkState, LlmError, LlmStatus
 from kvbroker._local import LocalDaemon
@@ -64,6 +66,9 @@ def test_data_port_survives_running_out_of_file_descriptors(tmp_path: Path) -> N
         a, b = s.allocate_cache(SMALL), d.allocate_cache(SMALL)
         fill(a, 1)
         secret, port = dataport.fake_link(src)
+        health = grpc.insecure_channel(src.target)  # connected before the flood: it needs no new descriptor
+        check = health_pb2_grpc.HealthStub(health).Check
+        assert check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         held: list[socket.socket] = []
         try:
             for _ in range(400):
@@ -73,12 +78,23 @@ def test_data_port_survives_running_out_of_file_descriptors(tmp_path: Path) -> N
                     break  # no greeting: the daemon cannot accept any more
             else:
                 pytest.fail("the daemon accepted 400 connections with 160 file descriptors")
+            # Health follows the data plane: a load balancer or kubelet sees the daemon cannot serve peers now.
+            deadline = time.monotonic() + 5
+            while check(health_pb2.HealthCheckRequest(), timeout=5).status != \
+                    health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health stayed SERVING while the data port could not accept"
+                time.sleep(0.1)
         finally:
             for sock in held:
                 sock.close()
         _link(dst, src)  # a new link: its pull needs a new data connection
         d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, [0, 5], [2, 3], timeout=10)
         assert _blocks_equal(a, [0, 5], b, [2, 3])
+        deadline = time.monotonic() + 5
+        while check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "health did not recover with the data port"
+            time.sleep(0.1)
+        health.close()
         log = src.log_tail(500)
         assert "cannot accept connections" in log and "accepts connections again" in log, log
 
