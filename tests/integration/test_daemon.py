@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvbroker import CacheDesc
-from kvbroker._local import LocalDaemon
+from kvbroker._local import DaemonStartError, LocalDaemon
 
 
 def _services(target: str) -> set[str]:
@@ -93,3 +94,44 @@ def test_demo_command_moves_verified_blocks_and_leaves_nothing_behind() -> None:
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _refused_start(d: LocalDaemon) -> list[str]:
+    """Starts `d`, which must refuse to start: exit 2 and one line of output that says why, no traceback."""
+    with pytest.raises(DaemonStartError):
+        d.start()
+    assert d.proc is not None and d.proc.returncode == 2, d.log_tail()
+    lines = [line for line in d.log_path.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines
+
+
+def test_a_second_daemon_never_takes_a_live_socket(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1) as first:
+        [line] = _refused_start(LocalDaemon(tmp_path, 2, local_listen=first.target))
+        assert line == (f"kvbrokerd: cannot listen on {first.target}: another daemon answers there (stop it first, or "
+                        "give another --listen)")
+        assert first.socket_path.is_socket()
+        with first.client() as c:
+            assert c.get_cluster_info().cluster_id == 1  # still reachable
+        assert "Traceback" not in first.log_tail() and "ERROR" not in first.log_tail()
+
+
+def test_a_stale_socket_is_replaced(tmp_path: Path) -> None:
+    d = LocalDaemon(tmp_path, 3)
+    with socket.socket(socket.AF_UNIX) as dead:  # what a SIGKILLed daemon leaves: a socket file, no listener
+        dead.bind(str(d.socket_path))
+    assert d.socket_path.is_socket()
+    with d, d.client() as c:
+        assert c.get_cluster_info().cluster_id == 3
+
+
+@pytest.mark.parametrize("which", ["peer API", "local API", "metrics", "tcp data plane"])
+def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path, which: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        extra = {"peer API": ["--peer-listen", taken], "metrics": ["--metrics-listen", taken],
+                 "tcp data plane": ["--data-port", taken.rpartition(":")[2]], "local API": []}[which]
+        d = LocalDaemon(tmp_path, 4, extra_args=extra, local_listen=taken if which == "local API" else "")
+        [line] = _refused_start(d)
+    assert line == f"kvbrokerd: cannot listen on {taken} ({which}): the address is in use by another process"
