@@ -19,7 +19,7 @@ from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 from kvbrokerd.registry import CacheEntry, desc_from_wire
-from kvbrokerd.service.errors import llm_errors, time_remaining, to_rpc_status
+from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
 from kvbrokerd.transfers import BlocksRequest, CacheRequest, Direction
 
 MAX_CLUSTERS_PER_CALL = 16
@@ -183,15 +183,22 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
 
     async def PullKvBlocksStream(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[broker_pb2.PullKvBlocksProgress]:
+        result: TransferResult | None = None
         try:
             async for item in self.node.transfers.pull_blocks_by_layer(_pull_blocks(request),
                                                                        time_remaining(context)):
                 if isinstance(item, TransferResult):
-                    yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, item))
+                    # Held back until the transfer has ended (and been counted DONE): a caller that closes the
+                    # stream as soon as it has the result must not turn a finished pull into a CANCELLED one.
+                    result = item
                 else:
                     yield broker_pb2.PullKvBlocksProgress(layer=item[0], layer_bytes=item[1])
-        except LlmError as err:
-            await context.abort_with_status(to_rpc_status(err))
+            if result is None:
+                fail(LlmStatus.LLM_FAILED, "the layer-wise pull ended without a result")
+        except Exception as exc:
+            await context.abort_with_status(status_of(exc, "PullKvBlocksStream"))
+            return
+        yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, result))
 
     @llm_errors
     async def PullKvCache(self, request: broker_pb2.PullKvCacheRequest, context: grpc.aio.ServicerContext
