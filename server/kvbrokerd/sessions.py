@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from kvbrokerd.errors import LlmError, param_invalid
+from kvbrokerd.limits import MAX_LEASE_TTL_S, MAX_SESSION_ID_BYTES, check_text
 from kvbrokerd.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 1.0
 MAX_SESSIONS = 4096
-MAX_SESSION_ID = 128
 REAP_INTERVAL_S = 0.5
 STALL_S = 0.25
 """A reaper round this much later than planned means the daemon did not run in between."""
@@ -45,10 +45,9 @@ class SessionTable:
 
     def touch(self, session_id: str, ttl_s: float | None = None) -> Session:
         """Creates or renews a session's lease (ttl_s None: keep the session's own, or the default)."""
-        if not session_id or len(session_id) > MAX_SESSION_ID:
-            param_invalid(f"session_id must be 1..{MAX_SESSION_ID} characters")
-        if ttl_s is not None and ttl_s < MIN_TTL_S:
-            param_invalid(f"lease ttl must be >= {MIN_TTL_S} s, got {ttl_s}")
+        check_text("session_id", session_id, MAX_SESSION_ID_BYTES, required=True)
+        if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_LEASE_TTL_S:
+            param_invalid(f"lease ttl must be in [{MIN_TTL_S}, {MAX_LEASE_TTL_S}] s, got {ttl_s}")
         session = self._sessions.get(session_id)
         if session is None:
             if len(self._sessions) >= MAX_SESSIONS:

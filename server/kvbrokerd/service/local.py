@@ -15,6 +15,7 @@ from kvbroker._status import LlmStatus
 from kvbroker._types import TensorLocation, TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd.errors import LlmError, fail
+from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
@@ -40,6 +41,7 @@ def cache_info(entry: CacheEntry, shm_dir: str, lease_expires_unix: float = 0.0)
 
 
 def _desc(msg: types_pb2.CacheDesc) -> object:
+    check_text("desc.layout_tag", msg.layout_tag, MAX_LAYOUT_TAG_BYTES)
     return desc_from_wire(msg.num_tensors, msg.data_type, msg.shape, msg.placement, msg.layout_tag)
 
 
@@ -77,9 +79,16 @@ def _check_cluster_count(n: int) -> None:
         fail(LlmStatus.LLM_CLUSTER_NUM_EXCEED_LIMIT, f"{n} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}")
 
 
+def _checked_address(c: broker_pb2.ClusterInfo) -> str:
+    check_text("remote_address", c.remote_address, MAX_ADDRESS_BYTES)
+    return c.remote_address
+
+
 class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._listing_bytes: dict[int, int] = {}
+        """Size of each cache's entry in the ListCaches reply, by cache id (see MAX_CACHE_LISTING_BYTES)."""
 
     @property
     def _shm_dir(self) -> str:
@@ -105,7 +114,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         if request.session_id:
             self.node.sessions.touch(request.session_id)
         entry = self.node.registry.allocate(_desc(request.desc), owner=request.session_id)  # type: ignore[arg-type]
-        return broker_pb2.AllocateCacheResponse(cache=self._info(entry))
+        return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
 
     @llm_errors
     async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
@@ -121,7 +130,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             self.node.sessions.touch(request.session_id)
         entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
                                             owner=request.session_id)
-        return broker_pb2.RegisterKvCacheResponse(cache=self._info(entry))
+        return broker_pb2.RegisterKvCacheResponse(cache=await self._admit(entry))
 
     @llm_errors
     async def UnregisterKvCache(self, request: broker_pb2.UnregisterKvCacheRequest,
@@ -145,13 +154,29 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         expires = self.node.sessions.expires_unix(entry.owner) if entry.owner else 0.0
         return cache_info(entry, self._shm_dir, expires)
 
+    async def _admit(self, entry: CacheEntry) -> broker_pb2.CacheInfo:
+        """The new cache's description, unless it would make the ListCaches reply too large for anyone to receive:
+        then the cache is removed again and the call refused."""
+        info = self._info(entry)
+        live = {e.cache_id for e in self.node.registry.list()}
+        sizes = {cache_id: n for cache_id, n in self._listing_bytes.items() if cache_id in live}
+        size = info.ByteSize() + 6  # + its tag and length prefix in the repeated field
+        if sum(sizes.values()) + size > MAX_CACHE_LISTING_BYTES:
+            await self.node.registry.remove(entry.cache_id, daemon_owned=None, wait_s=0.0)
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"the descriptions of all caches would exceed {MAX_CACHE_LISTING_BYTES} "
+                 f"bytes (the ListCaches limit); this one takes {size} (its tensors' segment names); release caches "
+                 "or register fewer, larger tensors")
+        sizes[entry.cache_id] = size
+        self._listing_bytes = sizes
+        return info
+
     @llm_errors
     async def LinkClusters(self, request: broker_pb2.LinkClustersRequest, context: grpc.aio.ServicerContext
                            ) -> broker_pb2.LinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
         results = await _per_cluster(request.clusters,
-                                     lambda c: self.node.links.link(c.remote_cluster_id, c.remote_address, timeout))
+                                     lambda c: self.node.links.link(c.remote_cluster_id, _checked_address(c), timeout))
         return broker_pb2.LinkClustersResponse(results=results)
 
     @llm_errors
@@ -159,8 +184,12 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                              ) -> broker_pb2.UnlinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-        results = await _per_cluster(request.clusters,
-                                     lambda c: self.node.links.unlink(c.remote_cluster_id, request.force, timeout))
+
+        async def unlink(c: broker_pb2.ClusterInfo) -> None:
+            _checked_address(c)  # unused (the cluster id names the link), but bounded like everywhere else
+            await self.node.links.unlink(c.remote_cluster_id, request.force, timeout)
+
+        results = await _per_cluster(request.clusters, unlink)
         return broker_pb2.UnlinkClustersResponse(results=results)
 
     @llm_errors
