@@ -136,6 +136,9 @@ def _hint(status: LlmStatus, args: argparse.Namespace) -> str | None:
     cluster = getattr(args, "src_cluster", None) or getattr(args, "cluster", None) or "N"
     if status == LlmStatus.LLM_NOT_YET_LINK and args.command == "unlink":
         return f"nothing to unlink: `kvbroker links --target {target}` lists the links"
+    if status == LlmStatus.LLM_FAILED and args.command in ("bench", "demo"):
+        # These talk only to daemons they started themselves: no --target to check.
+        return f"a daemon that `kvbroker {args.command}` started stopped answering; is /dev/shm (or memory) full?"
     hints: dict[LlmStatus, str] = {
         LlmStatus.LLM_NOT_YET_LINK: f"run `kvbroker link --target {target} --cluster {cluster} --address HOST:PORT` "
                                     "first (HOST:PORT = the remote daemon's PEER ADDRESS in its `kvbroker status`)",

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from kvbroker import Cache, CacheDesc, ClusterInfo
-from kvbroker._cli import Progress, build_parser, fmt_gbps
+from kvbroker._cli import Progress, _hint, build_parser, fmt_gbps
 from kvbroker._local import LocalDaemon
+from kvbroker._status import LlmStatus
 from tests.helpers import fill
 
 
@@ -359,3 +360,9 @@ def test_bench_notes_and_the_progress_bar_do_not_run_together() -> None:
     screen = _screen(term.getvalue())
     assert screen[:3] == ["[bench] shm: daemons up", "[bench] tcp: daemons up",
                           "[" + "#" * 30 + "] 100.0%  tcp 64 KiB blocks"], screen
+
+
+def test_bench_failures_do_not_point_at_a_target_it_never_used() -> None:
+    for command in ("bench", "demo"):
+        hint = _hint(LlmStatus.LLM_FAILED, argparse.Namespace(command=command)) or ""
+        assert f"`kvbroker {command}` started" in hint and "/run/kvbroker" not in hint
