@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from kvbrokerd.backends.base import Backend, LocalContext
 from kvbrokerd.backends.tcp import TcpBackend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
+from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_use, unix_path
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
@@ -73,9 +73,11 @@ class Daemon:
         self.metrics_port = 0
         self._stopped = asyncio.Event()
         self._stopping = False
+        self._owns_socket = False
 
     async def start(self) -> None:
         cfg = self.config
+        _claim_addresses(cfg)  # before anything is created: a refusal leaves no trace and touches nobody's socket
         try:
             self._registry = Registry(Path(cfg.shm_dir), cfg.max_caches)
             self._registry.open()
@@ -110,7 +112,10 @@ class Daemon:
             for name in cfg.backends:
                 backend = backends.backend_class(name)(ctx)
                 self._backends.append(backend)
-                await backend.start()
+                try:
+                    await backend.start()
+                except OSError as e:
+                    raise ListenError(f"cannot start the {name} data plane: {e.strerror or e}") from None
             self._links.backends = {b.name: b for b in self._backends}
             tcp = self._links.backends.get("tcp")
             data_address = f":{tcp.port}" if isinstance(tcp, TcpBackend) else ""
@@ -169,10 +174,14 @@ class Daemon:
         reflection.enable_server_reflection(
             (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
             pool=commented_pool())
-        port: int = (server.add_insecure_port(address) if credentials is None else
-                     server.add_secure_port(address, credentials))
+        what = "local API" if service == LOCAL_SERVICE else "peer API"
+        try:
+            port: int = (server.add_insecure_port(address) if credentials is None else
+                         server.add_secure_port(address, credentials))
+        except RuntimeError:  # gRPC says only "failed to bind"; the usual cause is a listener that came first
+            raise in_use(address, what) from None
         if port == 0 and not address.startswith("unix:"):
-            raise OSError(f"cannot listen on {address}")
+            raise in_use(address, what)
         await server.start()
         self._servers.append(server)
         self._health.append((health_servicer, service))
@@ -182,12 +191,12 @@ class Daemon:
         if not listen.startswith("unix://"):
             port = await self._serve(listen, node, LOCAL_SERVICE)
             return f"{listen.rpartition(':')[0]}:{port}"
-        _prepare_socket_path(listen)
         old_umask = os.umask(0o177)  # The socket is born 0600: only this user may drive the daemon.
         try:
             await self._serve(listen, node, LOCAL_SERVICE)
         finally:
             os.umask(old_umask)
+        self._owns_socket = True
         return listen
 
     def _state(self) -> dict[str, Any]:
@@ -226,10 +235,11 @@ class Daemon:
             self._registry.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.config.listen.startswith("unix://"):
+        if self._owns_socket:
             _remove_socket(self.config.listen)
         self._stopped.set()
-        log.info("kvbrokerd stopped")
+        if self.node is not None:  # a daemon that never started has nothing to report (its error says why)
+            log.info("kvbrokerd stopped")
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -245,18 +255,26 @@ class Daemon:
         await self.stop()
 
 
-def _prepare_socket_path(listen: str) -> None:
-    """Creates the socket's directory and removes a socket file left by a previous daemon (never a regular file)."""
-    path = Path(listen[len("unix://") :])
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
+def _claim_addresses(cfg: Config) -> None:
+    """Refuses, with one line naming the address, any address another process holds; replaces a stale socket."""
+    if cfg.listen.startswith("unix://"):
+        claim_unix_socket(cfg.listen)
+    else:
+        check_tcp_free(cfg.listen, "local API")
+    check_tcp_free(cfg.peer_listen, "peer API")
+    if "tcp" in cfg.backends and cfg.data_port:
+        check_tcp_free(_host_port(cfg.peer_listen.rpartition(":")[0].strip("[]"), cfg.data_port), "tcp data plane")
+    if cfg.metrics_listen:
+        check_tcp_free(cfg.metrics_listen, "metrics")
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _remove_socket(listen: str) -> None:
     with contextlib.suppress(OSError):
-        Path(listen[len("unix://") :]).unlink()
+        unix_path(listen).unlink()
 
 
 def _advertised(host: str, port: int) -> str:

@@ -3,6 +3,10 @@
 A client names a session (a random id) when it allocates or registers caches and renews the session's lease with
 KeepAlive. When a lease expires, the reaper releases the session's caches (waiting for transfers that use them),
 and the daemon carries on.
+
+A lease measures the client's silence, not the daemon's: while the daemon does not run (SIGSTOP, a host too loaded
+to schedule it) it cannot hear KeepAlives either. The reaper notices such a stall by waking up late, and then gives
+every session a full TTL, counted from the moment the daemon runs again, to be heard.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from kvbrokerd.errors import LlmError, param_invalid
+from kvbrokerd.limits import MAX_LEASE_TTL_S, MAX_SESSION_ID_BYTES, check_text
 from kvbrokerd.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -21,8 +26,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 1.0
 MAX_SESSIONS = 4096
-MAX_SESSION_ID = 128
 REAP_INTERVAL_S = 0.5
+STALL_S = 0.25
+"""A reaper round this much later than planned means the daemon did not run in between."""
 
 
 @dataclass
@@ -39,10 +45,9 @@ class SessionTable:
 
     def touch(self, session_id: str, ttl_s: float | None = None) -> Session:
         """Creates or renews a session's lease (ttl_s None: keep the session's own, or the default)."""
-        if not session_id or len(session_id) > MAX_SESSION_ID:
-            param_invalid(f"session_id must be 1..{MAX_SESSION_ID} characters")
-        if ttl_s is not None and ttl_s < MIN_TTL_S:
-            param_invalid(f"lease ttl must be >= {MIN_TTL_S} s, got {ttl_s}")
+        check_text("session_id", session_id, MAX_SESSION_ID_BYTES, required=True)
+        if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_LEASE_TTL_S:
+            param_invalid(f"lease ttl must be in [{MIN_TTL_S}, {MAX_LEASE_TTL_S}] s, got {ttl_s}")
         session = self._sessions.get(session_id)
         if session is None:
             if len(self._sessions) >= MAX_SESSIONS:
@@ -70,9 +75,24 @@ class SessionTable:
                 await self._reaper
 
     async def _reap_forever(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
+            late = time.monotonic() - last - REAP_INTERVAL_S
+            if late > STALL_S:
+                self.forgive_stall(late)
             await self.reap()
+            last = time.monotonic()
+
+    def forgive_stall(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s`: every lease gets a full TTL from now, so that clients that kept
+        sending KeepAlive into a stopped daemon are heard before anything of theirs is released."""
+        now = time.monotonic()
+        for session in self._sessions.values():
+            session.expires = max(session.expires, now + session.ttl_s)
+        if self._sessions:
+            log.warning("the daemon did not run for %.1f s (stopped or starved of CPU): %d client leases renewed for "
+                        "a full TTL", stalled_s, len(self._sessions))
 
     async def reap(self) -> None:
         now = time.monotonic()

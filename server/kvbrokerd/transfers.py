@@ -357,8 +357,12 @@ class TransferManager:
                 try:
                     t.moved += await self.run(job, t.deadline, t.id, sub)
                 except LlmError as e:
-                    report = e.details["transfer_report"]
-                    if k < len(layers) - 1:
+                    report = e.details.get("transfer_report")
+                    refused = report is None  # a limit refused this layer before any of its bytes moved
+                    if report is None:
+                        report = e.details["transfer_report"] = errors_pb2.TransferReport(
+                            transfer_id=t.id, backend=job.backend, stage="transfer")
+                    if k < len(layers) - 1 or refused:
                         # Later layers never started: every requested block misses those layers' bytes.
                         report.ClearField("failed_dst_blocks")
                         report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())

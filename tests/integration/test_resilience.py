@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvbroker import (
@@ -24,7 +25,9 @@ from kvbroker import (
     LlmError,
     LlmStatus,
 )
+from kvbroker import _convert as cv
 from kvbroker._local import LocalDaemon
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from tests.conftest import cluster_of
 from tests.helpers import fill
 
@@ -74,6 +77,45 @@ def test_a_living_client_keeps_its_caches_and_no_lease_means_forever(tmp_path: P
         assert {kept.cache_id, forever.cache_id} <= ids
         alive.close()  # stops renewing: the cache goes after its lease
         assert wait_until(lambda: {r.cache_id for r in plain.list_caches()} == {forever.cache_id})
+
+
+def test_a_stopped_daemon_gives_live_clients_a_full_lease_after_it_resumes(tmp_path: Path) -> None:
+    """A lease measures the client's silence, not the daemon's: a daemon frozen (SIGSTOP, a starved host) for longer
+    than a lease must not release, as soon as it runs again, the caches of clients that were sending KeepAlive all
+    along. A client that really is gone still loses its caches, one lease later."""
+    ttl = 2.0
+    with LocalDaemon(tmp_path, 1) as d, d.client(lease_ttl=None) as observer, d.client(lease_ttl=ttl) as real, \
+            grpc.insecure_channel(d.target) as channel:
+        stub = broker_pb2_grpc.KvBrokerStub(channel)
+
+        def session(name: str) -> int:
+            # A session renewed by hand, so that the test decides when the daemon hears it.
+            stub.KeepAlive(broker_pb2.KeepAliveRequest(session_id=name, ttl_ms=int(ttl * 1000)), timeout=5)
+            request = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(SMALL), session_id=name)
+            return int(stub.AllocateCache(request, timeout=5).cache.cache_id)
+
+        def renew(name: str) -> None:
+            stub.KeepAlive(broker_pb2.KeepAliveRequest(session_id=name, ttl_ms=int(ttl * 1000)), timeout=5)
+
+        live, gone = session("live-client"), session("gone-client")
+        kept = real.allocate_cache(SMALL).cache_id  # renewed in the background, as model servers do
+        d.signal(signal.SIGSTOP)
+        try:
+            time.sleep(2 * ttl)
+        finally:
+            d.signal(signal.SIGCONT)
+        time.sleep(ttl / 2)  # the live client speaks again well within one lease of the resume, not at once
+        renew("live-client")
+        ids = {r.cache_id for r in observer.list_caches()}
+        assert {live, kept, gone} <= ids
+
+        def gone_released() -> bool:
+            renew("live-client")
+            return gone not in {r.cache_id for r in observer.list_caches()}
+
+        assert wait_until(gone_released, timeout=4 * ttl)
+        assert {live, kept} <= {r.cache_id for r in observer.list_caches()}
+        assert "did not run for" in d.log_tail(50)
 
 
 def test_client_reconnects_after_a_daemon_restart(tmp_path: Path) -> None:
