@@ -88,7 +88,8 @@ class CacheEntry:
                         offsets=[t.offset for t in self.tensors], stable=self.daemon_owned, check=self.check_intact)
 
 
-def validate_desc(desc: CacheDesc) -> None:
+def validate_desc(desc: CacheDesc, *, host: bool = True) -> None:
+    """`host`: the cache lives in shm (this registry's memory); device caches go through devicemem.py."""
     if not 1 <= desc.num_tensors <= MAX_TENSORS:
         param_invalid(f"num_tensors must be in [1, {MAX_TENSORS}], got {desc.num_tensors}")
     if not 1 <= len(desc.shape) <= MAX_DIMS:
@@ -97,8 +98,9 @@ def validate_desc(desc: CacheDesc) -> None:
         param_invalid(f"every dim must be >= 1 (shape[0] is the block count), got shape {list(desc.shape)}")
     if math.prod(desc.shape) * desc.data_type.itemsize > MAX_TENSOR_BYTES:
         param_invalid(f"a tensor of shape {list(desc.shape)} is larger than {MAX_TENSOR_BYTES} bytes")
-    if desc.placement != Placement.HOST:
-        fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, "only host placement is served (no device backend is enabled)")
+    if host and desc.placement != Placement.HOST:
+        fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, "a device cache is registered with a device location per tensor "
+             "(TensorLocation.device); AllocateCache makes host caches only")
 
 
 def desc_from_wire(num_tensors: int, data_type: int, shape: Sequence[int], placement: int, tag: str) -> CacheDesc:
@@ -114,7 +116,7 @@ def desc_from_wire(num_tensors: int, data_type: int, shape: Sequence[int], place
     if not 1 <= len(shape) <= MAX_DIMS:
         param_invalid(f"shape must have 1..{MAX_DIMS} dims, got {len(shape)}")
     desc = CacheDesc(num_tensors=num_tensors, shape=tuple(shape), data_type=dtype, placement=place, layout_tag=tag)
-    validate_desc(desc)
+    validate_desc(desc, host=False)  # the placement is checked by whoever takes the cache (registry or devicemem)
     return desc
 
 

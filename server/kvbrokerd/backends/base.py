@@ -12,11 +12,12 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from kvbroker._status import LlmError, LlmStatus
 from kvbroker._types import CacheDesc, TensorLocation
 
 if TYPE_CHECKING:
@@ -121,6 +122,12 @@ class Backend(abc.ABC):
     def describe_cache(self, entry: CacheEntry) -> bytes:
         """Per-backend bytes a peer needs to address `entry` (empty: the generic description suffices)."""
         return b""
+
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
+        """Imports the IPC handles of a device cache (validated by devicemem.py) and registers it; backends that
+        declare a device memory kind implement it."""
+        raise LlmError(LlmStatus.LLM_FEATURE_NOT_ENABLED,
+                       f"the {self.name} backend cannot import {desc.placement.name} memory yet")
 
     def forget_cache(self, entry: CacheEntry) -> None:  # noqa: B027 - optional hook
         """`entry` is leaving the registry: drop what `describe_cache` set up for it."""

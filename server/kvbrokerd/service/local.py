@@ -10,11 +10,11 @@ import grpc.aio
 from google.protobuf.message import Message
 
 import kvbrokerd
-from kvbroker._convert import desc_to_pb, tensor_location_to_pb
+from kvbroker._convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
-from kvbroker._types import TensorLocation, TransferResult
+from kvbroker._types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from kvbrokerd import notifications
+from kvbrokerd import devicemem, notifications
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import PROTOCOL_VERSION
@@ -126,11 +126,15 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     @llm_errors
     async def RegisterKvCache(self, request: broker_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext
                               ) -> broker_pb2.RegisterKvCacheResponse:
-        tensors = [TensorLocation(t.segment, t.offset) for t in request.tensors]
+        tensors = [tensor_location_from_pb(t) for t in request.tensors]
         if request.session_id:
             self.node.sessions.touch(request.session_id)
-        entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
-                                            owner=request.session_id)
+        if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
+            entry = devicemem.register(_desc(request.desc), tensors, self.node.links.backends,  # type: ignore[arg-type]
+                                       owner=request.session_id)
+        else:
+            entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
+                                                owner=request.session_id)
         return broker_pb2.RegisterKvCacheResponse(cache=await self._admit(entry))
 
     @llm_errors
