@@ -187,3 +187,21 @@ def test_peer_segments_must_be_plain_files_of_the_peer_owner(shm_dir: Path, tmp_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_peer_tensor_count_must_match_its_description(shm_dir: Path) -> None:
+    nonce = os.urandom(NONCE_BYTES)
+    name = _peer(shm_dir, nonce)
+    holder = _hold_lock(shm_dir / shmseg.lock_name("0123abcd"))
+    try:
+        control = shm_backend.probe(name, nonce, shm_dir)
+        assert control is not None
+        _file(shm_dir / "model", 8192)
+        desc = CacheDesc(num_tensors=2, shape=(4, 1024), data_type=DataType.UINT8)
+        remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation("model", 0),), shm_dir="")
+        with pytest.raises(LlmError) as err:
+            shm_backend._Opened.open(remote, control, shm_dir, writable=False)
+        assert err.value.status == LlmStatus.LLM_LINK_FAILED and "located 1" in err.value.message
+    finally:
+        holder.kill()
+        holder.wait()
