@@ -1,7 +1,8 @@
 """The cache registry: which caches this daemon holds, where their bytes are, and who is using them.
 
-Thread-safety: the registry is mutated on the event loop, but data-plane threads look caches up and pin them while
-they copy; `_lock` guards the table and the pin counts, so a cache is never unmapped under a running copy.
+Thread-safety: the registry is mutated on the event loop and by AllocateCache on worker threads (reserving memory
+takes time); data-plane threads look caches up and pin them while they copy. `_lock` guards the table, the id counter
+and the pin counts, so a cache is never unmapped under a running copy.
 
 Segments: AllocateCache creates `kvbroker-<instance>-c<id>` with its memory reserved (a full tmpfs is refused here,
 never discovered by a SIGBUS later). RegisterKvCache takes a model server's own segments by plain name in this
@@ -322,6 +323,10 @@ class Registry:
         addresses = [int(np.frombuffer(v, np.uint8).ctypes.data) for v in views]
         entry = CacheEntry(cache_id, desc, tensors, daemon_owned, segments, views, owner=owner, addresses=addresses)
         with self._lock:
+            if len(self._caches) >= self.max_caches:  # again: AllocateCache runs on worker threads
+                for v in views:
+                    v.release()
+                fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)
         return entry

@@ -221,6 +221,29 @@ def test_allocate_reserves_tmpfs_space_and_refuses_what_does_not_fit(tmp_path: P
         _unmount(mount)
 
 
+def test_the_daemon_keeps_answering_while_allocate_reserves_memory(tmp_path: Path, shm_dir: Path) -> None:
+    """Reserving 1 GiB takes from a third of a second to seconds: it must not stall the event loop meanwhile."""
+    with _daemon(tmp_path, 1, shm_dir) as daemon, daemon.client() as c, daemon.client() as pinger:
+        took: list[float] = []
+
+        def allocate() -> None:
+            started = time.monotonic()
+            cache = c.allocate_cache(CacheDesc(num_tensors=4, shape=(1024, 256 << 10), data_type=DataType.UINT8))
+            took.append(time.monotonic() - started)
+            c.deallocate_cache(cache)
+
+        thread = threading.Thread(target=allocate)
+        thread.start()
+        slowest = 0.0
+        while not took and thread.is_alive():
+            started = time.monotonic()
+            pinger.ping()
+            slowest = max(slowest, time.monotonic() - started)
+        thread.join()
+        assert took, "the allocation failed"
+        assert slowest < max(0.25, took[0] / 4), f"a ping waited {slowest:.2f} s for a {took[0]:.2f} s allocation"
+
+
 def test_control_page_is_private(tmp_path: Path, shm_dir: Path) -> None:
     with _daemon(tmp_path, 1, shm_dir):
         [page] = [p for p in shm_dir.iterdir() if p.name.endswith("-ctl")]

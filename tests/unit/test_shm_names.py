@@ -187,3 +187,68 @@ def test_peer_segments_must_be_plain_files_of_the_peer_owner(shm_dir: Path, tmp_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_peer_tensor_count_must_match_its_description(shm_dir: Path) -> None:
+    nonce = os.urandom(NONCE_BYTES)
+    name = _peer(shm_dir, nonce)
+    holder = _hold_lock(shm_dir / shmseg.lock_name("0123abcd"))
+    try:
+        control = shm_backend.probe(name, nonce, shm_dir)
+        assert control is not None
+        _file(shm_dir / "model", 8192)
+        desc = CacheDesc(num_tensors=2, shape=(4, 1024), data_type=DataType.UINT8)
+        remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation("model", 0),), shm_dir="")
+        with pytest.raises(LlmError) as err:
+            shm_backend._Opened.open(remote, control, shm_dir, writable=False)
+        assert err.value.status == LlmStatus.LLM_LINK_FAILED and "located 1" in err.value.message
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_COPY_FROM_SHRUNK_SOURCE = """
+import concurrent.futures, os, sys, time
+from pathlib import Path
+import numpy as np
+from kvbroker._types import CacheDesc, DataType
+from kvbrokerd import shmseg
+from kvbrokerd.backends import memcopy
+from kvbrokerd.errors import LlmError
+from kvbrokerd.planner import LayerSelection, Progress, plan_blocks
+
+shm_dir, mode = Path(sys.argv[1]), sys.argv[2]
+desc = CacheDesc(num_tensors=1, shape=(16, 4096), data_type=DataType.UINT8)
+src = shmseg.Segment.open(shm_dir, "src", writable=True, owner=None, min_size=desc.tensor_nbytes)
+dst = shmseg.Segment.open(shm_dir, "dst", writable=True, owner=None, min_size=desc.tensor_nbytes)
+def side(seg, label):
+    # no size re-check: the memory shrinks after it, during the copy
+    return memcopy.Endpoint(label, [memcopy.base_address(seg.map())], [seg.fd], [0], False, lambda: None)
+src_side, dst_side = side(src, "the source"), side(dst, "the destination")
+os.ftruncate((src if mode == "source" else dst).fd, 4096 * 3)
+blocks = np.arange(16, dtype=np.uint64)  # as block_array gives them
+plan = plan_blocks(desc, desc, blocks, blocks[::-1].copy(), LayerSelection())
+progress = Progress(plan)
+try:
+    memcopy.copy_plan(src_side, dst_side, plan, progress, time.monotonic() + 10,
+                      concurrent.futures.ThreadPoolExecutor(1))
+except LlmError as e:
+    print(e.status.name, e.message, sorted(progress.failed_dst_blocks().tolist()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["source", "destination"])
+def test_a_copy_through_memory_that_shrinks_under_it_is_an_error_not_a_signal(shm_dir: Path, mode: str) -> None:
+    """The kernel copy, with nothing checked before: what a truncation in the middle of a copy looks like. Run in
+    a child process, so that a SIGBUS would fail this test instead of killing the test runner."""
+    _file(shm_dir / "src", 16 * 4096, bytes(range(256)) * 256)
+    _file(shm_dir / "dst", 16 * 4096)
+    out = subprocess.run([sys.executable, "-c", _COPY_FROM_SHRUNK_SOURCE, str(shm_dir), mode],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"the copier died ({out.returncode}): {out.stderr}"
+    status, _, rest = out.stdout.partition(" ")
+    assert status == "LLM_KV_CACHE_NOT_EXIST", out.stdout
+    assert ("shrank during the copy" if mode == "source" else "vanished during the copy") in rest
+    failed = [int(b) for b in rest[rest.index("[") + 1 : rest.index("]")].split(",")]
+    # Blocks 0-2 of each side survive the truncation to 3 pages: with dst = reversed src, what landed is exact.
+    assert len(failed) >= 13 and all(0 <= b < 16 for b in failed)

@@ -122,6 +122,9 @@ class _Opened:
     @classmethod
     def open(cls, remote: RemoteCache, control: PeerControl, shm_dir: Path, *, writable: bool) -> _Opened:
         label = f"remote cache {remote.cache_id}"
+        if len(remote.tensors) != remote.desc.num_tensors:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{label}: the peer described {remote.desc.num_tensors} tensors but "
+                 f"located {len(remote.tensors)}", cache_id=remote.cache_id)
         n = remote.desc.tensor_nbytes
         extents: dict[str, int] = {}
         for t in remote.tensors:
