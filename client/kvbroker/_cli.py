@@ -181,15 +181,16 @@ def _not_the_local_api(e: LlmError) -> bool:
 
 def _serves_peer_api(target: str, timeout: float) -> bool:
     """Whether `target` is a kvbrokerd peer port: its health service knows kvbroker.v1.Peer."""
-    try:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-    except ImportError:  # a client-only install (no `kvbroker[server]`): cannot tell
-        return False
+    import grpc
+
+    # HealthCheckRequest{service: "kvbroker.v1.Peer"} encoded by hand: the client does not depend on grpc_health.
+    service = b"kvbroker.v1.Peer"
+    request = b"\x0a" + bytes([len(service)]) + service
     with grpc.insecure_channel(target) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
         try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvbroker.v1.Peer"),
-                                                      timeout=timeout)
+            check(request, timeout=timeout)
         except grpc.RpcError:
             return False
     return True

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 60.0
 GRACE_S = 1.0
 REPLY_MARGIN_S = 0.05
+MAX_REPLY_MARGIN_S = 0.25
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
 
@@ -104,7 +105,9 @@ class Deadline:
 
     def __init__(self, timeout: float | None) -> None:
         budget = DEFAULT_DEADLINE_S if timeout is None else timeout
-        self.at = time.monotonic() + budget - min(REPLY_MARGIN_S, budget * 0.1)
+        # 10% of the budget (50-250 ms): on a loaded host a reply sent 50 ms early can still miss a 1 s deadline.
+        margin = min(MAX_REPLY_MARGIN_S, max(REPLY_MARGIN_S, budget * 0.1), budget * 0.2)
+        self.at = time.monotonic() + budget - margin
 
     def remaining(self) -> float:
         return max(0.001, self.at - time.monotonic())
