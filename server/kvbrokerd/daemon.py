@@ -178,7 +178,10 @@ class Daemon:
         try:
             port: int = (server.add_insecure_port(address) if credentials is None else
                          server.add_secure_port(address, credentials))
-        except RuntimeError:  # gRPC says only "failed to bind"; the usual cause is a listener that came first
+        except RuntimeError:  # gRPC says only "failed to bind"; on a port, most likely a listener that came first
+            if address.startswith("unix:"):
+                raise ListenError(f"cannot listen on {address} ({what}): cannot bind the socket there (check the "
+                                  "directory's permissions)") from None
             raise in_use(address, what) from None
         if port == 0 and not address.startswith("unix:"):
             raise in_use(address, what)

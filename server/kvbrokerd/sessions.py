@@ -5,8 +5,10 @@ KeepAlive. When a lease expires, the reaper releases the session's caches (waiti
 and the daemon carries on.
 
 A lease measures the client's silence, not the daemon's: while the daemon does not run (SIGSTOP, a host too loaded
-to schedule it) it cannot hear KeepAlives either. The reaper notices such a stall by waking up late, and then gives
-every session a full TTL, counted from the moment the daemon runs again, to be heard.
+to schedule it) it cannot hear KeepAlives either. The reaper notices such a stall by waking up late and moves every
+lease's expiry on by the stall, so that leases count only time the daemon ran; after a stall as long as a session's
+TTL, every KeepAlive of that session went unheard, so it gets at least a full TTL from the resume. A client that is
+really gone still loses its caches: short stalls only shift its expiry, never reset it.
 """
 
 from __future__ import annotations
@@ -80,19 +82,21 @@ class SessionTable:
             await asyncio.sleep(REAP_INTERVAL_S)
             late = time.monotonic() - last - REAP_INTERVAL_S
             if late > STALL_S:
-                self.forgive_stall(late)
+                # The stall may have begun anywhere in the interval: count the whole interval, erring for clients.
+                self.forgive_stall(late + REAP_INTERVAL_S)
             await self.reap()
             last = time.monotonic()
 
     def forgive_stall(self, stalled_s: float) -> None:
-        """The daemon did not run for `stalled_s`: every lease gets a full TTL from now, so that clients that kept
-        sending KeepAlive into a stopped daemon are heard before anything of theirs is released."""
+        """The daemon did not run for `stalled_s`: that time does not count against any lease."""
         now = time.monotonic()
         for session in self._sessions.values():
-            session.expires = max(session.expires, now + session.ttl_s)
+            session.expires += stalled_s
+            if stalled_s >= session.ttl_s:
+                session.expires = max(session.expires, now + session.ttl_s)
         if self._sessions:
-            log.warning("the daemon did not run for %.1f s (stopped or starved of CPU): %d client leases renewed for "
-                        "a full TTL", stalled_s, len(self._sessions))
+            log.warning("the daemon did not run for %.1f s (stopped or starved of CPU): %d client leases extended by "
+                        "that time", stalled_s, len(self._sessions))
 
     async def reap(self) -> None:
         now = time.monotonic()

@@ -28,6 +28,8 @@ from kvbroker import (
 from kvbroker import _convert as cv
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+from kvbrokerd.registry import Registry
+from kvbrokerd.sessions import SessionTable
 from tests.conftest import cluster_of
 from tests.helpers import fill
 
@@ -116,6 +118,25 @@ def test_a_stopped_daemon_gives_live_clients_a_full_lease_after_it_resumes(tmp_p
         assert wait_until(gone_released, timeout=4 * ttl)
         assert {live, kept} <= {r.cache_id for r in observer.list_caches()}
         assert "did not run for" in d.log_tail(50)
+
+
+def test_stalls_shift_leases_and_a_long_one_leaves_a_full_ttl(tmp_path: Path) -> None:
+    """The lease arithmetic alone (no daemon, no reaper): stalls move a lease on by exactly their length, so that a
+    client that is gone is still released by a daemon that keeps stalling briefly; after a stall as long as the TTL,
+    even a lease that had just run out (not yet reaped) gets a full TTL."""
+    table = SessionTable(Registry(tmp_path))
+    table.touch("gone", 2.0)
+    before = table.expires_unix("gone")
+    for _ in range(10):
+        table.forgive_stall(0.3)
+    assert table.expires_unix("gone") - before == pytest.approx(3.0, abs=0.05)
+
+    table.touch("quiet", 2.0)
+    table.touch("lapsed", 1.0)
+    time.sleep(1.5)  # "quiet" has 0.5 s left, "lapsed" ran out 0.5 s ago
+    table.forgive_stall(1.2)
+    assert table.expires_unix("quiet") - time.time() == pytest.approx(1.7, abs=0.1)
+    assert table.expires_unix("lapsed") - time.time() == pytest.approx(1.0, abs=0.1)
 
 
 def test_client_reconnects_after_a_daemon_restart(tmp_path: Path) -> None:
