@@ -152,7 +152,9 @@ class AllocateCacheRequest(_message.Message):
     DESC_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease."""
+    """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease.
+    At most 128 UTF-8 bytes, printable.
+    """
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the cache to allocate (placement must be host)."""
@@ -290,7 +292,9 @@ class RegisterKvCacheRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """Client session that owns the registration (see AllocateCacheRequest.session_id)."""
+    """Client session that owns the registration (see AllocateCacheRequest.session_id). At most 128 UTF-8 bytes,
+    printable.
+    """
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the caller's cache."""
@@ -393,9 +397,9 @@ class KeepAliveRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """The session to renew (any non-empty string the client chose, e.g. a UUID)."""
+    """The session to renew (any non-empty string the client chose, e.g. a UUID; 1..128 UTF-8 bytes, printable)."""
     ttl_ms: _builtins.int
-    """Lease length from now, in milliseconds (at least 1000)."""
+    """Lease length from now, in milliseconds: 1000..86400000; 0 = keep the session's current length."""
     def __init__(
         self,
         *,
@@ -437,7 +441,9 @@ class ListCachesResponse(_message.Message):
     CACHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheInfo]:
-        """Every cache, ordered by id."""
+        """Every cache, ordered by id. All descriptions together stay under 48 MiB: a cache that would pass it is refused
+        (LLM_OUT_OF_MEMORY).
+        """
 
     def __init__(
         self,
@@ -463,7 +469,7 @@ class ClusterInfo(_message.Message):
     remote_cluster_id: _builtins.int
     """The remote daemon's cluster id; the handshake refuses a peer that reports another id."""
     remote_address: _builtins.str
-    """The remote daemon's peer address, "host:port"."""
+    """The remote daemon's peer address, "host:port" (at most 512 UTF-8 bytes, printable)."""
     def __init__(
         self,
         *,

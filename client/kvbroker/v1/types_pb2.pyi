@@ -105,7 +105,9 @@ class CacheDesc(_message.Message):
     placement: Global___Placement.ValueType
     """Memory placement; unset means PLACEMENT_HOST."""
     layout_tag: _builtins.str
-    """Optional compatibility tag (model, dtype, layout, tp rank...); empty means untagged."""
+    """Optional compatibility tag (model, dtype, layout, tp rank...); empty means untagged. At most 256 UTF-8 bytes,
+    printable.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of every tensor, 1..32 dims; shape[0] is the number of blocks (or the batch size for cache ops)."""
@@ -227,7 +229,9 @@ class TensorLocation(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     segment: _builtins.str
-    """Segment name as passed to shm_open, without the leading slash (e.g. "vllm-kv-0"); empty for device memory."""
+    """Segment name as passed to shm_open, without the leading slash (e.g. "vllm-kv-0"): 1..200 characters of
+    [A-Za-z0-9._-]; empty for device memory.
+    """
     offset: _builtins.int
     """Byte offset of the tensor's first element inside the segment (or inside the exported device allocation)."""
     @_builtins.property
