@@ -219,7 +219,8 @@ class TransferManager:
         try:
             claim = await self._claim_destination(job, plan, deadline, transfer_id)
         except LlmError as e:
-            self._on_failure(job, e, transfer_id, progress)
+            if e.status == LlmStatus.LLM_TIMEOUT:  # waited for its turn past the deadline: report every block
+                self._on_failure(job, e, transfer_id, progress)
             raise
         pinned: list[CacheEntry] = []
         try:

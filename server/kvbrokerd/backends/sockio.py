@@ -56,6 +56,10 @@ class Watch:
         return left if final or self._abandon is None else min(left, POLL_S)
 
     @property
+    def deadline_only(self) -> bool:
+        return self._stall_s is None and self._abandon is None
+
+    @property
     def in_slices(self) -> bool:
         """Calls wait in POLL_S slices (to ask `abandon`), so a bulk send may block in the kernel that long."""
         return self._abandon is not None
@@ -143,8 +147,16 @@ def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int
         return
     views = list(views)
     i = done = 0
-    while i < len(views):
-        sock.settimeout(watch.timeout())
+    # The pulling side's hot loop (one pass per few dozen KiB): only the deadline to check, inline.
+    lean, deadline, count = watch.deadline_only, watch.deadline, len(views)
+    while i < count:
+        if lean:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's deadline passed")
+            sock.settimeout(left)
+        else:
+            sock.settimeout(watch.timeout())
         try:
             got = sock.recvmsg_into(views[i : i + IOV_BATCH])[0]
         except TimeoutError:
@@ -157,7 +169,8 @@ def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int
         if got == 0:
             raise ConnectionError("peer closed the data connection")
         done += got
-        watch.progressed()
+        if not lean:
+            watch.progressed()
         i, completed = _advance(views, i, got)
         for k in completed:
             on_complete(k)

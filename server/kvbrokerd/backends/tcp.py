@@ -197,26 +197,31 @@ class DataServer:
 
     # -- accepting ------------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        """Runs until close(): an accept error never ends it (a lack of file descriptors is usually transient)."""
+        """Runs until close(): no error ends it (a lack of file descriptors or memory is usually transient)."""
         backoff = 0.0
         while not self._stop.is_set():
-            self._expire_handshakes()
             try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                if backoff and _fds_available():
-                    backoff = self._recovered()
-                continue
-            except OSError as e:
-                if self._stop.is_set():
-                    break
-                if e.errno not in _CONNECTION_ERRNOS:
-                    backoff = self._back_off(e, backoff)
-                continue
-            if backoff:
-                backoff = self._recovered()
-            if not self._start(conn):
-                backoff = self._back_off(OSError(errno.EAGAIN, "cannot start a connection thread"), backoff)
+                backoff = self._accept_one(backoff)
+            except Exception as e:  # a bug or an odd resource error: say so, keep the port alive
+                log.exception("the data port's accept loop failed")
+                backoff = self._back_off(OSError(errno.EIO, f"{type(e).__name__}: {e}"), backoff)
+
+    def _accept_one(self, backoff: float) -> float:
+        """Accepts one connection (or waits a poll interval); returns the back-off to use next."""
+        self._expire_handshakes()
+        try:
+            conn, _ = self._listener.accept()
+        except TimeoutError:
+            return self._recovered() if backoff and _fds_available() else backoff
+        except OSError as e:
+            if self._stop.is_set() or e.errno in _CONNECTION_ERRNOS:
+                return backoff
+            return self._back_off(e, backoff)
+        if backoff:
+            backoff = self._recovered()
+        if not self._start(conn):
+            return self._back_off(OSError(errno.EAGAIN, "cannot start a connection thread"), backoff)
+        return backoff
 
     def _back_off(self, error: OSError, backoff: float) -> float:
         if not backoff:  # once per episode
