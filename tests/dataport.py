@@ -9,27 +9,17 @@ from __future__ import annotations
 import socket
 import struct
 
-import grpc
 import numpy as np
 
 from kvbroker._local import LocalDaemon
-from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
 from kvbrokerd.backends import tcp
-from kvbrokerd.links import PROTOCOL_VERSION
+from tests.peerkit import link_as, token_of
 
 
 def fake_link(d: LocalDaemon, cluster_id: int = 77) -> tuple[bytes, int]:
-    """Links to `d` as cluster `cluster_id` through its Peer API: (link secret, data port). Holds the deployment
-    token where the daemons authenticate peers (tests/peerkit.py); else uses the unauthenticated handshake."""
-    try:
-        from tests.peerkit import link_as, token_of  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        with grpc.insecure_channel(d.peer_address) as ch:
-            resp = peer_pb2_grpc.PeerStub(ch).Handshake(peer_pb2.HandshakeRequest(
-                protocol_version=PROTOCOL_VERSION, cluster_id=cluster_id, instance_epoch="test",
-                expected_cluster_id=d.cluster_id), timeout=5)
-        return resp.link_token, int(resp.data_address.rpartition(":")[2])
+    """Links to `d` as cluster `cluster_id` through its Peer API, holding the deployment token (a compromised peer,
+    see tests/peerkit.py): (link secret, data port)."""
     link = link_as(d.peer_address, token_of(d.workdir), cluster_id, d.cluster_id)
     link.close()
     return link.secret, link.data_port

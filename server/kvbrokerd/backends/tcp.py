@@ -347,6 +347,7 @@ class DataServer:
                 # Taken before the pin: a write waiting for its turn must not hold up the cache's release.
                 claim = self._claim(self._registry.get(cache_id), runs, deadline)
             with self._registry.pinned(cache_id) as entry:
+                _check_before_tls(conn, entry)
                 # The pin blocks the cache's release: a reader that stopped reading must not keep it for long.
                 watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry))
                 if magic == b"KVRQ":
@@ -403,6 +404,13 @@ class DataServer:
 
 def _ignore(_: int) -> None:
     pass
+
+
+def _check_before_tls(sock: socket.socket, entry: CacheEntry) -> None:
+    """TLS copies payloads in user space (OpenSSL), where a vanished page is SIGBUS, not EFAULT: re-check the
+    cache's segments under its pin first (plain sockets let the kernel turn the fault into EFAULT)."""
+    if isinstance(sock, ssl.SSLSocket) and not entry.daemon_owned:
+        entry.check_intact()
 
 
 def _being_released(entry: CacheEntry) -> str | None:
@@ -671,6 +679,7 @@ class TcpChannel(PeerChannel):
     def _read(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
               deadline: float) -> None:
         """READ: the peer sends the runs' source bytes; they land straight in the destination cache."""
+        _check_before_tls(sock, dst)
         watch = sockio.Watch(deadline)
         sockio.send_all(sock, _request_frame(b"KVRQ", cache_id, [(r[1], r[2], r[5]) for r in runs], deadline),
                         watch)
@@ -692,6 +701,7 @@ class TcpChannel(PeerChannel):
     def _write(self, sock: socket.socket, cache_id: int, src: CacheEntry, runs: list[Run], progress: Progress,
                deadline: float) -> None:
         """WRITE: the peer checks the destination runs first, then receives the bytes into its cache and acks."""
+        _check_before_tls(sock, src)
         watch = sockio.Watch(deadline)
         sockio.send_all(sock, _request_frame(b"KVWR", cache_id, [(r[3], r[4], r[5]) for r in runs], deadline),
                         watch)
