@@ -26,8 +26,9 @@ if _version_not_supported:
 
 
 class KvBrokerStub:
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     def __init__(self, channel):
@@ -139,8 +140,9 @@ class KvBrokerStub:
 
 
 class KvBrokerServicer:
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     def GetClusterInfo(self, request, context):
@@ -397,8 +399,9 @@ def add_KvBrokerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvBroker:
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     @staticmethod

@@ -27,8 +27,9 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KvBrokerStub:
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     @_typing.overload
@@ -82,8 +83,9 @@ class KvBrokerStub:
 
 @_typing.type_check_only
 class KvBrokerAsyncStub(KvBrokerStub):
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -133,8 +135,9 @@ class KvBrokerAsyncStub(KvBrokerStub):
     """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
 
 class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
-    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
+    Every field's limit: docs/LIMITS.md.
     """
 
     @_abc_1.abstractmethod
