@@ -155,6 +155,11 @@ def engine(name: str) -> Hixl:
     return _ENGINES[name]
 
 
+def live_engines() -> list[str]:
+    """Engines initialised and not finalised."""
+    return sorted(_ENGINES)
+
+
 # -- the engine --------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Region:
