@@ -409,6 +409,7 @@ class _AclRuntime:
         self._local = threading.local()
         self.devices_set: list[tuple[int, str]] = []
         self.devices_reset: list[tuple[int, str]] = []
+        self._buffers: dict[int, Any] = {}
 
     def set_device(self, device_id: int) -> int:
         self._local.context = ("ctx", device_id, threading.get_ident())
@@ -425,6 +426,25 @@ class _AclRuntime:
 
     def set_context(self, context: Any) -> int:
         self._local.context = context
+        return 0
+
+    # "Device" memory is host memory here (ctypes buffers kept alive until free).
+    def get_device_count(self) -> tuple[int, int]:
+        return 2, 0
+
+    def malloc(self, size: int, policy: int) -> tuple[int, int]:
+        buf = (ctypes.c_ubyte * size)()
+        addr = ctypes.addressof(buf)
+        self._buffers[addr] = buf
+        return addr, 0
+
+    def free(self, addr: int) -> int:
+        return 0 if self._buffers.pop(addr, None) is not None else 107000
+
+    def memcpy(self, dst: int, dst_max: int, src: int, count: int, kind: int) -> int:
+        if count > dst_max:
+            return 107000
+        ctypes.memmove(dst, src, count)
         return 0
 
 
