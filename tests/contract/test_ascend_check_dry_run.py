@@ -41,7 +41,7 @@ def test_adapter_part_passes_on_the_standin(hixl: Any) -> None:
         role.join(10)
     assert "error" not in results, results.get("error")
     assert all(results[k] for k in ("read_scattered_ok", "read_contiguous_ok", "read_after_relink_ok", "write_ok",
-                                    "teardown_ok"))
+                                    "read_after_abandon_ok", "teardown_ok"))
     assert results["relinks"] == 2
     assert results["unregistered_local_status"] == standin.PARAM_INVALID
     assert standin.live_engines() == []

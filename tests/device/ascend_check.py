@@ -10,10 +10,12 @@ hardware: the project's CI has none (the adapter's contract suite runs against t
 Part 1 (adapter, NPU memory): two processes, one per NPU, each with a real `HcclBackend`. The source allocates NPU
 memory and fills it with a seeded pattern; the destination registers its own NPU memory, links, and READs it with
 a scattered block plan and with one contiguous run; then a second source buffer registered AFTER the link (the
-registration-epoch re-link path); then a WRITE back into the source, which the source verifies. It also records the
-status HIXL gives a descriptor on unregistered memory with the pool off (undocumented).
+registration-epoch re-link path); then a WRITE back into the source, which the source verifies; then a READ
+abandoned at a 0.2 ms deadline, checking that no byte lands after the error (the request is ended by a
+disconnect), and a READ that must work again after it. It also records the status HIXL gives a descriptor on
+unregistered memory with the pool off (undocumented).
 
-Part 2 (daemons): two `kvbrokerd --backends hccl,tcp` processes (NPU a and b), linked with a token; the destination
+Part 2 (daemons): two `kvbrokerd --backends hccl,tcp` processes (one per NPU), linked with a token; the destination
 pulls a host cache from the source; the result must name backend `hccl` and every byte must match. Host caches live
 in /dev/shm: HIXL documents MEM_HOST as aclrtMallocHost memory on A2/A3, so a refusal here is a finding to report,
 not a crash.
@@ -226,6 +228,24 @@ def destination_process(conn: multiprocessing.connection.Connection, device: int
         conn.send(("verify-push", targets, SEED + 2))
         what, ok = conn.recv()
         results["write_ok"] = ok
+
+        # A request abandoned at its deadline: kvbroker disconnects (HIXL's documented way to end it) and reports
+        # the blocks failed. Nothing may land after that, or a caller reusing those blocks would be corrupted.
+        dst_buf.write(np.zeros(nbytes, np.uint8))
+        plan = plan_blocks(first.desc, dst.desc, block_array(every, "src"), block_array(every, "dst"),
+                           LayerSelection())
+        try:
+            channel.pull(first, dst, plan, Progress(plan), time.monotonic() + 0.0002)
+            results["abandon"] = "completed before the deadline (try a larger --mib)"
+        except Exception as e:
+            results["abandon"] = f"{type(e).__name__}: {e}"
+            at_error = dst_buf.read()
+            time.sleep(1.0)
+            results["no_late_writes_ok"] = bool(np.array_equal(dst_buf.read(), at_error))
+        pull(channel, first, dst, every, every)
+        now = expected.copy()
+        now[targets] = pattern(SEED + 2, n * BLOCK_BYTES).reshape(n, BLOCK_BYTES)  # the WRITE above
+        results["read_after_abandon_ok"] = bool(np.array_equal(dst_buf.read(), now.reshape(-1)))
 
         hixl: Any = importlib.import_module("hixl")
         unregistered = NpuBuffer(device, 2 << 20)
