@@ -492,3 +492,30 @@ def test_daemon_without_hixl_refuses_the_backend_by_name(monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "hixl", None)
     with pytest.raises(ConfigError, match=r"backends: hccl needs CANN >= 9.0 .*docs/ascend.md"):
         load(["--cluster-id", "1", "--backends", "hccl,tcp", "--insecure-peers"], environ={})
+
+
+def test_a_timeout_abandons_the_links_other_requests_with_a_clear_error(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    src, slow_dst, other_dst = a.cache(seed=1), b.cache(), b.cache()
+    remote = a.describe(src)
+    pull(channel, a, src, slow_dst, remote=remote)
+    pull(channel, a, src, other_dst, remote=remote)
+    standin.FAULTS.transfer_delay_s = 1.0
+    errors: dict[str, LlmError] = {}
+
+    def attempt(name: str, dst: CacheEntry, timeout: float) -> None:
+        try:
+            pull(channel, a, src, dst, timeout=timeout, remote=remote)
+        except LlmError as e:
+            errors[name] = e
+
+    patient = threading.Thread(target=attempt, args=("patient", other_dst, 5.0))
+    patient.start()
+    time.sleep(0.05)
+    attempt("hasty", slow_dst, 0.2)
+    patient.join()
+    assert errors["hasty"].status == LlmStatus.LLM_TIMEOUT
+    assert errors["patient"].status == LlmStatus.LLM_FAILED and "abandoned with its link" in errors["patient"].message
+    standin.FAULTS.transfer_delay_s = 0.0
+    pull(channel, a, src, other_dst, remote=remote)

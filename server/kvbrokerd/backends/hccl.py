@@ -471,6 +471,8 @@ class HcclChannel(PeerChannel):
         self._seen_remote_epoch = remote_epoch
         self._link: tuple[int, int] | None = None
         """(our epoch, the peer's epoch) when the HIXL link was made; None = no link."""
+        self._generation = 0
+        """Counts links made and dropped: a request outlives its link when this moved on."""
         self._cond = threading.Condition()
         self._in_flight = 0
         self._remaking = False
@@ -559,7 +561,7 @@ class HcclChannel(PeerChannel):
                         self._drop_link()
                     fail(llm_status(hixl, ret), f"HIXL {_op_name(hixl, op)} with {self.remote_engine} refused: "
                          f"{hixl_name(hixl, ret)}{_hint(hixl, ret)}")
-                self._wait(req, op, progress, deadline)
+                self._wait(req, op, progress, deadline, self._generation)
                 return
             finally:
                 self._release()
@@ -570,7 +572,7 @@ class HcclChannel(PeerChannel):
             fail(LlmStatus.LLM_TIMEOUT, "deadline passed before the HIXL transfer started")
         return int(self._backend.call(lambda e: e.transfer_sync(self.remote_engine, op, descs, timeout_ms)))
 
-    def _wait(self, req: int, op: Any, progress: Progress, deadline: float) -> None:
+    def _wait(self, req: int, op: Any, progress: Progress, deadline: float, generation: int) -> None:
         """Polls the request until it ends; on our deadline or cancellation the link is dropped, which is HIXL's way
         to abandon a request (nothing lands after that, so the caller may release the memory)."""
         hixl = self._backend._hixl
@@ -578,6 +580,9 @@ class HcclChannel(PeerChannel):
         while True:
             ret, status = self._backend.call(lambda e: e.get_transfer_status(req))
             if ret != hixl.SUCCESS:
+                if generation != self._generation:  # another transfer dropped the link, and our request with it
+                    fail(LlmStatus.LLM_FAILED, f"HIXL {_op_name(hixl, op)} with {self.remote_engine} was abandoned "
+                         "with its link (another transfer on it failed or timed out); retry")
                 self._drop_link()
                 fail(llm_status(hixl, ret), f"HIXL get_transfer_status on {self.remote_engine}: "
                      f"{hixl_name(hixl, ret)}")
@@ -665,6 +670,7 @@ class HcclChannel(PeerChannel):
         if stale:
             log.info("hccl: re-linked to %s (registrations since the last link)", self.remote_engine)
         self._link = (local_epoch, remote_epoch)
+        self._generation += 1
         self.connects += 1
         return True
 
@@ -672,11 +678,13 @@ class HcclChannel(PeerChannel):
         """The link is gone already: the next transfer makes a new one."""
         with self._cond:
             self._link = None
+            self._generation += 1
 
     def _drop_link(self) -> None:
         """Disconnects (which abandons the link's requests); the next transfer makes a new link."""
         with self._cond:
             had, self._link = self._link is not None, None
+            self._generation += 1
         if had and self._backend.serving:
             with contextlib.suppress(LlmError):  # the engine is shutting down: that ends the link too
                 self._backend.call(lambda e: e.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS))
