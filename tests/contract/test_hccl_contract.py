@@ -519,3 +519,33 @@ def test_a_timeout_abandons_the_links_other_requests_with_a_clear_error(nodes: t
     assert errors["patient"].status == LlmStatus.LLM_FAILED and "abandoned with its link" in errors["patient"].message
     standin.FAULTS.transfer_delay_s = 0.0
     pull(channel, a, src, other_dst, remote=remote)
+
+
+def test_a_remake_is_not_starved_by_a_stream_of_transfers(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    src = a.cache(seed=1)
+    remote = a.describe(src)
+    streams = [b.cache() for _ in range(3)]
+    for dst in streams:
+        b.backend.registration(dst)
+    pull(channel, a, src, streams[0], remote=remote)
+    standin.FAULTS.transfer_delay_s = 0.03
+    stop = threading.Event()
+
+    def stream(dst: CacheEntry) -> None:
+        while not stop.is_set():
+            pull(channel, a, src, dst, remote=remote)
+
+    threads = [threading.Thread(target=stream, args=(dst,)) for dst in streams]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.01 * (i + 1))
+    try:
+        fresh = b.cache(seed=4)  # needs a new link while the old one is never idle
+        pull(channel, a, src, fresh, timeout=1.0, remote=remote)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert channel.connects == 2

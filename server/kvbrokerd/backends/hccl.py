@@ -476,6 +476,7 @@ class HcclChannel(PeerChannel):
         self._cond = threading.Condition()
         self._in_flight = 0
         self._remaking = False
+        self._remakes_queued = 0
         self._closed = False
         self.connects = 0
 
@@ -609,22 +610,32 @@ class HcclChannel(PeerChannel):
     # -- the link ----------------------------------------------------------------------------------------------------
     def _acquire(self, local_epoch: int, remote_epoch: int, deadline: float) -> None:
         """Waits until the link sees both epochs, (re)making it if needed; transfers hold it while they run, and a
-        remake waits for them to finish (a disconnect would abort them)."""
+        remake waits for them to finish (a disconnect would abort them). Once a transfer waits for a remake, new
+        transfers queue behind it, so a steady stream cannot keep the old link busy forever."""
         with self._cond:
             self._seen_remote_epoch = max(self._seen_remote_epoch, remote_epoch)
-            while True:
-                if self._closed:
-                    fail(LlmStatus.LLM_NOT_YET_LINK, "the link was closed")
-                current = self._link is not None and local_epoch <= self._link[0] and remote_epoch <= self._link[1]
-                if current and not self._remaking:
-                    self._in_flight += 1
-                    return
-                if not self._remaking and self._in_flight == 0:
-                    self._remaking = True
-                    break
-                # Someone is remaking the link, or transfers on the old one must finish first.
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    fail(LlmStatus.LLM_TIMEOUT, f"deadline passed waiting for the link to {self.remote_engine}")
+            queued = False
+            try:
+                while True:
+                    if self._closed:
+                        fail(LlmStatus.LLM_NOT_YET_LINK, "the link was closed")
+                    link = self._link
+                    current = link is not None and local_epoch <= link[0] and remote_epoch <= link[1]
+                    if current and not self._remaking and self._remakes_queued == int(queued):
+                        self._in_flight += 1
+                        return
+                    if not current and not queued:
+                        queued = True
+                        self._remakes_queued += 1
+                    if not current and not self._remaking and self._in_flight == 0:
+                        self._remaking = True
+                        break
+                    if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                        fail(LlmStatus.LLM_TIMEOUT, f"deadline passed waiting for the link to {self.remote_engine}")
+            finally:
+                if queued:
+                    self._remakes_queued -= 1
+                    self._cond.notify_all()
         made = False
         try:
             made = self._make_link(deadline)
