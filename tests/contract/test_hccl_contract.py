@@ -205,7 +205,7 @@ def test_transfers_from_many_threads_with_registrations_between_them(nodes: tupl
     channel = link(a, b)
     src = a.cache(seed=5)
     remote = a.describe(src)
-    dsts = [b.cache() for _ in range(8)]
+    dsts = [b.cache() for _ in range(16)]
 
     def one(dst: CacheEntry) -> None:
         before = tensors(dst)

@@ -621,7 +621,7 @@ class HcclChannel(PeerChannel):
                         fail(LlmStatus.LLM_NOT_YET_LINK, "the link was closed")
                     link = self._link
                     current = link is not None and local_epoch <= link[0] and remote_epoch <= link[1]
-                    if current and not self._remaking and self._remakes_queued == int(queued):
+                    if current and not self._remaking and (queued or self._remakes_queued == 0):
                         self._in_flight += 1
                         return
                     if not current and not queued:
