@@ -700,9 +700,6 @@ class HcclChannel(PeerChannel):
             with contextlib.suppress(LlmError):  # the engine is shutting down: that ends the link too
                 self._backend.call(lambda e: e.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS))
 
-    def forget(self, remote: RemoteCache) -> None:
-        remote.backend_state.pop(NAME, None)
-
     def mark_closed(self) -> None:
         with self._cond:
             self._closed = True
