@@ -83,6 +83,16 @@ class TransferStatus(enum.IntEnum):
     FAILED = 3
 
 
+class AsyncConnectStatus(enum.IntEnum):
+    NOT_CONNECT = 0
+    CONNECT_PENDING = 1
+    CONNECTING = 2
+    CONNECTED = 3
+    CONNECT_FAILED = 4
+    DISCONNECT_PENDING = 5
+    DISCONNECTING = 6
+
+
 class FeatureType(enum.IntEnum):
     AUTO_CONNECT = 0
     CLIENT_SERVER_COMM = 1
@@ -121,6 +131,10 @@ class Faults:
     """The next posted request ends in this state (FAILED, TIMEOUT) instead of COMPLETED."""
     async_unsupported: bool = False
     """transfer_async answers UNSUPPORTED (as HIXL does for staged transfers): the adapter must use transfer_sync."""
+    connect_delay_s: float = 0.0
+    """A link takes this long to set up: connect blocks that long, connect_async completes that much later."""
+    connect_async_unsupported: bool = False
+    """connect_async answers UNSUPPORTED: the adapter must fall back to a bounded connect."""
 
 
 FAULTS = Faults()
@@ -203,6 +217,8 @@ class Hixl:
         self._context: object | None = None
         self._regions: dict[int, _Region] = {}
         self._links: dict[str, _Link] = {}
+        self._connecting: dict[str, tuple[float, float, _Link | None]] = {}
+        """Pending connect_async: (completes at, gives up at, what the link will see)."""
         self._requests: dict[int, _Request] = {}
         self._pool_on = True
         self._lock = threading.Lock()
@@ -281,6 +297,13 @@ class Hixl:
             return PARAM_INVALID
         return SUCCESS
 
+    def _snapshot(self, remote_engine: str) -> _Link | None:
+        """What a link made now would see; None when nothing listens there (the TCP connect is refused)."""
+        peer = _ENGINES.get(remote_engine)
+        if peer is None or peer is self:
+            return None
+        return _Link(frozenset(dict(self._regions)), frozenset(dict(peer._regions)))
+
     def connect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._enter("connect"):
             return FAILED
@@ -288,15 +311,56 @@ class Hixl:
             return PARAM_INVALID
         if remote_engine in self._links:
             return ALREADY_CONNECTED
-        peer = _ENGINES.get(remote_engine)
-        if peer is None or peer is self:
-            return FAILED  # nothing listens there: the TCP connect is refused
-        self._links[remote_engine] = _Link(frozenset(dict(self._regions)), frozenset(dict(peer._regions)))
+        link = self._snapshot(remote_engine)
+        if link is None:
+            return FAILED
+        if FAULTS.connect_delay_s * 1000 > timeout_in_millis:
+            time.sleep(timeout_in_millis / 1000)
+            return TIMEOUT
+        time.sleep(FAULTS.connect_delay_s)
+        self._links[remote_engine] = link
         return SUCCESS
+
+    # A link set up asynchronously sees what was registered when connect_async was called (the strict reading of
+    # "registered before the link"; HIXL does not say which moment counts).
+    def connect_async(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
+        if not self._enter("connect_async"):
+            return FAILED
+        if FAULTS.connect_async_unsupported:
+            return UNSUPPORTED
+        if timeout_in_millis <= 0:
+            return PARAM_INVALID
+        if remote_engine in self._links or remote_engine in self._connecting:
+            return ALREADY_CONNECTED
+        now = time.monotonic()
+        self._connecting[remote_engine] = (now + FAULTS.connect_delay_s, now + timeout_in_millis / 1000,
+                                           self._snapshot(remote_engine))
+        return SUCCESS
+
+    def get_async_connect_status(self, remote_engine: str, /) -> tuple[int, AsyncConnectStatus]:
+        if not self._enter("get_async_connect_status"):
+            return FAILED, AsyncConnectStatus.NOT_CONNECT
+        if remote_engine in self._links:
+            return SUCCESS, AsyncConnectStatus.CONNECTED
+        pending = self._connecting.get(remote_engine)
+        if pending is None:
+            return SUCCESS, AsyncConnectStatus.NOT_CONNECT
+        done_at, give_up, link = pending
+        now = time.monotonic()
+        if link is None or (now >= give_up and done_at > give_up):
+            del self._connecting[remote_engine]
+            return SUCCESS, AsyncConnectStatus.CONNECT_FAILED
+        if now < done_at:
+            return SUCCESS, AsyncConnectStatus.CONNECTING
+        del self._connecting[remote_engine]
+        self._links[remote_engine] = link
+        return SUCCESS, AsyncConnectStatus.CONNECTED
 
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._enter("disconnect"):
             return FAILED
+        if self._connecting.pop(remote_engine, None) is not None:
+            return SUCCESS
         link = self._links.pop(remote_engine, None)
         if link is None:
             return NOT_CONNECTED

@@ -549,3 +549,47 @@ def test_a_remake_is_not_starved_by_a_stream_of_transfers(nodes: tuple[Node, Nod
         for t in threads:
             t.join()
     assert channel.connects == 2
+
+
+def test_a_slow_link_set_up_never_blocks_the_engine_thread(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    src, dst = a.cache(seed=1), b.cache(seed=2)
+    remote = a.describe(src)
+    b.backend.registration(dst)
+    standin.FAULTS.connect_delay_s = 0.6
+    before = tensors(dst)
+    puller = threading.Thread(target=pull, args=(channel, a, src, dst), kwargs={"remote": remote})
+    puller.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    b.describe(b.cache())  # a registration on the engine thread (the event loop's describe_cache) meanwhile
+    assert time.monotonic() - started < 0.3
+    puller.join()
+    assert_pulled(src, dst, before)
+    assert "connect_async" in [m for m, _ in engine_calls(b.backend.local_engine)]
+
+
+def test_without_async_links_a_bounded_connect_is_used(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    standin.FAULTS.connect_async_unsupported = True
+    src, dst = a.cache(seed=1), b.cache(seed=2)
+    before = tensors(dst)
+    pull(link(a, b), a, src, dst)
+    assert_pulled(src, dst, before)
+    assert "connect" in [m for m, _ in engine_calls(b.backend.local_engine)]
+
+
+def test_a_link_not_made_before_the_deadline_is_a_timeout_and_is_abandoned(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    src, dst = a.cache(seed=1), b.cache()
+    remote = a.describe(src)
+    standin.FAULTS.connect_delay_s = 5.0
+    started = time.monotonic()
+    with pytest.raises(LlmError) as err:
+        pull(channel, a, src, dst, timeout=0.3, remote=remote)
+    assert err.value.status == LlmStatus.LLM_TIMEOUT and time.monotonic() - started < 1.0
+    assert [m for m, _ in engine_calls(b.backend.local_engine)][-1] == "disconnect"  # the pending link is dropped
+    standin.FAULTS.connect_delay_s = 0.0
+    pull(channel, a, src, dst, remote=remote)

@@ -61,6 +61,8 @@ MAX_DESCS_PER_TRANSFER = 4096
 """Descriptors per HIXL request: progress (failed_dst_blocks) is reported per request."""
 _POLL_FIRST_S = 50e-6
 _POLL_MAX_S = 2e-3
+_LINK_POLL_MAX_S = 20e-3
+_ASYNC_LINK_GRACE_MS = 200
 _DISCONNECT_TIMEOUT_MS = 1000
 _ACL_REPEAT_INITIALIZE = 100002
 
@@ -652,38 +654,72 @@ class HcclChannel(PeerChannel):
             self._cond.notify_all()
 
     def _make_link(self, deadline: float) -> bool:
+        """Connects (after disconnecting a stale link). `connect_async` keeps the engine thread free while the link
+        is set up: other links' transfers and registrations (hence the event loop's describe_cache) never wait
+        behind a slow or dead peer."""
         hixl = self._backend._hixl
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms < 1:
             fail(LlmStatus.LLM_TIMEOUT, f"deadline passed before linking to {self.remote_engine}")
         assert self._backend.settings is not None
         timeout_ms = min(remaining_ms, self._backend.settings.connect_timeout_ms)
+        give_up = time.monotonic() + timeout_ms / 1000
         remote_epoch = self._seen_remote_epoch
         stale = self._link is not None
 
-        def relink(engine: Any) -> tuple[int, int]:
+        def start(engine: Any) -> tuple[int, int, bool]:
             if stale:
                 engine.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS)
             epoch = self._backend._epoch  # exact: registrations run on this thread too
-            ret = engine.connect(self.remote_engine, timeout_ms)
-            if ret == hixl.ALREADY_CONNECTED:  # a link made before this channel (an earlier one, not closed)
-                engine.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS)
-                ret = engine.connect(self.remote_engine, timeout_ms)
-            return int(ret), epoch
+            # HIXL's own timeout on an asynchronous link is a little longer than ours: we give up (and disconnect)
+            # first, so a link that is late is always our timeout, never a failure HIXL reports at the same moment.
+            for connect, pending in ((engine.connect_async, True), (engine.connect, False)):
+                limit = timeout_ms + (_ASYNC_LINK_GRACE_MS if pending else 0)
+                ret = connect(self.remote_engine, limit)
+                if ret == hixl.ALREADY_CONNECTED:  # a link made before this channel (an earlier one, not closed)
+                    engine.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS)
+                    ret = connect(self.remote_engine, limit)
+                if ret != hixl.UNSUPPORTED:  # else a build without asynchronous links: one bounded connect
+                    return int(ret), epoch, pending
+            return int(ret), epoch, False
 
-        self._link = None
-        ret, local_epoch = self._backend.call(relink)
+        with self._cond:
+            self._link = None
+        ret, local_epoch, pending = self._backend.call(start)
+        if ret == hixl.SUCCESS and pending:
+            ret = self._await_link(give_up, deadline)
+        if ret == hixl.TIMEOUT and remaining_ms <= self._backend.settings.connect_timeout_ms:
+            fail(LlmStatus.LLM_TIMEOUT, f"deadline passed while linking to HIXL engine {self.remote_engine}")
         if ret != hixl.SUCCESS:
-            if time.monotonic() >= deadline:
-                fail(LlmStatus.LLM_TIMEOUT, f"deadline passed while linking to HIXL engine {self.remote_engine}")
             fail(LlmStatus.LLM_LINK_FAILED, f"HIXL connect to {self.remote_engine} failed: {hixl_name(hixl, ret)} "
                  "(is the peer's engine up, its port open, hccn configured? see docs/ascend.md)")
         if stale:
             log.info("hccl: re-linked to %s (registrations since the last link)", self.remote_engine)
-        self._link = (local_epoch, remote_epoch)
-        self._generation += 1
+        with self._cond:
+            self._link = (local_epoch, remote_epoch)
+            self._generation += 1
         self.connects += 1
         return True
+
+    def _await_link(self, give_up: float, deadline: float) -> int:
+        """Polls an asynchronous connect; a HIXL status (TIMEOUT when we gave up, FAILED when HIXL did)."""
+        hixl = self._backend._hixl
+        pause = _POLL_FIRST_S
+        while True:
+            ret, status = self._backend.call(lambda e: e.get_async_connect_status(self.remote_engine))
+            if ret != hixl.SUCCESS:
+                return int(ret)
+            if status == hixl.AsyncConnectStatus.CONNECTED:
+                return int(hixl.SUCCESS)
+            if status in (hixl.AsyncConnectStatus.CONNECT_FAILED, hixl.AsyncConnectStatus.NOT_CONNECT):
+                log.warning("hccl: link to %s: %s", self.remote_engine, getattr(status, "name", status))
+                return int(hixl.FAILED)
+            now = time.monotonic()
+            if now >= min(give_up, deadline):
+                self._backend.call(lambda e: e.disconnect(self.remote_engine, _DISCONNECT_TIMEOUT_MS))
+                return int(hixl.TIMEOUT)
+            time.sleep(min(pause, min(give_up, deadline) - now))
+            pause = min(pause * 2, _LINK_POLL_MAX_S)
 
     def _forget_link(self) -> None:
         """The link is gone already: the next transfer makes a new one."""
