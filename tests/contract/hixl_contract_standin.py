@@ -505,6 +505,12 @@ class _AclRuntime:
     def free(self, addr: int) -> int:
         return 0 if self._buffers.pop(addr, None) is not None else 107000
 
+    def malloc_host(self, size: int) -> tuple[int, int]:
+        return self.malloc(size, 0)
+
+    def free_host(self, addr: int) -> int:
+        return self.free(addr)
+
     def memcpy(self, dst: int, dst_max: int, src: int, count: int, kind: int) -> int:
         if count > dst_max:
             return 107000

@@ -387,13 +387,17 @@ def test_forgotten_and_removed_caches_are_deregistered(nodes: tuple[Node, Node])
     kept, forgotten, removed = a.cache(), a.cache(), a.cache()
     for entry in (kept, forgotten, removed):
         a.describe(entry)
-    registered = dict(standin.engine(a.backend.local_engine)._regions)
-    assert len(registered) == 3
+    assert a.backend.live is not None
+    words = a.backend.live.address
+
+    def cache_regions() -> set[int]:
+        return {r.addr for r in standin.engine(a.backend.local_engine)._regions.values()} - {words}
+
+    assert len(cache_regions()) == 3
     a.backend.forget_cache(forgotten)
     asyncio.run(a.registry.remove(removed.cache_id, daemon_owned=True))
     a.describe(a.cache())  # a new registration first drops what a removed cache left behind
-    left = {r.addr for r in standin.engine(a.backend.local_engine)._regions.values()}
-    assert len(left) == 2 and kept.addresses[0] in left
+    assert len(cache_regions()) == 2 and kept.addresses[0] in cache_regions()
     assert [m for m, _ in engine_calls(a.backend.local_engine)].count("deregister_mem") == 2
 
 
@@ -408,7 +412,7 @@ def test_close_disconnects_deregisters_and_finalises_on_the_engine_thread(nodes:
     b.backend.close()
     b.backend.close()
     methods = [m for m, _ in engine_calls(name)]
-    assert methods == ["disconnect", "deregister_mem", "finalize"]
+    assert methods == ["disconnect", "deregister_mem", "deregister_mem", "finalize"]  # the cache, the live words
     assert {t for _, t in engine_calls(name)} == {t for _, t in standin.acl.rt.devices_reset}
     assert not b.backend.serving
     with pytest.raises(LlmError) as err:
@@ -593,3 +597,56 @@ def test_a_link_not_made_before_the_deadline_is_a_timeout_and_is_abandoned(nodes
     assert [m for m, _ in engine_calls(b.backend.local_engine)][-1] == "disconnect"  # the pending link is dropped
     standin.FAULTS.connect_delay_s = 0.0
     pull(channel, a, src, dst, remote=remote)
+
+
+# -- liveness: one-sided transfers never use a removed cache's description ---------------------------------------------
+def test_a_stale_description_never_reads_memory_registered_again(nodes: tuple[Node, Node]) -> None:
+    """The source forgets a cache and registers memory at the same address again (what a new cache placed where a
+    removed one was looks like); a puller holding the old description re-links for the new registration and must
+    not read through the old one."""
+    a, b = nodes
+    channel = link(a, b)
+    src, dst = a.cache(seed=1), b.cache(seed=2)
+    stale = a.describe(src)
+    pull(channel, a, src, dst, remote=stale)
+    a.backend.forget_cache(src)
+    fresh = a.describe(src)  # registered again: same addresses, new epoch, new token
+    pull(channel, a, src, dst, remote=fresh)  # the puller re-links to see the new registration
+    plan = blocks_plan(src, dst)
+    progress = Progress(plan)
+    with pytest.raises(LlmError) as err:
+        channel.pull(stale, dst, plan, progress, time.monotonic() + 5)
+    assert err.value.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+    assert channel.connects == 2  # the re-link happened, so HIXL itself served the bytes: only the word says no
+    assert progress.failed_dst_blocks().tolist() == DST_BLOCKS
+
+
+def test_a_push_never_writes_through_a_stale_description(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    local, target = b.cache(seed=3), a.cache(seed=4)
+    stale = a.describe(target)
+    a.backend.forget_cache(target)
+    a.describe(target)
+    before = tensors(target)
+    plan = blocks_plan(local, target)
+    with pytest.raises(LlmError) as err:
+        channel.push(local, stale, plan, Progress(plan), time.monotonic() + 5)
+    assert err.value.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+    assert all(np.array_equal(x, y) for x, y in zip(tensors(target), before, strict=True))
+
+
+def test_a_cache_removed_during_a_pull_fails_it_whole(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    channel = link(a, b)
+    src, dst = a.cache(seed=1), b.cache()
+    remote = a.describe(src)
+    b.backend.registration(dst)
+    standin.FAULTS.transfer_delay_s = 0.3
+    threading.Timer(0.1, a.backend.forget_cache, args=(src,)).start()
+    plan = blocks_plan(src, dst)
+    progress = Progress(plan)
+    with pytest.raises(LlmError) as err:
+        channel.pull(remote, dst, plan, progress, time.monotonic() + 5)
+    assert err.value.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+    assert progress.failed_dst_blocks().tolist() == DST_BLOCKS

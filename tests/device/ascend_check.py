@@ -117,6 +117,8 @@ def _backend(device: int, engine: str, protocol: str, entries: list[Any]) -> Any
     from kvbrokerd.backends.hccl import HcclBackend, HcclSettings
 
     class Entries:  # the adapter prunes registrations of caches its registry no longer lists
+        max_caches = 4096
+
         def list(self) -> list[Any]:
             return entries
 

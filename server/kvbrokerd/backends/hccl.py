@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import importlib
 import ipaddress
 import json
 import logging
 import os
+import queue
+import secrets
 import threading
 import time
 import weakref
@@ -199,10 +202,45 @@ class _Span:
 
 @dataclass(frozen=True)
 class _Registration:
-    """One cache's memory as registered: its spans, and the epoch a link must have reached to see all of them."""
+    """One cache's memory as registered: its spans, the epoch a link must have reached to see all of them, and its
+    liveness word (address and token)."""
 
     spans: tuple[tuple[int, int, int], ...]
     epoch: int
+    live: int
+    token: int
+
+
+class _LiveWords:
+    """Host memory registered before any link: one 64-bit word per cache slot holding the live cache's random
+    token (0 = none), which peers READ after a pull and around a push -- one-sided transfers have no server to ask
+    whether a cache still exists, and a removed cache's address may already belong to a new one -- and scratch
+    words where our own such READs land."""
+
+    SCRATCH = 256
+
+    def __init__(self, acl: Any, slots: int) -> None:
+        self.slots = slots
+        self.nbytes = 8 * (slots + self.SCRATCH)
+        address, ret = acl.rt.malloc_host(self.nbytes)  # HIXL: host memory from aclrtMallocHost on A2/A3
+        self.address = int(address)
+        if ret != 0:
+            raise OSError(f"hccl: acl.rt.malloc_host({self.nbytes}) failed with ACL error {ret}")
+        ctypes.memset(self.address, 0, self.nbytes)
+        self.free_scratch: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(self.SCRATCH):
+            self.free_scratch.put(self.address + 8 * (slots + i))
+
+    def word(self, cache_id: int) -> int:
+        return self.address + 8 * (cache_id % self.slots)
+
+    @staticmethod
+    def read(address: int) -> int:
+        return int(ctypes.c_uint64.from_address(address).value)
+
+    @staticmethod
+    def write(address: int, value: int) -> None:
+        ctypes.c_uint64.from_address(address).value = value
 
 
 @dataclass(frozen=True)
@@ -210,6 +248,8 @@ class _RemoteRegion:
     engine: str
     epoch: int
     addresses: np.ndarray
+    live: int
+    token: int
 
 
 def memory_kind(entry: CacheEntry) -> str:
@@ -252,6 +292,8 @@ class HcclBackend(Backend):
         self._caches: dict[int, _Registration] = {}
         self._channels: weakref.WeakSet[HcclChannel] = weakref.WeakSet()
         self._closed = False
+        self.live: _LiveWords | None = None
+        self._live_handle = 0
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -306,6 +348,13 @@ class HcclBackend(Backend):
             raise OSError(f"hccl: HIXL initialize({self.local_engine}) failed: {hixl_name(self._hixl, ret)}; is the "
                           "port free and the IP this host's? (docs/ascend.md)")
         self._engine = engine
+        live = _LiveWords(self._acl, self.ctx.registry.max_caches)
+        ret, self._live_handle = engine.register_mem(self._hixl.MemDesc(live.address, live.nbytes),
+                                                     self._hixl.MemType.MEM_HOST)
+        if ret != self._hixl.SUCCESS:
+            self._acl.rt.free_host(live.address)
+            raise OSError(f"hccl: HIXL register_mem of the liveness words failed: {hixl_name(self._hixl, ret)}")
+        self.live = live
 
     @property
     def serving(self) -> bool:
@@ -335,8 +384,13 @@ class HcclBackend(Backend):
                     log.warning("hccl: deregister_mem at close: %s", hixl_name(self._hixl, ret))
             self._spans.clear()
             self._caches.clear()
+            if self.live is not None:
+                self._engine.deregister_mem(self._live_handle)
             self._engine.finalize()
             self._engine = None
+        if self.live is not None:
+            self._acl.rt.free_host(self.live.address)
+            self.live = None
         if self.settings is not None and self._acl is not None:
             self._acl.rt.reset_device(self.settings.device)
             if self._acl_initialised:
@@ -392,7 +446,7 @@ class HcclBackend(Backend):
         except LlmError as e:
             log.warning("hccl: cannot register cache %d: %s", entry.cache_id, e.message)
             return json.dumps({"error": e.message, "status": int(e.status)}).encode()
-        return json.dumps({"engine": self.local_engine, "epoch": reg.epoch,
+        return json.dumps({"engine": self.local_engine, "epoch": reg.epoch, "live": reg.live, "token": reg.token,
                            "addresses": [int(a) for a in entry.addresses]}).encode()
 
     def registration(self, entry: CacheEntry) -> _Registration:
@@ -431,14 +485,25 @@ class HcclBackend(Backend):
         except BaseException:
             self._release(engine, keys)
             raise
-        reg = _Registration(tuple(keys), max(self._spans[k].epoch for k in keys))
+        assert self.live is not None
+        word = self.live.word(entry.cache_id)
+        reg = _Registration(tuple(keys), max(self._spans[k].epoch for k in keys), word, secrets.randbits(64) | 1)
+        self.live.write(word, reg.token)
         self._caches[entry.cache_id] = reg
         return reg
 
     def _prune(self, engine: Any) -> None:
         live = {e.cache_id for e in self.ctx.registry.list()}
         for cache_id in [c for c in self._caches if c not in live]:
-            self._release(engine, list(self._caches.pop(cache_id).spans))
+            self._unregister(engine, cache_id)
+
+    def _unregister(self, engine: Any, cache_id: int) -> None:
+        reg = self._caches.pop(cache_id, None)
+        if reg is None:
+            return
+        if self.live is not None and self.live.read(reg.live) == reg.token:
+            self.live.write(reg.live, 0)  # peers' next liveness READ sees the cache gone
+        self._release(engine, list(reg.spans))
 
     def _release(self, engine: Any, keys: list[tuple[int, int, int]]) -> None:
         for key in keys:
@@ -454,12 +519,7 @@ class HcclBackend(Backend):
         if entry.cache_id not in self._caches or self._closed:
             return
 
-        def forget(engine: Any) -> None:
-            reg = self._caches.pop(entry.cache_id, None)
-            if reg is not None:
-                self._release(engine, list(reg.spans))
-
-        self.call(forget)
+        self.call(lambda engine: self._unregister(engine, entry.cache_id))
 
 
 class HcclChannel(PeerChannel):
@@ -499,15 +559,38 @@ class HcclChannel(PeerChannel):
         local_addr = np.asarray(local.addresses, dtype=np.uint64)[local_tensor] + local_off
         remote_addr = region.addresses[remote_tensor] + remote_off
         op = hixl.TransferOp.READ if read else hixl.TransferOp.WRITE
+        if not read:
+            self._check_live(remote.cache_id, region, progress, deadline)  # never write into a removed cache
         for start in range(0, plan.num_runs, MAX_DESCS_PER_TRANSFER):
             part = slice(start, start + MAX_DESCS_PER_TRANSFER)
-            lengths = plan.length[part].tolist()
-            descs = [hixl.TransferOpDesc(a, b, n)
-                     for a, b, n in zip(local_addr[part].tolist(), remote_addr[part].tolist(), lengths, strict=True)]
+            descs = [hixl.TransferOpDesc(a, b, n) for a, b, n in zip(
+                local_addr[part].tolist(), remote_addr[part].tolist(), plan.length[part].tolist(), strict=True)]
             self._transfer(op, descs, reg.epoch, region.epoch, progress, deadline)
-            for i, n in enumerate(lengths, start):
-                progress.mark(i, n)
+        # The peer may have removed the cache while we moved bytes: then what we read may belong to another cache,
+        # and nothing counts as landed.
+        self._check_live(remote.cache_id, region, progress, deadline)
+        for i, n in enumerate(plan.length.tolist()):
+            progress.mark(i, n)
         return plan.total_bytes
+
+    def _check_live(self, cache_id: int, region: _RemoteRegion, progress: Progress, deadline: float) -> None:
+        """READs the peer's liveness word for the cache (registered before any link: epoch 0)."""
+        hixl, live = self._backend._hixl, self._backend.live
+        if live is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine was shut down")
+        try:
+            scratch = live.free_scratch.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed waiting for a liveness check slot")
+        try:
+            live.write(scratch, 0)
+            self._transfer(hixl.TransferOp.READ, [hixl.TransferOpDesc(scratch, region.live, 8)], 0, 0, progress,
+                           deadline)
+            value = live.read(scratch)
+        finally:
+            live.free_scratch.put(scratch)
+        if value != region.token:
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {cache_id} no longer exists on {self.remote_engine}")
 
     def _remote_region(self, remote: RemoteCache) -> _RemoteRegion:
         """The peer's registration of `remote` (from its cache description: untrusted), parsed once."""
@@ -529,9 +612,13 @@ class HcclChannel(PeerChannel):
                 fail(status, f"the peer could not register cache {remote.cache_id} with HIXL: "
                      f"{str(info['error'])[:300]}")
             engine, epoch, addresses = info["engine"], info["epoch"], info["addresses"]
+            live, token = info["live"], info["token"]
             if type(epoch) is not int or epoch < 0 or type(addresses) is not list or \
                     len(addresses) != remote.desc.num_tensors:
                 raise ValueError("wrong epoch or address count")
+            if type(live) is not int or not 0 < live <= 2**64 - 8 or type(token) is not int or \
+                    not 0 < token < 2**64:
+                raise ValueError("bad liveness word")
             limit = 2**64 - remote.desc.tensor_nbytes
             if not all(type(a) is int and 0 < a <= limit for a in addresses):
                 raise ValueError("an address is out of range")
@@ -540,7 +627,7 @@ class HcclChannel(PeerChannel):
         if engine != self.remote_engine:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where} names HIXL engine {str(engine)[:80]!r}, but the link is to "
                  f"{self.remote_engine}")
-        region = _RemoteRegion(engine, epoch, np.asarray(addresses, dtype=np.uint64))
+        region = _RemoteRegion(engine, epoch, np.asarray(addresses, dtype=np.uint64), live, token)
         remote.backend_state[NAME] = region
         return region
 
