@@ -12,7 +12,8 @@ rule fails here as it would on an NPU:
   pool off (`"0:0"`) a descriptor on unregistered memory fails, with it on (the default "4:8") the stand-in copies
   anyway and counts the transfer in `Hixl.staged` (HIXL treats such memory as host memory and stages it).
 - Unknown remote engines, transfers on no link, and re-querying a finished request fail; at most 4096 registrations
-  and 50 GB of device memory per engine.
+  and 50 GB of device memory per engine; a disconnect ends the link's requests (nothing lands after it).
+- `connect_async` links see what was registered when it was called; `get_async_connect_status` reports them.
 - Status values are the documented ones (103900...).
 
 Where the documentation names no code (a descriptor on memory registered after the link; a call from the wrong
