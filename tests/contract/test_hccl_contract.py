@@ -357,7 +357,11 @@ def test_registration_refused_by_the_peer_reaches_the_puller(nodes: tuple[Node, 
     (json.dumps({"engine": "127.0.0.1:26001", "epoch": 1, "addresses": [4096]}).encode(), LlmStatus.LLM_LINK_FAILED),
     (json.dumps({"engine": "127.0.0.1:26001", "epoch": 1, "addresses": [4096, 2**64 - 1]}).encode(),
      LlmStatus.LLM_LINK_FAILED),
-    (json.dumps({"engine": "127.0.0.1:9", "epoch": 1, "addresses": [4096, 8192]}).encode(), LlmStatus.LLM_LINK_FAILED),
+    (json.dumps({"engine": "127.0.0.1:9", "epoch": 1, "addresses": [4096, 8192], "live": 64, "token": 1}).encode(),
+     LlmStatus.LLM_LINK_FAILED),
+    (json.dumps({"engine": "127.0.0.1:26001", "epoch": 1, "addresses": [4096, 8192], "live": 0, "token": 1}).encode(),
+     LlmStatus.LLM_LINK_FAILED),
+    (json.dumps({"error": "refused", "status": 0}).encode(), LlmStatus.LLM_FAILED),
 ])
 def test_malformed_cache_descriptions_fail_that_transfer(nodes: tuple[Node, Node], info: bytes | None,
                                                          status: LlmStatus) -> None:

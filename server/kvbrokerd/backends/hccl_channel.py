@@ -133,6 +133,8 @@ class HcclChannel(PeerChannel):
                     status = LlmStatus(int(info["status"]))
                 except (ValueError, TypeError, KeyError):
                     status = LlmStatus.LLM_FAILED
+                if status == LlmStatus.LLM_SUCCESS:  # a peer's word, not ours: an error is never a success
+                    status = LlmStatus.LLM_FAILED
                 fail(status, f"the peer could not register cache {remote.cache_id} with HIXL: "
                      f"{str(info['error'])[:300]}")
             engine, epoch, addresses = info["engine"], info["epoch"], info["addresses"]
