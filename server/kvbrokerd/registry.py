@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import os
 import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ MAX_TENSORS = 4096
 MAX_TENSOR_BYTES = 1 << 44
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ALIGN = 4096
+log = logging.getLogger(__name__)
 # Control page: 16-byte nonce, then one uint64 slot per live cache id (slot = id % slots; 0 = empty).
 _NONCE_BYTES = 16
 
@@ -97,6 +99,9 @@ class Registry:
         self._control: SegmentMap | None = None
         self._live: np.ndarray | None = None
         self.control_path: Path | None = None
+        self.on_remove: list[Callable[[CacheEntry], None]] = []
+        """Called with each entry leaving the registry, after its last pin and before its memory is unmapped (for
+        backends that registered the memory with an engine)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -115,6 +120,7 @@ class Registry:
             entries = list(self._caches.values())
             self._caches.clear()
         for entry in entries:
+            self._removed(entry)
             self._release(entry)
         self._live = None
         if self._control is not None:
@@ -222,6 +228,7 @@ class Registry:
                 entry.closing = False
                 fail(LlmStatus.LLM_LINK_BUSY, f"cache {cache_id} is still in use by a transfer")
             await asyncio.sleep(0.005)
+        self._removed(entry)
         self._release(entry)
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -260,6 +267,13 @@ class Registry:
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)
         return entry
+
+    def _removed(self, entry: CacheEntry) -> None:
+        for callback in self.on_remove:
+            try:
+                callback(entry)
+            except Exception:  # a backend's clean-up must not keep the memory mapped or the cache listed
+                log.exception("clean-up of cache %d failed", entry.cache_id)
 
     def _release(self, entry: CacheEntry) -> None:
         for v in entry.views:
