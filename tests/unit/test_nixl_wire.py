@@ -1,0 +1,110 @@
+"""What the `nixl` backend accepts from a peer (advertisement, cache description) and how it maps plans onto NIXL
+descriptors; no NIXL needed (the daemon-level tests are in tests/integration/test_nixl.py)."""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from kvbroker import CacheDesc, DataType, LlmError, LlmStatus, TensorLocation
+from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
+from kvbrokerd.backends.nixl import (
+    DESCRIPTION,
+    NixlBackend,
+    NixlChannel,
+    _block_indices,
+    _regions,
+)
+from kvbrokerd.backends.nixlagent import agent_name_of, llm_error
+from kvbrokerd.planner import LayerSelection, block_array, plan_blocks
+
+DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)
+
+
+def metadata(name: bytes, tail: bytes = b"|Conns\x00") -> bytes:
+    """The head of NIXL 1.5 agent metadata as nixl_agent.get_agent_metadata() writes it."""
+    return b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + tail
+
+
+def test_agent_name_is_read_without_loading_the_metadata() -> None:
+    assert agent_name_of(metadata(b"kvbroker-7-0a1b2c3d")) == "kvbroker-7-0a1b2c3d"
+    for bad in (b"", b"garbage" * 10, metadata(b"x")[:20], metadata(b"a" * 200), metadata(b"kvb", tail=b"Conns"),
+                b"nixlSerDes|Agent" + struct.pack("<Q", 1 << 60) + b"x|"):
+        with pytest.raises(ValueError):
+            agent_name_of(bad)
+
+
+def _backend() -> NixlBackend:
+    ctx = SimpleNamespace(cluster_id=8, registry=SimpleNamespace(instance="00ff00ff"))
+    return NixlBackend(cast(LocalContext, ctx))
+
+
+def test_an_advertisement_must_name_the_peers_own_agent() -> None:
+    backend = _backend()
+    peer = PeerInfo(cluster_id=7, peer_address="127.0.0.1:1", secret=b"s" * 32)
+    for advert in (b"", b"not nixl", metadata(b"kvbroker-9-00aa"), metadata(b"kvbroker-7-../x"),
+                   metadata(b"kvbroker-70-00aa")):
+        with pytest.raises(BackendUnusable):
+            backend.connect(peer, advert)
+
+
+def _remote(info: bytes, desc: CacheDesc = DESC) -> RemoteCache:
+    return RemoteCache(cache_id=42, desc=desc, tensors=(TensorLocation("s", 0), TensorLocation("s", 4096)),
+                       shm_dir="/dev/shm", backend_info={"nixl": info})
+
+
+def _description(count: int = 2, nbytes: int = DESC.tensor_nbytes, magic: bytes = b"KVNX",
+                 addresses: tuple[int, ...] = (1 << 20, 2 << 20), agent: bytes = b"kvbroker-7-00aa") -> bytes:
+    return (DESCRIPTION.pack(magic, 1, 0, count, nbytes, 3 << 20) + np.asarray(addresses, "<u8").tobytes()
+            + metadata(agent))
+
+
+def test_a_peers_cache_description_is_checked_before_use() -> None:
+    channel = NixlChannel(cast(Any, SimpleNamespace(agent=None)), "kvbroker-7-00aa", b"")
+    layout = channel._parse(_remote(_description()))
+    assert layout.addresses.tolist() == [1 << 20, 2 << 20] and layout.live_address == 3 << 20
+    assert layout.block_nbytes == DESC.block_nbytes
+    bad = [b"", _description()[:DESCRIPTION.size + 8], _description(magic=b"XXXX"), _description(count=3),
+           _description(nbytes=DESC.tensor_nbytes + 1), _description(agent=b"kvbroker-9-00aa"),
+           _description(addresses=(1 << 20, (1 << 64) - 8))]
+    for info in bad:
+        with pytest.raises(LlmError) as e:
+            channel._parse(_remote(info))
+        assert e.value.status == LlmStatus.LLM_LINK_FAILED
+
+
+def test_runs_of_whole_blocks_map_to_descriptor_indices() -> None:
+    src, dst = block_array([5, 6, 7, 0], "src"), block_array([1, 2, 3, 7], "dst")
+    plan = plan_blocks(DESC, DESC, src, dst, LayerSelection())  # 2 runs x 2 tensors
+    idx = _block_indices(plan.src_tensor, plan.src_offset, plan.length, DESC.block_nbytes, DESC.num_blocks)
+    assert idx.tolist() == [5, 6, 7, 0, 13, 14, 15, 8]
+    idx = _block_indices(plan.dst_tensor, plan.dst_offset, plan.length, DESC.block_nbytes, DESC.num_blocks)
+    assert idx.tolist() == [1, 2, 3, 7, 9, 10, 11, 15]
+
+
+def test_registration_covers_exactly_the_tensors() -> None:
+    def entry(addresses: list[int], owned: bool) -> Any:
+        return SimpleNamespace(desc=CacheDesc(num_tensors=len(addresses), shape=(1, 100), data_type=DataType.UINT8),
+                               addresses=addresses, daemon_owned=owned)
+
+    # A daemon-owned segment: tensors at 4 KiB strides are one region (the padding is ours).
+    assert _regions(entry([0x10000, 0x11000, 0x12000], True)) == [(0x10000, 0x2064)]
+    # A model server's memory: only the tensors' own bytes, adjacent ones merged.
+    assert _regions(entry([0x10000, 0x11000, 0x10064], False)) == [(0x10000, 200), (0x11000, 100)]
+
+
+def test_nixl_errors_map_to_llm_statuses() -> None:
+    def nixl_error(name: str) -> Exception:
+        return cast(Exception, type(name, (Exception,), {})("boom"))
+
+    cases = {"nixlRemoteDisconnectError": LlmStatus.LLM_LINK_FAILED,
+             "nixlInvalidParamError": LlmStatus.LLM_PARAM_INVALID,
+             "nixlNotFoundError": LlmStatus.LLM_KV_CACHE_NOT_EXIST,
+             "nixlRepostActiveError": LlmStatus.LLM_FAILED}
+    for name, status in cases.items():
+        err = llm_error(nixl_error(name), "pull")
+        assert err.status == status and err.details["nixl_error"] == name and name in err.message
