@@ -129,6 +129,7 @@ def test_a_transport_error_costs_one_pull_not_the_link(linked_pair: Pair) -> Non
 
 
 def test_peer_killed_mid_pull_gives_link_failed_and_the_daemon_stays_healthy(tmp_path: Path) -> None:
+    """(A frozen peer, by contrast, is still read: one-sided.)"""
     desc = CacheDesc(num_tensors=2, shape=(256, 64 << 10), data_type=DataType.UINT8)  # 32 MiB
     blocks = list(range(256))
     src_d = LocalDaemon(tmp_path, 1, backends=("nixl",)).start()
@@ -139,6 +140,12 @@ def test_peer_killed_mid_pull_gives_link_failed_and_the_daemon_stays_healthy(tmp
             assert d.link_clusters([cluster_of(src_d)])[0].ok
             src, dst = s.allocate_cache(desc), d.allocate_cache(desc)
             assert d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, blocks, blocks).backend == "nixl"
+            # One-sided: on one host UCX reads a frozen peer's memory (CMA) without its help.
+            src_d.signal(signal.SIGSTOP)
+            try:
+                assert d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [1], timeout=5.0).bytes_moved > 0
+            finally:
+                src_d.signal(signal.SIGCONT)
 
             def pull_until_it_fails() -> LlmError:
                 while True:

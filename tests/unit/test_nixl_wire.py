@@ -13,10 +13,12 @@ import pytest
 from kvbroker import CacheDesc, DataType, LlmError, LlmStatus, TensorLocation
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.backends.nixl import (
+    CHUNK_BYTES,
     DESCRIPTION,
     NixlBackend,
     NixlChannel,
     _block_indices,
+    _chunks,
     _regions,
 )
 from kvbrokerd.backends.nixlagent import agent_name_of, llm_error
@@ -108,3 +110,17 @@ def test_nixl_errors_map_to_llm_statuses() -> None:
     for name, status in cases.items():
         err = llm_error(nixl_error(name), "pull")
         assert err.status == status and err.details["nixl_error"] == name and name in err.message
+
+
+def test_large_plans_are_cut_into_bounded_requests_at_run_boundaries() -> None:
+    big = CacheDesc(num_tensors=2, shape=(64, 4 << 20), data_type=DataType.UINT8)  # 4 MiB blocks, 512 MiB in all
+    order = np.random.default_rng(3).permutation(64)
+    plan = plan_blocks(big, big, block_array(order, "src"), block_array(np.arange(64), "dst"), LayerSelection())
+    chunks = _chunks(plan)
+    assert len(chunks) == plan.total_bytes // CHUNK_BYTES
+    assert [first for first, _ in chunks] == list(np.cumsum([0] + [p.num_runs for _, p in chunks[:-1]]))
+    assert all(p.total_bytes <= CHUNK_BYTES for _, p in chunks)
+    for name in ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length"):
+        assert np.array_equal(np.concatenate([getattr(p, name) for _, p in chunks]), getattr(plan, name))
+    small = plan_blocks(DESC, DESC, block_array([0], "s"), block_array([1], "d"), LayerSelection())
+    assert _chunks(small) == [(0, small)]

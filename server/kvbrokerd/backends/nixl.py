@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
 import logging
 import os
 import queue
 import re
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,6 +60,10 @@ CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_ki
 INSTALL = "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 MAX_PREPPED_DESCRIPTORS = 1 << 20
 """Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
+CHUNK_BYTES = 64 << 20
+"""Largest NIXL request. On one host UCX copies (CMA) inside the agent thread's post call: bounded requests keep
+other agent commands (a peer's cache lookup, a deregistration, which the event loop waits for) from waiting long,
+and let deadlines and cancellation be checked between requests."""
 SCRATCH_SLOTS = 256
 """8-byte landing slots for control-page reads: at most this many liveness checks run at once."""
 DESCRIPTION = struct.Struct("<4sHHIQQ")
@@ -105,6 +111,24 @@ def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarr
     d[:, 0] = addresses[tensor.astype(np.int64)] + offset
     d[:, 1] = length
     return d
+
+
+def _chunks(plan: Plan) -> list[tuple[int, Plan]]:
+    """(index of its first run, sub-plan): the plan cut at run boundaries into requests of about CHUNK_BYTES."""
+    if plan.total_bytes <= CHUNK_BYTES:
+        return [(0, plan)]
+    ends = np.cumsum(plan.length.astype(np.int64))
+    cuts = np.searchsorted(ends, np.arange(CHUNK_BYTES, int(ends[-1]), CHUNK_BYTES)) + 1
+    bounds = sorted({0, plan.num_runs, *cuts.tolist()})
+    return [(a, dataclasses.replace(plan, src_tensor=plan.src_tensor[a:b], src_offset=plan.src_offset[a:b],
+                                    dst_tensor=plan.dst_tensor[a:b], dst_offset=plan.dst_offset[a:b],
+                                    length=plan.length[a:b]))
+            for a, b in itertools.pairwise(bounds) if a < b]
+
+
+def _mark(progress: Progress, part: Plan, first: int) -> None:
+    for i, n in enumerate(part.length.tolist(), first):
+        progress.mark(i, n)
 
 
 def _regions(entry: CacheEntry) -> list[tuple[int, int]]:
@@ -314,7 +338,15 @@ class NixlChannel(PeerChannel):
         self._check_live(remote, layout, deadline, "")
         what = f"{'pull from' if op == 'READ' else 'push to'} remote cache {remote.cache_id}"
         try:
-            self._run(lambda agent: self._request(agent, op, local, layout, plan), layout, deadline, progress, what)
+            for first, part in _chunks(plan):
+                if progress.cancelled:
+                    fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
+                if time.monotonic() > deadline:
+                    fail(LlmStatus.LLM_TIMEOUT, f"{what}: deadline passed between NIXL requests")
+                self._run(lambda agent, part=part: self._request(agent, op, local, layout, part), layout, deadline,
+                          progress, what)
+                if op == "WRITE":  # landed; a pull's bytes count only once the post-check has passed
+                    _mark(progress, part, first)
         except LlmError as e:
             if e.status in (LlmStatus.LLM_TIMEOUT, LlmStatus.LLM_FAILED, LlmStatus.LLM_NOT_YET_LINK):
                 raise
@@ -329,8 +361,7 @@ class NixlChannel(PeerChannel):
             raise
         if op == "READ":
             self._check_live(remote, layout, deadline, " (it was removed during the pull: what landed is discarded)")
-        for i, n in enumerate(plan.length.tolist()):
-            progress.mark(i, n)
+            _mark(progress, plan, 0)
         return plan.total_bytes
 
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
