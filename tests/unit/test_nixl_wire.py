@@ -4,6 +4,7 @@ descriptors; no NIXL needed (the daemon-level tests are in tests/integration/tes
 from __future__ import annotations
 
 import struct
+import sys
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvbroker import CacheDesc, DataType, LlmError, LlmStatus, TensorLocation
+from kvbrokerd.backends import unavailable
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.backends.nixl import (
     CHUNK_BYTES,
@@ -124,3 +126,11 @@ def test_large_plans_are_cut_into_bounded_requests_at_run_boundaries() -> None:
         assert np.array_equal(np.concatenate([getattr(p, name) for _, p in chunks]), getattr(plan, name))
     small = plan_blocks(DESC, DESC, block_array([0], "s"), block_array([1], "d"), LayerSelection())
     assert _chunks(small) == [(0, small)]
+
+
+def test_without_nixl_the_backend_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("nixl_cu12", "nixl_cu13", "nixl_cu12._api", "nixl_cu13._api"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    reason = unavailable("nixl")
+    assert reason is not None
+    assert "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1" in reason
