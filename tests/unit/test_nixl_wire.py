@@ -3,6 +3,7 @@ descriptors; no NIXL needed (the daemon-level tests are in tests/integration/tes
 
 from __future__ import annotations
 
+import logging
 import struct
 import sys
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from kvbrokerd.backends.nixl import (
     _chunks,
     _regions,
 )
-from kvbrokerd.backends.nixlagent import agent_name_of, llm_error
+from kvbrokerd.backends.nixlagent import agent_name_of, llm_error, load_api
 from kvbrokerd.planner import LayerSelection, block_array, plan_blocks
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)
@@ -134,3 +135,12 @@ def test_without_nixl_the_backend_says_what_to_install(monkeypatch: pytest.Monke
     reason = unavailable("nixl")
     assert reason is not None
     assert "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1" in reason
+
+
+@pytest.mark.skipif(unavailable("nixl") is not None, reason="NIXL is not installed")
+def test_nixl_logs_through_the_daemons_handlers() -> None:
+    """NIXL's own logging set-up (a stdout handler in its own format; raiseExceptions off) is undone on import."""
+    load_api()
+    nixl_log = logging.getLogger("nixl")
+    assert nixl_log.handlers == [] and nixl_log.propagate and nixl_log.level == logging.WARNING
+    assert logging.raiseExceptions

@@ -58,11 +58,27 @@ def load_api() -> ModuleType:
     """NIXL's Python API module (`nixl_cuXX._api`); ImportError saying what was tried."""
     errors = []
     for name in IMPLEMENTATIONS:
+        raise_exceptions = logging.raiseExceptions
         try:
-            return importlib.import_module(f"{name}._api")
+            api = importlib.import_module(f"{name}._api")
         except ImportError as e:
             errors.append(f"{name}: {e}")
+            continue
+        finally:
+            logging.raiseExceptions = raise_exceptions  # NIXL's logging set-up turns it off process-wide
+        adopt_logging()
+        return api
     raise ImportError("; ".join(errors))
+
+
+def adopt_logging() -> None:
+    """NIXL gives its Python logger its own stdout handler and format at INFO: route its records through the
+    daemon's handlers instead (JSON logs stay JSON), warnings and up. (NIXL's and UCX's C++ logs go to stderr.)"""
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    nixl_log.setLevel(logging.WARNING)
 
 
 def is_nixl_error(e: BaseException) -> bool:
