@@ -9,9 +9,12 @@ metadata of its registration (peers load it into the agent they know: NIXL 1.5 s
 handshake only that way). Transfers use descriptor lists prepared once per (peer, cache): one descriptor per block,
 selected by index arrays; plans that are not whole blocks get one descriptor per run.
 
-One-sided reads bypass the owner's registry, and NIXL keeps reading a deregistered (even reused) address, so the
-puller reads the cache's control-page slot after the data: a cache removed meanwhile gives LLM_KV_CACHE_NOT_EXIST,
-never stale bytes. A push checks the slot before it writes (as `shm` does).
+One-sided reads bypass the owner's registry, and NIXL goes on reading a deregistered (even reused) address, so
+every transfer first reads the cache's slot in the peer's control page (reading unmapped memory would also cost the
+UCX endpoint), and a pull reads it again after the data: a cache removed meanwhile gives LLM_KV_CACHE_NOT_EXIST,
+never stale bytes. A push can only check before it writes (as `shm`). NIXL drops an endpoint after a transport
+error for good: the channel then reloads the peer's agent before its next transfer. Large plans go as requests of
+about CHUNK_BYTES.
 
 Environment: UCX chooses its transports (same host: shared memory and CMA; across hosts: RDMA, else TCP); UCX_TLS
 restricts them. When the peer API listens on loopback only, UCX_NET_DEVICES defaults to `lo`, so UCX opens no socket
