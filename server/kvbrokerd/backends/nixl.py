@@ -50,7 +50,6 @@ from kvbrokerd.backends.base import (
 )
 from kvbrokerd.backends.nixlagent import AgentThread, agent_name_of, is_nixl_error, llm_error, load_api
 from kvbrokerd.errors import LlmError, LlmStatus, fail
-from kvbrokerd.registry import control_view
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -437,7 +436,9 @@ class NixlBackend(Backend):
         if control is None:
             raise OSError("nixl: the registry has no control page")
         self._control = SegmentMap(control)
-        self._live = control_view(self._control)[1]
+        # The page: a nonce, then one u64 slot per live cache id (slot = id % max_caches; registry.py).
+        slots = self.ctx.registry.max_caches
+        self._live = np.frombuffer(self._control.mmap, np.uint64, slots, self._control.size - 8 * slots)
 
         def make_agent() -> Any:
             agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
