@@ -474,7 +474,7 @@ class NixlBackend(Backend):
             name = agent_name_of(info)
         except ValueError as e:
             raise BackendUnusable(f"unreadable nixl advertisement ({e})") from None
-        if not re.fullmatch(rf"kvbroker-{peer.cluster_id}-[0-9a-f]{{1,32}}", name):
+        if not re.fullmatch(rf"kvbroker-{peer.cluster_id}-[0-9A-Za-z]{{1,64}}", name):
             raise BackendUnusable(f"the peer's NIXL agent is named {name[:80]!r}, not after cluster {peer.cluster_id}")
 
         def load(agent: Any) -> NixlChannel:
