@@ -12,8 +12,9 @@ median of --trials timed trials):
   socket        sendall(memoryview) / recv_into between two processes over loopback, 1 and 2 connections
   kvbroker-shm  PullKvBlocks through the public client between two local daemons with --backends shm
   kvbroker-tcp  the same with --backends tcp
+  kvbroker-nixl the same with --backends nixl (NIXL in this venv: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)
   concurrency   the same total bytes split into 1, 4, 16, 64 concurrent pulls (AsyncClient + asyncio.gather)
-  nixl          NIXL 1.5.1 UCX READs, default UCX (same host) and UCX_TLS=tcp (bench/.venvs/nixl)
+  nixl          NIXL 1.5.1 UCX READs, default UCX (same host; anonymous and /dev/shm memory) and UCX_TLS=tcp
   mooncake      Mooncake Transfer Engine tcp READs, batches of <= 2048 (bench/.venvs/mooncake)
   latency       one 64 KiB block pull, p50/p99, beside a bare gRPC Ping to the same daemon
   planning      kvbrokerd.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
@@ -60,9 +61,10 @@ from peer_common import (  # noqa: E402
     parse_size,
 )
 
-ALL_ITEMS = ("memcpy", "socket", "kvbroker-shm", "kvbroker-tcp", "concurrency", "nixl", "mooncake", "latency",
-             "planning")
-PEER_ITEMS = ("nixl", "mooncake")
+ALL_ITEMS = ("memcpy", "socket", "kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "nixl", "mooncake",
+             "latency", "planning")
+PEER_ITEMS = ("nixl", "mooncake", "kvbroker-nixl")
+"""Items that need an optional install (left out of --quick)."""
 CONCURRENCY = (1, 4, 16, 64)
 PLAN_BLOCKS = (1024, 4096, 16384)
 PLAN_LAYERS = 80
@@ -261,13 +263,16 @@ def peer_python(name: str) -> str | None:
 
 def bench_nixl(cfg: Config, rep: Report) -> None:
     python = peer_python("nixl")
-    for mode, subject in (("default", "nixl-samehost"), ("tcp", "nixl-tcp")):
+    # The -shm subject reads /dev/shm mappings like kvbroker's caches: the like-for-like baseline of kvbroker-nixl.
+    for mode, memory, subject in (("default", "anon", "nixl-samehost"), ("default", "shm", "nixl-samehost-shm"),
+                                  ("tcp", "anon", "nixl-tcp")):
         if python is None:
             rep.skipped[subject] = "not installed: run `bash bench/setup_peers.sh nixl` (bench/.venvs/nixl)"
             log(f"{subject}: skipped ({rep.skipped[subject]})")
             continue
         try:
-            record_peer(rep, run_peer_script("nixl_bench.py", python, [*cfg.peer_args(), "--ucx", mode], 900))
+            record_peer(rep, run_peer_script("nixl_bench.py", python,
+                                             [*cfg.peer_args(), "--ucx", mode, "--memory", memory], 900))
         except RuntimeError as e:
             rep.skipped[subject] = str(e)
             log(f"{subject} failed: {e}")
@@ -587,11 +592,17 @@ def summarize_stacks(path: Path, top: int = 12) -> str:
 
 def bench_kvbroker(cfg: Config, rep: Report) -> None:
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        for backend in ("shm", "tcp"):
+        for backend in ("shm", "tcp", "nixl"):
             want_tp = f"kvbroker-{backend}" in cfg.items
-            want_conc = "concurrency" in cfg.items
-            want_lat = "latency" in cfg.items
+            want_conc = "concurrency" in cfg.items and backend != "nixl"
+            want_lat = "latency" in cfg.items and backend != "nixl"
             if not (want_tp or want_conc or want_lat):
+                continue
+            from kvbrokerd.backends import unavailable
+
+            if (missing := unavailable(backend)) is not None:
+                rep.skipped[f"kvbroker-{backend}"] = missing
+                log(f"kvbroker-{backend}: skipped ({missing})")
                 continue
             steps = [(f"kvbroker-{backend}", bench_kv_throughput, want_tp),
                      (f"kvbroker-{backend}-concurrency", bench_kv_concurrency, want_conc),
@@ -661,6 +672,8 @@ RATIOS: list[tuple[str, str, tuple[str, ...]]] = [
     ("kvbroker-shm/nixl-samehost", "kvbroker-shm", ("nixl-samehost",)),
     ("kvbroker-tcp/nixl-tcp", "kvbroker-tcp", ("nixl-tcp",)),
     ("kvbroker-tcp/mooncake", "kvbroker-tcp", ("mooncake-tcp",)),
+    ("kvbroker-nixl/nixl-samehost-shm", "kvbroker-nixl", ("nixl-samehost-shm",)),
+    ("kvbroker-nixl/nixl-samehost", "kvbroker-nixl", ("nixl-samehost",)),
 ]
 # (ratio name, threshold, smallest block size it applies to, label)
 THROUGHPUT_TARGETS: list[tuple[str, float, int, str]] = [
@@ -669,6 +682,7 @@ THROUGHPUT_TARGETS: list[tuple[str, float, int, str]] = [
     ("kvbroker-tcp/socket", 0.8, 256 * 1024, "tcp >= 0.8x socket (blocks >= 256K)"),
     ("kvbroker-tcp/nixl-tcp", 3.0, 0, "tcp >= 3x NIXL UCX_TLS=tcp"),
     ("kvbroker-tcp/mooncake", 1.25, 0, "tcp >= 1.25x Mooncake tcp"),
+    ("kvbroker-nixl/nixl-samehost-shm", 0.9, 0, "nixl >= 0.9x raw NIXL same-host, same (shm) memory"),
 ]
 
 
@@ -742,8 +756,8 @@ def render(cfg: Config, rep: Report) -> str:
              ""]
     cols = [fmt_size(s) for s in cfg.sizes]
     head = f"{'GB/s':<16s}" + "".join(f"{c:>9s}" for c in cols)
-    order = ["memcpy-1t", "memcpy-2t", "socket-1c", "socket-2c", "kvbroker-shm", "kvbroker-tcp", "nixl-samehost",
-             "nixl-tcp", "mooncake-tcp"]
+    order = ["memcpy-1t", "memcpy-2t", "socket-1c", "socket-2c", "kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl",
+             "nixl-samehost", "nixl-samehost-shm", "nixl-tcp", "mooncake-tcp"]
     if rep.throughput or rep.skipped:
         lines += [head, "-" * len(head)]
     for subject in order + [s for s in rep.throughput if s not in order]:
@@ -905,7 +919,7 @@ def run_round(cfg: Config) -> Report:
     steps: list[tuple[str, Callable[[Config, Report], None]]] = [
         ("memcpy", bench_memcpy), ("socket", bench_socket), ("kvbroker", bench_kvbroker), ("nixl", bench_nixl),
         ("mooncake", bench_mooncake), ("planning", bench_planning)]
-    kv_items = {"kvbroker-shm", "kvbroker-tcp", "concurrency", "latency"}
+    kv_items = {"kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "latency"}
     t0 = time.perf_counter()
     for name, fn in steps:
         wanted = bool(kv_items & set(cfg.items)) if name == "kvbroker" else name in cfg.items

@@ -11,6 +11,7 @@ from hypothesis import settings
 
 from kvbroker import ClusterInfo
 from kvbroker._local import LocalDaemon
+from kvbrokerd import backends
 
 # The suite is a gate: it must give the same answer on every run, so hypothesis explores a fixed set of examples.
 # `HYPOTHESIS_PROFILE=explore pytest ...` searches new ones (and reports any failure with a reproducible seed).
@@ -43,8 +44,16 @@ def cluster_of(d: LocalDaemon) -> ClusterInfo:
     return ClusterInfo(remote_cluster_id=d.cluster_id, remote_address=d.peer_address)
 
 
-@pytest.fixture(scope="session", params=["shm", "tcp"])
+_NIXL_MISSING = backends.unavailable("nixl")
+PAIR_BACKENDS = {"shm": 100, "tcp": 200, "nixl": 300}
+"""Backend of each linked pair -> the cluster id of its source daemon."""
+
+
+@pytest.fixture(scope="session", params=[
+    "shm", "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(_NIXL_MISSING is not None, reason=str(_NIXL_MISSING))),
+])
 def linked_pair(request: pytest.FixtureRequest, daemon_dir: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
     """(source daemon, destination daemon) linked dst -> src, both allowing only the parametrised backend."""
-    first = 100 if request.param == "shm" else 200
+    first = PAIR_BACKENDS[request.param]
     yield from _pair(daemon_dir / request.param, (request.param,), first)

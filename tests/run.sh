@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,examples]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,examples,nixl]'
+# NIXL for the nixl backend's tests, without the torch its wheel declares (host memory does not need it).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 echo "== ruff"; .venv/bin/ruff check .
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"; .venv/bin/pytest "$@"

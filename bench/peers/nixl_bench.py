@@ -3,6 +3,7 @@
 Run by kvbench.py with the python of bench/.venvs/nixl (see bench/setup_peers.sh):
     bench/.venvs/nixl/bin/python bench/peers/nixl_bench.py --ucx tcp      # UCX_TLS=tcp UCX_NET_DEVICES=lo
     bench/.venvs/nixl/bin/python bench/peers/nixl_bench.py --ucx default  # UCX picks (same host: shm / CMA)
+    ... --memory shm   # both buffers are /dev/shm file mappings, like kvbroker's caches (default: anonymous memory)
 The initiator (this process) READs every block of the target's cache into its own, in the same scattered order as
 kvbroker's pull (peer_common.Layout), one prepared transfer per whole-cache pull, polled to completion.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import mmap
 import os
 import sys
 import time
@@ -46,6 +48,23 @@ def register(agent: Any, buf: np.ndarray) -> None:
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
 
 
+def alloc(nbytes: int, memory: str) -> np.ndarray:
+    """The buffer the agent registers: anonymous memory, or a /dev/shm file mapping as kvbroker's caches are (which
+    matters: the kernel gives anonymous memory transparent huge pages and shmem none, and CMA copies pin every page).
+    The file is unlinked at once; the mapping lives as long as the array."""
+    if memory == "anon":
+        return np.empty(nbytes, dtype=np.uint8)
+    path = f"/dev/shm/kvbench-nixl-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
 def block_descs(addr: int, nbytes: int, block: int) -> np.ndarray:
     """Nx3 (address, length, device) descriptors, one per block of a flat buffer."""
     n = nbytes // block
@@ -58,7 +77,7 @@ def block_descs(addr: int, nbytes: int, block: int) -> np.ndarray:
 def target(args: argparse.Namespace) -> None:
     ctl = Ctl.connect(args.ctl)
     cache_bytes = args.tensors * parse_size(args.tensor_bytes)
-    buf = np.empty(cache_bytes, dtype=np.uint8)
+    buf = alloc(cache_bytes, args.memory)
     agent = make_agent("kvbench-target")
     register(agent, buf)
     ctl.send({"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": buf.ctypes.data})
@@ -77,7 +96,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     try:
         hello = ctl.recv()
         cache_bytes = args.tensors * parse_size(args.tensor_bytes)
-        dst = np.empty(cache_bytes, dtype=np.uint8)
+        dst = alloc(cache_bytes, args.memory)
         dst[:] = 255  # first touch outside timing
         agent = make_agent("kvbench-initiator")
         register(agent, dst)
@@ -121,6 +140,8 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_common_args(parser)
+    parser.add_argument("--memory", choices=("anon", "shm"), default="anon",
+                        help="anon: np.empty buffers; shm: /dev/shm file mappings, the memory kvbroker's caches use")
     parser.add_argument("--ucx", choices=sorted(UCX_ENV), default="default",
                         help="tcp: UCX_TLS=tcp UCX_NET_DEVICES=lo; default: UCX chooses (same-host transports)")
     parser.add_argument("--poll-sleep-us", type=float, default=None,
@@ -137,7 +158,7 @@ def main() -> None:
     import nixl
 
     emit({
-        "subject": f"nixl-{'tcp' if args.ucx == 'tcp' else 'samehost'}",
+        "subject": f"nixl-{'tcp' if args.ucx == 'tcp' else 'samehost'}" + ("-shm" if args.memory == "shm" else ""),
         "results": results,
         "info": {"nixl_version": getattr(nixl, "__version__", "1.5.1"), "ucx_env": UCX_ENV[args.ucx],
                  "poll_sleep_us": POLL_SLEEP_US[args.ucx] if args.poll_sleep_us is None else args.poll_sleep_us,

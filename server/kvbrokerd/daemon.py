@@ -116,6 +116,7 @@ class Daemon:
                     await backend.start()
                 except OSError as e:
                     raise ListenError(f"cannot start the {name} data plane: {e.strerror or e}") from None
+                self._registry.on_remove.append(backend.forget_cache)  # engines drop their registrations
             self._links.backends = {b.name: b for b in self._backends}
             tcp = self._links.backends.get("tcp")
             data_address = f":{tcp.port}" if isinstance(tcp, TcpBackend) else ""

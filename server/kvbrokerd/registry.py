@@ -24,7 +24,7 @@ import resource
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +137,9 @@ class Registry:
         self._control: shmseg.Segment | None = None
         self._live: np.ndarray | None = None
         self.control_name = ""
+        self.on_remove: list[Callable[[CacheEntry], None]] = []
+        """Called with each entry leaving the registry, after its last pin and before its memory is unmapped (for
+        backends that registered the memory with an engine)."""
 
     @property
     def control_path(self) -> Path | None:
@@ -163,6 +166,7 @@ class Registry:
             entries = list(self._caches.values())
             self._caches.clear()
         for entry in entries:
+            self._removed(entry)
             self._release(entry)
         self._live = None
         if self._control is not None:
@@ -293,6 +297,7 @@ class Registry:
                 entry.closing = False
                 fail(LlmStatus.LLM_LINK_BUSY, f"cache {cache_id} is still in use by a transfer")
             await asyncio.sleep(0.005)
+        self._removed(entry)
         self._release(entry)
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -330,6 +335,13 @@ class Registry:
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)
         return entry
+
+    def _removed(self, entry: CacheEntry) -> None:
+        for callback in self.on_remove:
+            try:
+                callback(entry)
+            except Exception:  # a backend's clean-up must not keep the memory mapped or the cache listed
+                log.exception("clean-up of cache %d failed", entry.cache_id)
 
     def _release(self, entry: CacheEntry) -> None:
         for v in entry.views:

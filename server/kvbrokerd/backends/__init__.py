@@ -13,6 +13,7 @@ from kvbrokerd.backends.base import Backend
 MODULES: dict[str, str] = {
     "shm": "kvbrokerd.backends.shm",
     "tcp": "kvbrokerd.backends.tcp",
+    "nixl": "kvbrokerd.backends.nixl",
     "hccl": "kvbrokerd.backends.hccl",
 }
 """Backend name -> module, in the default order of preference."""

@@ -1,0 +1,592 @@
+"""`nixl` backend: one-sided READ (pull) and WRITE (push) through NVIDIA's NIXL over UCX (RDMA, shared memory / CMA
+on one host, TCP), here on host memory.
+
+One NIXL agent per daemon, named after the cluster id and the instance epoch, confined to one thread (nixlagent.py).
+The handshake carries the agent's metadata (`advertise`, plain bytes). A cache is registered with the agent the first
+time a peer asks for it (`describe_cache`) or a transfer uses it locally, and deregistered when it leaves the
+registry. Its description holds the tensors' addresses, the address of its slot in our control page, and the NIXL
+metadata of its registration (peers load it into the agent they know: NIXL 1.5 sends registrations made after the
+handshake only that way). Transfers use descriptor lists prepared once per (peer, cache): one descriptor per block,
+selected by index arrays; plans that are not whole blocks get one descriptor per run.
+
+One-sided reads bypass the owner's registry, and NIXL goes on reading a deregistered (even reused) address, so
+every transfer first reads the cache's slot in the peer's control page (reading unmapped memory would also cost the
+UCX endpoint), and a pull reads it again after the data: a cache removed meanwhile gives LLM_KV_CACHE_NOT_EXIST,
+never stale bytes. A push can only check before it writes (as `shm`). NIXL drops an endpoint after a transport
+error for good: the channel then reloads the peer's agent before its next transfer. Large plans go as requests of
+about CHUNK_BYTES.
+
+Environment: UCX chooses its transports (same host: shared memory and CMA; across hosts: RDMA, else TCP); UCX_TLS
+restricts them. When the peer API listens on loopback only, UCX_NET_DEVICES defaults to `lo`, so UCX opens no socket
+beyond loopback either. Variables already set are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import itertools
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvbroker._shm import SegmentMap
+from kvbrokerd.backends.base import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    RemoteCache,
+)
+from kvbrokerd.backends.nixlagent import AgentThread, agent_name_of, is_nixl_error, llm_error, load_api
+from kvbrokerd.errors import LlmError, LlmStatus, fail
+
+if TYPE_CHECKING:
+    from kvbrokerd.planner import Plan, Progress
+    from kvbrokerd.registry import CacheEntry
+
+log = logging.getLogger(__name__)
+
+NAME = "nixl"
+CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host"}))
+INSTALL = "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+MAX_PREPPED_DESCRIPTORS = 1 << 20
+"""Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
+CHUNK_BYTES = 64 << 20
+"""Largest NIXL request. On one host UCX copies (CMA) inside the agent thread's post call: bounded requests keep
+other agent commands (a peer's cache lookup, a deregistration, which the event loop waits for) from waiting long,
+and let deadlines and cancellation be checked between requests."""
+SCRATCH_SLOTS = 256
+"""8-byte landing slots for control-page reads: at most this many liveness checks run at once."""
+DESCRIPTION = struct.Struct("<4sHHIQQ")
+"""describe_cache: magic, version, reserved, tensor count, bytes per tensor, control-slot address; then one u64
+address per tensor; then the NIXL metadata of the cache's registration."""
+_MAGIC, _VERSION = b"KVNX", 1
+_DRAM = "DRAM"
+
+
+def ucx_defaults(peer_host: str) -> dict[str, str]:
+    """UCX settings this daemon applies where the environment has none."""
+    try:
+        loopback = peer_host == "localhost" or ipaddress.ip_address(peer_host).is_loopback
+    except ValueError:
+        loopback = False
+    return {"UCX_NET_DEVICES": "lo"} if loopback else {}
+
+
+def _block_indices(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block: int, blocks_per_tensor: int
+                   ) -> np.ndarray:
+    """Indices, in a per-block descriptor list, of every block the runs cover (runs are whole blocks)."""
+    counts = (length // np.uint64(block)).astype(np.int64)
+    starts = tensor.astype(np.int64) * blocks_per_tensor + (offset // np.uint64(block)).astype(np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (np.repeat(starts, counts) + within).astype(np.int32)
+
+
+def _whole_blocks(offsets: tuple[np.ndarray, ...], length: np.ndarray, block: int) -> bool:
+    b = np.uint64(block)
+    return bool(np.all(length % b == 0) and all(np.all(o % b == 0) for o in offsets))
+
+
+def _block_descriptors(addresses: np.ndarray, tensor_nbytes: int, block: int) -> np.ndarray:
+    """Nx3 (address, length, device) descriptors: every block of every tensor, tensor-major."""
+    per = tensor_nbytes // block
+    d = np.zeros((len(addresses) * per, 3), dtype=np.uint64)
+    d[:, 0] = (addresses[:, None] + np.arange(per, dtype=np.uint64) * np.uint64(block)).ravel()
+    d[:, 1] = block
+    return d
+
+
+def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray
+                     ) -> np.ndarray:
+    d = np.zeros((len(length), 3), dtype=np.uint64)
+    d[:, 0] = addresses[tensor.astype(np.int64)] + offset
+    d[:, 1] = length
+    return d
+
+
+def _chunks(plan: Plan) -> list[tuple[int, Plan]]:
+    """(index of its first run, sub-plan): the plan cut at run boundaries into requests of about CHUNK_BYTES."""
+    if plan.total_bytes <= CHUNK_BYTES:
+        return [(0, plan)]
+    ends = np.cumsum(plan.length.astype(np.int64))
+    cuts = np.searchsorted(ends, np.arange(CHUNK_BYTES, int(ends[-1]), CHUNK_BYTES)) + 1
+    bounds = sorted({0, plan.num_runs, *cuts.tolist()})
+    return [(a, dataclasses.replace(plan, src_tensor=plan.src_tensor[a:b], src_offset=plan.src_offset[a:b],
+                                    dst_tensor=plan.dst_tensor[a:b], dst_offset=plan.dst_offset[a:b],
+                                    length=plan.length[a:b]))
+            for a, b in itertools.pairwise(bounds) if a < b]
+
+
+def _mark(progress: Progress, part: Plan, first: int) -> None:
+    for i, n in enumerate(part.length.tolist(), first):
+        progress.mark(i, n)
+
+
+def _regions(entry: CacheEntry) -> list[tuple[int, int]]:
+    """The byte ranges to register for `entry`: its tensors, merged where adjacent (a daemon-owned segment also
+    across its alignment padding, which holds nothing else)."""
+    n = entry.desc.tensor_nbytes
+    slack = 4096 if entry.daemon_owned else 0
+    merged: list[list[int]] = []
+    for start in sorted(entry.addresses):
+        if merged and 0 <= start - merged[-1][1] <= slack:
+            merged[-1][1] = start + n
+        else:
+            merged.append([start, start + n])
+    return [(s, e - s) for s, e in merged]
+
+
+@dataclasses.dataclass(eq=False)
+class _LocalCache:
+    """A cache of ours registered with the agent (agent thread only)."""
+
+    registration: Any
+    metadata: bytes
+    addresses: np.ndarray
+    blocks: Any = None
+    """Prepared per-block list (local side), made on first use."""
+
+
+@dataclasses.dataclass(eq=False)
+class _RemoteLayout:
+    """A peer's cache as its nixl description gives it. The NIXL parts are made and released on the agent thread."""
+
+    cache_id: int
+    addresses: np.ndarray
+    tensor_nbytes: int
+    block_nbytes: int
+    live_address: int
+    metadata: bytes
+    loaded: bool = False
+    blocks: Any = None
+    live: Any = None
+    users: int = 0
+    forgotten: bool = False
+
+
+class NixlChannel(PeerChannel):
+    """Transfers with one peer's agent."""
+
+    name = NAME
+
+    def __init__(self, backend: NixlBackend, agent_name: str, advertisement: bytes) -> None:
+        self._backend = backend
+        self._agent = backend.agent
+        self.agent_name = agent_name
+        self._advertisement = advertisement
+        self._lock = threading.Lock()
+        # Agent thread only:
+        self._active = 0  # transfers in flight
+        self._loaded: set[_RemoteLayout] = set()
+        self._broken = False
+        self._closed = False
+
+    # -- descriptions ------------------------------------------------------------------------------------------------
+    def _layout(self, remote: RemoteCache) -> _RemoteLayout:
+        with self._lock:
+            layout: _RemoteLayout | None = remote.backend_state.get(NAME)
+            if layout is None:
+                layout = remote.backend_state[NAME] = self._parse(remote)
+            return layout
+
+    def _parse(self, remote: RemoteCache) -> _RemoteLayout:
+        """The peer's nixl description of `remote`, checked like any untrusted input."""
+        info = remote.backend_info.get(NAME, b"")
+        where = f"remote cache {remote.cache_id}"
+        if len(info) < DESCRIPTION.size:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the peer gave no nixl description of it")
+        magic, version, _, count, tensor_nbytes, live = DESCRIPTION.unpack_from(info)
+        end = DESCRIPTION.size + 8 * count
+        if magic != _MAGIC or version != _VERSION:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: unknown nixl description (version {version})")
+        if count != remote.desc.num_tensors or tensor_nbytes != remote.desc.tensor_nbytes or len(info) <= end:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the nixl description does not match the cache")
+        addresses = np.frombuffer(info, dtype="<u8", count=count, offset=DESCRIPTION.size).astype(np.uint64)
+        if int(addresses.max()) > (1 << 64) - 1 - tensor_nbytes:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: tensor addresses out of range")
+        metadata = info[end:]
+        try:
+            owner = agent_name_of(metadata)
+        except ValueError as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: {e}")
+        if owner != self.agent_name:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: registered by agent {owner[:80]!r}, not the peer's")
+        return _RemoteLayout(remote.cache_id, addresses, tensor_nbytes, remote.desc.block_nbytes, live, metadata)
+
+    # -- agent-thread helpers -----------------------------------------------------------------------------------------
+    def _load(self, agent: Any, layout: _RemoteLayout) -> None:
+        if self._closed or layout.forgotten:
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST if layout.forgotten else LlmStatus.LLM_NOT_YET_LINK,
+                 f"remote cache {layout.cache_id} was forgotten" if layout.forgotten else "the link was closed")
+        if not layout.loaded:
+            agent.add_remote_agent(layout.metadata)
+            layout.live = agent.prep_xfer_dlist(self.agent_name, [(layout.live_address, 8, 0)], _DRAM)
+            layout.loaded = True
+            self._loaded.add(layout)
+
+    def _reconnect(self, agent: Any) -> None:
+        """NIXL gives up on a peer's endpoint after a transport error (e.g. a read of memory the peer unmapped) and
+        never reconnects it: reload the peer's agent, and lazily each cache's registration. Only while no other
+        transfer uses them."""
+        for layout in self._loaded:
+            self._release_lists(layout)
+            layout.loaded = False
+        self._loaded.clear()
+        with contextlib.suppress(Exception):
+            agent.remove_remote_agent(self.agent_name)
+        agent.add_remote_agent(self._advertisement)
+        self._broken = False
+        log.info("nixl: reconnected to agent %s after a transport error", self.agent_name)
+
+    def _remote_blocks(self, agent: Any, layout: _RemoteLayout) -> Any:
+        if layout.blocks is None and len(layout.addresses) * (layout.tensor_nbytes // layout.block_nbytes) <= \
+                MAX_PREPPED_DESCRIPTORS:
+            layout.blocks = agent.prep_xfer_dlist(
+                self.agent_name, _block_descriptors(layout.addresses, layout.tensor_nbytes, layout.block_nbytes), _DRAM)
+        return layout.blocks
+
+    def _began(self, layout: _RemoteLayout) -> None:
+        layout.users += 1
+        self._active += 1
+
+    def _ended(self, agent: Any, layout: _RemoteLayout, error: BaseException | None) -> None:
+        layout.users -= 1
+        self._active -= 1
+        if isinstance(error, LlmError) and error.details.get("nixl_error") == "nixlRemoteDisconnectError":
+            self._broken = True
+        self._tidy(agent, layout)
+
+    @staticmethod
+    def _release_lists(layout: _RemoteLayout) -> None:
+        for handle in (layout.blocks, layout.live):
+            if handle is not None:
+                handle.release()
+        layout.blocks = layout.live = None
+
+    def _tidy(self, agent: Any, layout: _RemoteLayout) -> None:
+        """Releases a forgotten cache's lists, and a closed channel's agent, once no transfer uses them."""
+        if layout.forgotten and layout.users == 0:
+            self._release_lists(layout)
+            self._loaded.discard(layout)
+        if self._closed and self._active == 0:
+            self._backend.drop_peer(agent, self)
+
+    def _request(self, agent: Any, op: str, local: CacheEntry, layout: _RemoteLayout, plan: Plan) -> Any:
+        """The NIXL transfer request for `plan` (READ: remote -> local, WRITE: local -> remote)."""
+        self._load(agent, layout)
+        mine = self._backend.local_cache(agent, local)
+        if op == "READ":
+            lt, lo, rt, ro = plan.dst_tensor, plan.dst_offset, plan.src_tensor, plan.src_offset
+        else:
+            lt, lo, rt, ro = plan.src_tensor, plan.src_offset, plan.dst_tensor, plan.dst_offset
+        block = layout.block_nbytes
+        if block == local.desc.block_nbytes and _whole_blocks((lo, ro), plan.length, block):
+            local_list = self._backend.local_blocks(agent, local, mine)
+            remote_list = self._remote_blocks(agent, layout)
+            if local_list is not None and remote_list is not None:
+                return agent.make_prepped_xfer(
+                    op, local_list, _block_indices(lt, lo, plan.length, block, local.desc.num_blocks),
+                    remote_list, _block_indices(rt, ro, plan.length, block, layout.tensor_nbytes // block))
+        local_descs = agent.get_xfer_descs(_run_descriptors(mine.addresses, lt, lo, plan.length), _DRAM)
+        remote_descs = agent.get_xfer_descs(_run_descriptors(layout.addresses, rt, ro, plan.length), _DRAM)
+        return agent.initialize_xfer(op, local_descs, remote_descs, self.agent_name)
+
+    # -- transfers (data-plane threads) ------------------------------------------------------------------------------
+    def _run(self, post: Any, layout: _RemoteLayout, deadline: float, progress: Progress | None, what: str) -> None:
+        def start(agent: Any) -> Any:
+            self._began(layout)
+            if self._broken and self._active == 1 and not self._closed:
+                self._reconnect(agent)
+            return post(agent)
+
+        self._agent.transfer(start, deadline, (lambda: progress.cancelled) if progress else (lambda: False), what,
+                             lambda agent, error: self._ended(agent, layout, error))
+
+    def _is_live(self, layout: _RemoteLayout, deadline: float) -> bool:
+        """Reads the cache's slot in the peer's control page: is it still registered there?"""
+        slot = self._backend.take_slot()
+
+        def read_slot(agent: Any) -> Any:
+            self._load(agent, layout)
+            return agent.make_prepped_xfer("READ", self._backend.scratch_list, [slot], layout.live, [0])
+
+        try:
+            self._backend.scratch[slot] = 0
+            self._run(read_slot, layout, deadline, None, f"liveness check of remote cache {layout.cache_id}")
+            return int(self._backend.scratch[slot]) == layout.cache_id
+        finally:
+            self._backend.give_slot(slot)
+
+    def _check_live(self, remote: RemoteCache, layout: _RemoteLayout, deadline: float, when: str) -> None:
+        if not self._is_live(layout, deadline):
+            self.forget(remote)
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} no longer exists{when}")
+
+    def _move(self, op: str, local: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress,
+              deadline: float) -> int:
+        layout = self._layout(remote)
+        # Before: reading memory the peer has unmapped would also cost the connection (see _reconnect).
+        self._check_live(remote, layout, deadline, "")
+        what = f"{'pull from' if op == 'READ' else 'push to'} remote cache {remote.cache_id}"
+        try:
+            for first, part in _chunks(plan):
+                if progress.cancelled:
+                    fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
+                if time.monotonic() > deadline:
+                    fail(LlmStatus.LLM_TIMEOUT, f"{what}: deadline passed between NIXL requests")
+                self._run(lambda agent, part=part: self._request(agent, op, local, layout, part), layout, deadline,
+                          progress, what)
+                if op == "WRITE":  # landed; a pull's bytes count only once the post-check has passed
+                    _mark(progress, part, first)
+        except LlmError as e:
+            if e.status in (LlmStatus.LLM_TIMEOUT, LlmStatus.LLM_FAILED, LlmStatus.LLM_NOT_YET_LINK):
+                raise
+            # A cache the peer removed looks like a transport error (its memory is gone): say which it was.
+            try:
+                live = self._is_live(layout, deadline)
+            except LlmError:
+                live = True
+            if not live:
+                self.forget(remote)
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} no longer exists")
+            raise
+        if op == "READ":
+            self._check_live(remote, layout, deadline, " (it was removed during the pull: what landed is discarded)")
+            _mark(progress, plan, 0)
+        return plan.total_bytes
+
+    def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
+        return self._move("READ", dst, remote, plan, progress, deadline)
+
+    def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
+        return self._move("WRITE", src, remote, plan, progress, deadline)
+
+    def forget(self, remote: RemoteCache) -> None:
+        with self._lock:
+            layout: _RemoteLayout | None = remote.backend_state.pop(NAME, None)
+        if layout is not None:
+            def forget(agent: Any) -> None:
+                layout.forgotten = True
+                self._tidy(agent, layout)
+
+            self._agent.submit(forget)
+
+    def close(self) -> None:
+        def close(agent: Any) -> None:
+            if not self._closed:
+                self._closed = True
+                if self._active == 0:
+                    self._backend.drop_peer(agent, self)
+
+        self._agent.submit(close)
+
+
+class NixlBackend(Backend):
+    """Advertises this daemon's NIXL agent; a peer loads it and reads or writes our registered caches directly."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+    extra = "nixl"
+
+    def __init__(self, ctx: LocalContext) -> None:
+        super().__init__(ctx)
+        self.agent = AgentThread(f"kvbroker-{ctx.cluster_id}-{ctx.registry.instance}")
+        self._metadata = b""
+        self._control: SegmentMap | None = None
+        self._live: np.ndarray | None = None
+        self.scratch = np.zeros(SCRATCH_SLOTS, dtype=np.uint64)
+        self.scratch_list: Any = None
+        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(SCRATCH_SLOTS):
+            self._free_slots.put(i)
+        # Agent thread only:
+        self._fixed: list[Any] = []
+        self._caches: dict[int, _LocalCache] = {}
+        self._peers: dict[str, NixlChannel] = {}
+        self._closed = False
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        try:
+            load_api()
+        except ImportError as e:
+            return (f"the nixl backend needs NIXL ({e}); install it with: {INSTALL} (nixl-cu13 on CUDA 13; "
+                    "--no-deps because the wheel declares torch, which host memory does not need)")
+        return None
+
+    async def start(self) -> None:
+        try:
+            api = load_api()
+        except ImportError as e:
+            raise OSError(f"nixl: {e}") from None
+        for key, value in ucx_defaults(self.ctx.peer_host).items():
+            os.environ.setdefault(key, value)
+        control = self.ctx.registry.control_path
+        if control is None:
+            raise OSError("nixl: the registry has no control page")
+        self._control = SegmentMap(control)
+        # The page: a nonce, then one u64 slot per live cache id (slot = id % max_caches; registry.py).
+        slots = self.ctx.registry.max_caches
+        self._live = np.frombuffer(self._control.mmap, np.uint64, slots, self._control.size - 8 * slots)
+
+        def make_agent() -> Any:
+            agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
+            agent.create_backend("UCX", agent.get_plugin_params("UCX"))  # its default error mode is "peer"
+            return agent
+
+        try:
+            self.agent.start(make_agent)
+            self._metadata = self.agent.call(self._register_fixed)
+        except Exception as e:
+            self.close()
+            raise OSError(f"nixl: cannot start the NIXL agent: {type(e).__name__}: {e}") from None
+        ucx = ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("UCX_"))
+        log.info("nixl: agent %s ready (%s; %s)", self.agent.name, api.__name__.split(".")[0], ucx or "UCX defaults")
+
+    def _register_fixed(self, agent: Any) -> bytes:
+        """Registers the control page's live-cache slots (peers read them) and the scratch slots, before the metadata
+        the handshake carries is taken."""
+        assert self._live is not None
+        self._fixed.append(agent.register_memory([(int(self._live.ctypes.data), self._live.nbytes, 0, "")], _DRAM))
+        self._fixed.append(agent.register_memory([(int(self.scratch.ctypes.data), self.scratch.nbytes, 0, "")], _DRAM))
+        self.scratch_list = agent.prep_xfer_dlist(
+            "", [(int(self.scratch.ctypes.data) + 8 * i, 8, 0) for i in range(SCRATCH_SLOTS)], _DRAM)
+        metadata: bytes = agent.get_agent_metadata()
+        return metadata
+
+    def advertise(self) -> bytes:
+        return self._metadata
+
+    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+        try:
+            name = agent_name_of(info)
+        except ValueError as e:
+            raise BackendUnusable(f"unreadable nixl advertisement ({e})") from None
+        if not re.fullmatch(rf"kvbroker-{peer.cluster_id}-[0-9A-Za-z]{{1,64}}", name):
+            raise BackendUnusable(f"the peer's NIXL agent is named {name[:80]!r}, not after cluster {peer.cluster_id}")
+
+        def load(agent: Any) -> NixlChannel:
+            loaded = agent.add_remote_agent(info)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != name:  # pragma: no cover - NIXL loads the name we read
+                agent.remove_remote_agent(loaded)
+                raise BackendUnusable(f"NIXL loaded agent {loaded!r} from an advertisement of {name!r}")
+            channel = self._peers[name] = NixlChannel(self, name, info)
+            return channel
+
+        try:
+            return self.agent.call(load)
+        except LlmError as e:
+            raise BackendUnusable(e.message) from None
+        except Exception as e:
+            if is_nixl_error(e):
+                raise BackendUnusable(f"NIXL cannot load the peer's agent: {type(e).__name__}: {e}") from None
+            raise
+
+    def drop_peer(self, agent: Any, channel: NixlChannel) -> None:
+        """Forgets a closed channel's agent, unless a newer channel (a re-link) loaded it again (agent thread)."""
+        if self._peers.get(channel.agent_name) is channel:
+            del self._peers[channel.agent_name]
+            try:
+                agent.remove_remote_agent(channel.agent_name)
+            except Exception as e:
+                log.warning("nixl: removing agent %s failed: %s", channel.agent_name, e)
+
+    # -- local caches ----------------------------------------------------------------------------------------------
+    def local_cache(self, agent: Any, entry: CacheEntry) -> _LocalCache:
+        """`entry` registered with the agent, once (agent thread; the entry is pinned or on the event loop)."""
+        mine = self._caches.get(entry.cache_id)
+        if mine is None:
+            if self._closed:
+                fail(LlmStatus.LLM_FAILED, "the nixl backend is closed")
+            registration = agent.register_memory([(a, n, 0, "") for a, n in _regions(entry)], _DRAM)
+            metadata = agent.get_partial_agent_metadata(registration, False, [])
+            mine = self._caches[entry.cache_id] = _LocalCache(registration, metadata,
+                                                              np.asarray(entry.addresses, dtype=np.uint64))
+        return mine
+
+    def local_blocks(self, agent: Any, entry: CacheEntry, mine: _LocalCache) -> Any:
+        block = entry.desc.block_nbytes
+        if mine.blocks is None and entry.desc.num_tensors * entry.desc.num_blocks <= MAX_PREPPED_DESCRIPTORS:
+            mine.blocks = agent.prep_xfer_dlist("", _block_descriptors(mine.addresses, entry.desc.tensor_nbytes,
+                                                                       block), _DRAM)
+        return mine.blocks
+
+    def describe_cache(self, entry: CacheEntry) -> bytes:
+        try:
+            mine = self.agent.call(lambda agent: self.local_cache(agent, entry))
+        except Exception as e:
+            if is_nixl_error(e):
+                raise llm_error(e, f"registering cache {entry.cache_id} with NIXL") from None
+            raise
+        assert self._live is not None
+        live = int(self._live.ctypes.data) + 8 * (entry.cache_id % len(self._live))
+        return (DESCRIPTION.pack(_MAGIC, _VERSION, 0, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
+                + mine.addresses.astype("<u8").tobytes() + mine.metadata)
+
+    def forget_cache(self, entry: CacheEntry) -> None:
+        """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it."""
+        def forget(agent: Any) -> None:
+            mine = self._caches.pop(entry.cache_id, None)
+            if mine is not None:
+                if mine.blocks is not None:
+                    mine.blocks.release()
+                agent.deregister_memory(mine.registration)
+
+        if not self._closed and entry.cache_id in self._caches:
+            try:
+                self.agent.call(forget)
+            except Exception:
+                log.exception("nixl: deregistering cache %d failed", entry.cache_id)
+
+    # -- scratch slots ---------------------------------------------------------------------------------------------
+    def take_slot(self) -> int:
+        return self._free_slots.get()
+
+    def give_slot(self, slot: int) -> None:
+        self._free_slots.put(slot)
+
+    def close(self) -> None:
+        def teardown(agent: Any) -> None:
+            for name in list(self._peers):
+                with contextlib.suppress(Exception):
+                    agent.remove_remote_agent(name)
+            self._peers.clear()
+            for mine in self._caches.values():
+                with contextlib.suppress(Exception):
+                    if mine.blocks is not None:
+                        mine.blocks.release()
+                    agent.deregister_memory(mine.registration)
+            self._caches.clear()
+            if self.scratch_list is not None:
+                self.scratch_list.release()
+                self.scratch_list = None
+            for registration in self._fixed:
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(registration)
+            self._fixed.clear()
+
+        if not self._closed:
+            self._closed = True
+            try:
+                self.agent.close(teardown)
+            finally:
+                self._live = None
+                if self._control is not None:
+                    self._control.close()
+                    self._control = None
+
+
+BACKEND = NixlBackend
+"""The `nixl` backend class (backends/__init__.py)."""
