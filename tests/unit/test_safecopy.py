@@ -132,16 +132,16 @@ def test_bad_arguments_are_refused_before_any_byte_moves() -> None:
 # -- memory that vanishes -------------------------------------------------------------------------------------------
 
 TRUNCATED_BEFORE = """
-shm, side = sys.argv[1], sys.argv[2]
+shm, side, start, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 size, keep = 8 << 20, (5 << 20) + 4096 + 100
 sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
 dfd, dm, dst, dst_at = segment(shm + "/dst", size)
 os.ftruncate(sfd if side == "source" else dfd, keep)
 try:
-    sc.copy(dst_at + 64, src_at + 64, size - 128)
+    sc.copy(dst_at + start, src_at + start, length)
     print(json.dumps(None))
 except sc.FaultError as e:
-    ok = bool((dst[64:64 + e.copied] == pattern(size)[64:64 + e.copied]).all())
+    ok = bool((dst[start:start + e.copied] == pattern(size)[start:start + e.copied]).all())
     base = src_at if side == "source" else dst_at
     print(json.dumps({**fault(e), "landed": ok, "message": str(e), "offset": e.address - base}))
 """
@@ -149,15 +149,18 @@ except sc.FaultError as e:
 
 @needs_extension
 @pytest.mark.parametrize("side", ["source", "destination"])
-def test_memory_truncated_before_the_copy_is_a_fault_error_with_what_landed(shm_dir: Path, side: str) -> None:
+@pytest.mark.parametrize("start,length", [(64, (8 << 20) - 128), ((5 << 20) - 8192, 16384 + 1)],
+                         ids=["large", "small"])  # small: with the GIL held
+def test_memory_truncated_before_the_copy_is_a_fault_error_with_what_landed(shm_dir: Path, side: str, start: int,
+                                                                           length: int) -> None:
     assert _safecopy is not None
-    got = _result(_child(TRUNCATED_BEFORE, str(shm_dir), side))
+    got = _result(_child(TRUNCATED_BEFORE, str(shm_dir), side, str(start), str(length)))
     assert got is not None, "the copy read or wrote past the end of a truncated file without a fault"
     keep = (5 << 20) + 4096 + 100
-    assert got["side"] == side and got["signal"] == signal.SIGBUS and got["size"] == (8 << 20) - 128
-    assert got["copied"] == (keep - 64) // _safecopy.STEP * _safecopy.STEP, got
+    assert got["side"] == side and got["signal"] == signal.SIGBUS and got["size"] == length
+    assert got["copied"] == (keep - start) // _safecopy.STEP * _safecopy.STEP, got
     assert got["landed"], "the bytes reported as copied are not the source's"
-    assert keep // 4096 * 4096 <= got["offset"] < 8 << 20, got
+    assert keep // 4096 * 4096 <= got["offset"] < start + length, got
     assert side in got["message"]
 
 
