@@ -373,3 +373,49 @@ def test_the_daemon_logs_its_copy_path_at_start(tmp_path: Path, setting: str) ->
         assert "turned off" in lines[0]
     elif _safecopy is not None:
         assert "fault-safe memmove" in lines[0]
+
+
+STABLE_MEMORY_TRUNCATED = """
+import concurrent.futures, time
+from kvbroker._types import CacheDesc, DataType
+from kvbrokerd.backends import memcopy
+from kvbrokerd.errors import LlmError
+from kvbrokerd.planner import LayerSelection, Progress, plan_blocks
+
+shm, side = sys.argv[1], sys.argv[2]
+desc = CacheDesc(num_tensors=2, shape=(64, 256 << 10), data_type=DataType.UINT8)  # 32 MiB: two copy threads
+n = desc.num_tensors * desc.tensor_nbytes
+src, dst = segment(shm + "/src", n, filled=True), segment(shm + "/dst", n)
+def side_of(seg, label):  # daemon-owned memory (memmove's rule), no size re-check: it shrinks after the check
+    return memcopy.Endpoint(label, [seg[3], seg[3] + desc.tensor_nbytes], [seg[0]] * 2, [0, desc.tensor_nbytes],
+                            True, lambda: None)
+os.ftruncate((src if side == "source" else dst)[0], desc.tensor_nbytes + 40 * (256 << 10))
+blocks = np.arange(64, dtype=np.uint64)
+plan = plan_blocks(desc, desc, blocks, blocks, LayerSelection())
+progress = Progress(plan)
+try:
+    memcopy.copy_plan(side_of(src, "the source"), side_of(dst, "the destination"), plan, progress,
+                      time.monotonic() + 30, concurrent.futures.ThreadPoolExecutor(1), threads=2)
+except LlmError as e:
+    print(json.dumps({"status": e.status.name, "message": e.message,
+                      "failed": progress.failed_dst_blocks().tolist()}))
+"""
+
+
+@pytest.mark.parametrize("side", ["source", "destination"])
+@pytest.mark.parametrize("safecopy", ["1", "0"])
+def test_daemon_owned_memory_truncated_under_two_copy_threads(shm_dir: Path, side: str, safecopy: str) -> None:
+    """memmove's memory is daemon-owned: only a process of the daemon's own user can truncate it. With the extension
+    even that is an error, with the blocks that did not land; without it, that process can still kill the daemon
+    (docs/THREAT_MODEL.md)."""
+    if safecopy == "1" and _safecopy is None:
+        pytest.skip("kvbrokerd._safecopy is not built here")
+    out = _child(STABLE_MEMORY_TRUNCATED, str(shm_dir), side, env={"KVBROKER_SAFECOPY": safecopy})
+    if safecopy == "0":
+        assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr)
+        return
+    got = _result(out)
+    assert got["status"] == "LLM_KV_CACHE_NOT_EXIST", got
+    assert f"the {side}: its memory" in got["message"], got
+    # Tensor 0 and blocks 0-39 of tensor 1 are still there; what failed is at least the rest of tensor 1.
+    assert set(range(40, 64)) <= set(got["failed"]), got
