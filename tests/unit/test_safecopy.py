@@ -29,12 +29,13 @@ except ImportError:  # pragma: no cover - a machine without a C compiler: the ke
 needs_extension = pytest.mark.skipif(_safecopy is None, reason="kvbrokerd._safecopy is not built here")
 MIB = 1 << 20
 
-# Helpers of every child: `segment` makes a tmpfs file mapped read-write and returns its fd, mapping, a numpy view
-# and the mapping's address; `pattern(n)` the bytes a source is filled with.
+# Helpers of every child (and `sc`, the extension): `segment` makes a tmpfs file mapped read-write and returns its
+# fd, mapping, a numpy view and the mapping's address; `pattern(n)` the bytes a source is filled with.
 PRELUDE = """
 import json, mmap, os, signal, sys, threading
-from kvbrokerd import _safecopy as sc
 import numpy as np
+if os.environ.get("KVBROKER_SAFECOPY") != "0":  # as the daemon: turned off, never loaded
+    from kvbrokerd import _safecopy as sc
 
 BLOCK = np.random.default_rng(1).integers(0, 256, 4099, dtype=np.uint8)  # an odd period: a shifted byte shows
 
