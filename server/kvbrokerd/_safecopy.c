@@ -42,6 +42,7 @@ static __thread struct guard *volatile current_guard __attribute__((tls_model("i
 static struct sigaction previous_bus, previous_segv;
 static int handler_installed; /* once per process: a second install would take itself for the previous handler */
 static PyObject *FaultError;
+static uintptr_t page_size;
 
 static int in_range(uintptr_t address, uintptr_t lo, uintptr_t hi) { return address >= lo && address < hi; }
 
@@ -148,9 +149,9 @@ static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n)
 
 PyDoc_STRVAR(copy_doc,
 "copy(dst, src, n, /)\n--\n\n"
-"memmove(dst, src, n) between raw addresses, without the GIL (from 16 KiB). A page of either side that vanishes under the copy\n"
-"(SIGBUS, or SIGSEGV for an unmapped one) raises FaultError instead of killing the process: its `side` says\n"
-"which, `copied` how many leading bytes surely landed. The caller keeps both ranges mapped for the call.");
+"memmove(dst, src, n) between raw addresses, without the GIL from 16 KiB on. A page of either side that vanishes\n"
+"under the copy (SIGBUS, or SIGSEGV for an unmapped one) raises FaultError instead of killing the process: its\n"
+"`side` says which, `copied` how many leading bytes surely landed. The caller keeps both ranges mapped.");
 
 static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -168,7 +169,7 @@ static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "copy(): a null address, or a range past the end of the address space");
         return NULL;
     }
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t page = page_size;
     const size_t n = (size_t)size;
     struct guard guard;
     guard.src_lo = page_down(src, page);
@@ -243,6 +244,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__safecopy(void) {
+    page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;

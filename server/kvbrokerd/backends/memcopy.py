@@ -156,10 +156,13 @@ def _safe_move(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int,
     assert _safecopy is not None
     try:
         _safecopy.copy(dst.addresses[dt] + do, src.addresses[st] + so, n)
+        return
     except _safecopy.FaultError as e:
-        if e.side == "source":
-            _source_shrank(src)
-        _destination_vanished(dst)
+        side = e.side
+    # Outside the except block: the LlmError carries no FaultError context into logs.
+    if side == "source":
+        _source_shrank(src)
+    _destination_vanished(dst)
 
 
 def _source_shrank(src: Endpoint) -> NoReturn:
