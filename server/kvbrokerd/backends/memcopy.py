@@ -80,6 +80,7 @@ _pread = _libc.pread64
 _pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
 _pread.restype = ctypes.c_ssize_t
 
+
 def maps_to_copy(stable: bool) -> bool:
     """Whether a copy reads this memory through a mapping here (else through its file): memmove needs stable
     memory, the fault-safe copy any memory."""
