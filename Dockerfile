@@ -15,6 +15,14 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # ---- build: the wheel, then a virtual environment with kvbroker[server] and nothing else -----------------------
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler for kvbrokerd._safecopy (the fault-safe memmove; only libc at run time). Where none can be installed
+# (no package mirror), or Python's headers are missing, the wheel is built without it and the daemon copies
+# model-server memory through the kernel, about 3x slower: the last step below and the daemon's log say which.
+RUN if ! command -v cc > /dev/null; then \
+      { apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev; } \
+        || echo "WARNING: no C compiler: kvbrokerd._safecopy will not be built"; \
+      rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY client ./client
@@ -22,7 +30,8 @@ COPY server ./server
 RUN python3 -m venv /opt/kvbroker \
  && /opt/kvbroker/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvbroker/bin/pip install --find-links /wheels 'kvbroker[server]' \
- && /opt/kvbroker/bin/kvbrokerd --help > /dev/null
+ && /opt/kvbroker/bin/kvbrokerd --help > /dev/null \
+ && /opt/kvbroker/bin/python -c "from kvbrokerd.backends import memcopy; print(memcopy.copy_path()[1])"
 
 # ---- runtime ----------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

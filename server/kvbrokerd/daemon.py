@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbroker._types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd import backends, linkauth
+from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import Backend, LocalContext
 from kvbrokerd.backends.tcp import TcpBackend
 from kvbrokerd.config import Config
@@ -137,6 +138,7 @@ class Daemon:
         except BaseException:
             await self.stop(grace=0)
             raise
+        log.log(*memcopy.copy_path())
         log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
                  self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
 

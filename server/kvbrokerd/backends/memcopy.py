@@ -1,16 +1,21 @@
 """Copies planned byte runs between two caches' memory: the engine of the `shm` backend and of local copies.
 
 Memory that a model server owns can shrink under a copy (it may truncate a segment it registered), and a plain
-memmove that touches a vanished page dies of SIGBUS, taking the daemon with it. So a run is copied in one of two ways:
+memmove that touches a vanished page dies of SIGBUS, taking the daemon with it. So a run is copied in one of three
+ways, the first that applies:
 
-- `memmove` between mappings, only when both sides are `stable`: segments that only daemons create and size
-  (AllocateCache's, reserved at creation). It is the fastest copy: on the development machine about twice the kernel's
-  from tmpfs at 256 KiB runs.
-- the kernel (`pread` from the source's segment file into the destination's mapping) when either side is not: a
-  source that shrank gives a short read, a destination page that vanished gives EFAULT; both become an LlmError.
+- `kvbrokerd._safecopy` (a small C extension, built when a C compiler is there): memmove at full speed under a
+  per-thread fault guard; a page that vanishes under the copy raises FaultError, which becomes an LlmError naming the
+  side that lost it. Used for every run, stable or not. `KVBROKER_SAFECOPY=0` in the daemon's environment turns it
+  off (the module is then never loaded and installs no signal handler).
+- `memmove` between mappings when both sides are `stable`: segments that only daemons create and size
+  (AllocateCache's, reserved at creation).
+- the kernel (`pread` from the source's segment file into the destination's mapping) otherwise: a source that shrank
+  gives a short read, a destination page that vanished gives EFAULT; both become an LlmError. It is the slowest
+  (about a third of memmove's speed at 256 KiB-2 MiB runs on the development machine).
 
-Both release the GIL, so two copiers really run in parallel on large plans. Callers keep the memory alive for the
-whole copy (pins, held segments); the planner has checked every run against both caches' sizes, and each side
+All three release the GIL, so two copiers really run in parallel on large plans. Callers keep the memory alive for
+the whole copy (pins, held segments); the planner has checked every run against both caches' sizes, and each side
 re-checks its segments' sizes (fstat) before the first byte moves.
 """
 
@@ -19,11 +24,14 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import NoReturn
 
 import numpy as np
 
@@ -39,10 +47,44 @@ INLINE_MAX_BYTES = 512 << 10
 INLINE_MAX_RUNS = 64
 _DEADLINE_CHECK_EVERY = 256
 
+SAFECOPY_ENV = "KVBROKER_SAFECOPY"
+_SLOW_PATH = "memory copies: memmove between daemon-owned segments, the kernel (pread, about 3x slower) for others"
+
+
+def _load_safecopy() -> tuple[ModuleType | None, int, str]:
+    """The fault-safe copy extension, unless it is turned off (said at INFO) or missing (a WARNING: fixable)."""
+    if os.environ.get(SAFECOPY_ENV, "1").strip().lower() in ("0", "no", "false", "off"):
+        return None, logging.INFO, (f"{_SLOW_PATH}: the fault-safe copy is turned off "
+                                    f"({SAFECOPY_ENV}={os.environ[SAFECOPY_ENV]})")
+    try:
+        from kvbrokerd import _safecopy
+    except ImportError as e:
+        return None, logging.WARNING, (f"{_SLOW_PATH}: kvbrokerd._safecopy is not available ({e}); reinstall "
+                                       "kvbroker where a C compiler and Python's headers are present")
+    return _safecopy, logging.INFO, "memory copies: fault-safe memmove (kvbrokerd._safecopy) for every run"
+
+
+_safecopy, _COPY_PATH_LEVEL, _COPY_PATH = _load_safecopy()
+
+
+def copy_path() -> tuple[int, str]:
+    """(logging level, line) saying how this process copies memory, for the daemon's log at start."""
+    if _safecopy is not None and not _safecopy.handler_in_place():
+        return logging.WARNING, (f"{_COPY_PATH}, but another SIGBUS/SIGSEGV handler was installed after its own: a "
+                                 "page that vanishes under a copy reaches that one first")
+    return _COPY_PATH_LEVEL, _COPY_PATH
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _pread = _libc.pread64
 _pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
 _pread.restype = ctypes.c_ssize_t
+
+
+def maps_to_copy(stable: bool) -> bool:
+    """Whether a copy reads this memory through a mapping here (else through its file): memmove needs stable
+    memory, the fault-safe copy any memory."""
+    return stable or _safecopy is not None
 
 
 def small_enough_for_the_loop(plan: Plan) -> bool:
@@ -56,7 +98,8 @@ class Endpoint:
     label: str
     """Names the memory in errors ("cache 12", "remote cache 7 of cluster 2")."""
     addresses: list[int]
-    """Base address of each tensor's mapping here (needed of a destination, and of a stable source)."""
+    """Base address of each tensor's mapping here (needed of a destination, and of a source that `maps_to_copy`);
+    empty when not mapped."""
     fds: list[int]
     """Descriptor of each tensor's segment file."""
     offsets: list[int]
@@ -82,7 +125,12 @@ def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, dead
     dst.check()
     runs = plan.runs()
     record = progress.mark if mark is None else mark
-    move = _memmove if src.stable and dst.stable else _kernel_copy
+    if _safecopy is not None and src.addresses and dst.addresses:
+        move = _safe_move
+    elif src.stable and dst.stable:
+        move = _memmove
+    else:
+        move = _kernel_copy
 
     def copy(chunk: list[Run]) -> None:
         for i, (idx, st, so, dt, do, n) in enumerate(chunk):
@@ -105,6 +153,29 @@ def _memmove(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n
     ctypes.memmove(dst.addresses[dt] + do, src.addresses[st] + so, n)
 
 
+def _safe_move(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:
+    assert _safecopy is not None
+    try:
+        _safecopy.copy(dst.addresses[dt] + do, src.addresses[st] + so, n)
+        return
+    except _safecopy.FaultError as e:
+        side = e.side
+    # Outside the except block: the LlmError carries no FaultError context into logs.
+    if side == "source":
+        _source_shrank(src)
+    _destination_vanished(dst)
+
+
+def _source_shrank(src: Endpoint) -> NoReturn:
+    fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{src.label}: its memory shrank during the copy (the model server that "
+         "owns it truncated its segment)")
+
+
+def _destination_vanished(dst: Endpoint) -> NoReturn:
+    fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{dst.label}: its memory vanished during the copy (its segment was "
+         "truncated, or its filesystem is full)")
+
+
 def _kernel_copy(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:
     fd, offset, address = src.fds[st], src.offsets[st] + so, dst.addresses[dt] + do
     while n > 0:
@@ -113,12 +184,10 @@ def _kernel_copy(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: in
             offset, address, n = offset + got, address + got, n - got
             continue
         if got == 0:
-            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{src.label}: its memory shrank during the copy (the model "
-                 "server that owns it truncated its segment)")
+            _source_shrank(src)
         err = ctypes.get_errno()
         if err == errno.EINTR:
             continue
         if err == errno.EFAULT:
-            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{dst.label}: its memory vanished during the copy (its segment "
-                 "was truncated, or its filesystem is full)")
+            _destination_vanished(dst)
         fail(LlmStatus.LLM_FAILED, f"reading {src.label}: {os.strerror(err)}")

@@ -11,10 +11,11 @@ proof, not a guess from host names, that both daemons see the same host memory. 
 whether its daemon still runs; the control page lists its live cache ids. Both are checked before and after each
 copy, so a cache deallocated, or a daemon killed, meanwhile is reported, never taken for a good transfer.
 
-Pulls open the peer's segments read-only (mapped PROT_READ only when memmove may read them); pushes open them
-read-write. Which copy is used, memmove or the kernel's, is memcopy's rule: memmove only between segments no model
-server can truncate (this daemon's own AllocateCache segments, and the peer's when owned by our user: a process that
-could truncate those could as well kill us).
+Pulls open the peer's segments read-only (mapped PROT_READ only when a copy reads them through a mapping:
+memcopy.maps_to_copy); pushes open them read-write. Which copy is used is memcopy's rule: the fault-safe memmove
+when it is built, else memmove only between segments no model server can truncate (this daemon's own AllocateCache
+segments, and the peer's when owned by our user: a process that could truncate those could as well kill us) and the
+kernel's copy for the others.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class _Opened:
             stable = control.owner == os.geteuid() and all(shmseg.instance_of(s) == control.instance
                                                            for s in segments)
             bases = {}
-            if stable or writable:
+            if memcopy.maps_to_copy(stable) or writable:
                 bases = {name: memcopy.base_address(seg.map()) for name, seg in segments.items()}
         except shmseg.SegmentError as e:
             for seg in segments.values():

@@ -1,0 +1,267 @@
+/* kvbrokerd._safecopy: memmove between mappings that may lose pages under the copy, as an exception instead of a
+ * signal that kills the process.
+ *
+ * A model server can truncate a segment it registered while the daemon copies from or into it. A plain memmove that
+ * touches a page past the new end gets SIGBUS (SIGSEGV for a page no longer mapped at all) and the daemon dies.
+ * Here each copy runs with a per-thread guard set; a process-wide SIGBUS/SIGSEGV handler jumps back into the copy
+ * only when the signal was raised by the kernel for an address inside the guarded copy's own source or destination
+ * on that same thread. Every other fault goes to whichever handler was installed before this module was imported
+ * (faulthandler's, or the default action), so a real crash still crashes, with its traceback.
+ *
+ * Bounded on purpose: one function, no dependencies, the GIL released for the copy only. See
+ * tests/unit/test_safecopy.py and BENCHMARKS.md ("which native helper and why").
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <setjmp.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Copies advance in steps of this many bytes so that a fault can say how much surely landed; large enough that
+ * glibc's memmove keeps its full speed within a step. */
+#define STEP ((size_t)1 << 20)
+/* Smaller copies keep the GIL: they take less time (about a microsecond) than handing it over and taking it back. */
+#define KEEP_GIL_BELOW ((size_t)16 << 10)
+
+struct guard {
+    sigjmp_buf env;
+    uintptr_t src_lo, src_hi, dst_lo, dst_hi; /* page-rounded: a fault address may be reported page-aligned */
+    volatile uintptr_t fault_address;
+    volatile int fault_signal;
+};
+
+/* Initial-exec TLS: reading it in a signal handler never allocates (a dlopen'ed module's lazily allocated TLS
+ * could call malloc there). If the static TLS surplus is exhausted the import fails and kvbrokerd falls back to the
+ * kernel copy. */
+static __thread struct guard *volatile current_guard __attribute__((tls_model("initial-exec")));
+
+static struct sigaction previous_bus, previous_segv;
+static int handler_installed; /* once per process: a second install would take itself for the previous handler */
+static PyObject *FaultError;
+static uintptr_t page_size;
+
+static int in_range(uintptr_t address, uintptr_t lo, uintptr_t hi) { return address >= lo && address < hi; }
+
+static void pass_on(int sig, siginfo_t *info, void *context) {
+    struct sigaction *previous = sig == SIGBUS ? &previous_bus : &previous_segv;
+    if (previous->sa_flags & SA_SIGINFO) {
+        previous->sa_sigaction(sig, info, context);
+        return;
+    }
+    if (previous->sa_handler != SIG_DFL && previous->sa_handler != SIG_IGN) {
+        previous->sa_handler(sig);
+        return;
+    }
+    /* The disposition that was there before us takes over for good: a fault re-executes its instruction and gets
+     * it (the kernel forces the default action on an ignored fault), a sent signal is sent again. */
+    sigaction(sig, previous, NULL);
+    if (info->si_code <= 0)
+        raise(sig);
+}
+
+static void on_fault(int sig, siginfo_t *info, void *context) {
+    struct guard *guard = current_guard;
+    /* si_code > 0: raised by the kernel for a memory access, not sent by kill() or raise(). */
+    if (guard != NULL && info->si_code > 0) {
+        uintptr_t address = (uintptr_t)info->si_addr;
+        if (in_range(address, guard->src_lo, guard->src_hi) || in_range(address, guard->dst_lo, guard->dst_hi)) {
+            guard->fault_address = address;
+            guard->fault_signal = sig;
+            current_guard = NULL;
+            siglongjmp(guard->env, 1);
+        }
+    }
+    pass_on(sig, info, context);
+}
+
+static int install_handler(void) {
+    if (handler_installed)
+        return 0;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_fault;
+    /* SA_ONSTACK: a thread with an alternate stack (faulthandler gives the main thread one) handles even a stack
+     * overflow before passing it on. No SA_NODEFER: the copy unblocks the one signal it caught. */
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, NULL, &previous_bus) != 0 || sigaction(SIGSEGV, NULL, &previous_segv) != 0)
+        return -1;
+    if (sigaction(SIGBUS, &action, NULL) != 0)
+        return -1;
+    if (sigaction(SIGSEGV, &action, NULL) != 0) {
+        sigaction(SIGBUS, &previous_bus, NULL);
+        return -1;
+    }
+    handler_installed = 1;
+    return 0;
+}
+
+static int address_arg(PyObject *arg, uintptr_t *out, const char *name) {
+    unsigned long long value = PyLong_AsUnsignedLongLong(arg);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be an int in [0, 2**64)", name);
+        }
+        return -1;
+    }
+    if (value > UINTPTR_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s does not fit an address", name);
+        return -1;
+    }
+    *out = (uintptr_t)value;
+    return 0;
+}
+
+static uintptr_t page_down(uintptr_t a, uintptr_t page) { return a & ~(page - 1); }
+static uintptr_t page_up(uintptr_t a, uintptr_t page) {
+    return a > UINTPTR_MAX - (page - 1) ? UINTPTR_MAX : page_down(a + page - 1, page);
+}
+
+static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n) {
+    int source = in_range(guard->fault_address, guard->src_lo, guard->src_hi);
+    PyObject *error = PyObject_CallFunction(
+        FaultError, "s", source ? "the source's memory vanished under the copy"
+                                : "the destination's memory vanished under the copy");
+    if (error == NULL)
+        return NULL;
+    PyObject *side = PyUnicode_FromString(source ? "source" : "destination");
+    PyObject *done = PyLong_FromSize_t(copied);
+    PyObject *total = PyLong_FromSize_t(n);
+    PyObject *address = PyLong_FromUnsignedLongLong(guard->fault_address);
+    PyObject *sig = PyLong_FromLong(guard->fault_signal);
+    if (side && done && total && address && sig && PyObject_SetAttrString(error, "side", side) == 0 &&
+        PyObject_SetAttrString(error, "copied", done) == 0 && PyObject_SetAttrString(error, "size", total) == 0 &&
+        PyObject_SetAttrString(error, "address", address) == 0 && PyObject_SetAttrString(error, "signal", sig) == 0)
+        PyErr_SetObject(FaultError, error);
+    Py_XDECREF(side);
+    Py_XDECREF(done);
+    Py_XDECREF(total);
+    Py_XDECREF(address);
+    Py_XDECREF(sig);
+    Py_DECREF(error);
+    return NULL;
+}
+
+PyDoc_STRVAR(copy_doc,
+"copy(dst, src, n, /)\n--\n\n"
+"memmove(dst, src, n) between raw addresses, without the GIL from 16 KiB on. A page of either side that vanishes\n"
+"under the copy (SIGBUS, or SIGSEGV for an unmapped one) raises FaultError instead of killing the process: its\n"
+"`side` says which, `copied` how many leading bytes surely landed. The caller keeps both ranges mapped.");
+
+static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    uintptr_t dst, src, size;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "copy() takes 3 arguments (dst, src, n), got %zd", nargs);
+        return NULL;
+    }
+    if (address_arg(args[0], &dst, "dst") < 0 || address_arg(args[1], &src, "src") < 0 ||
+        address_arg(args[2], &size, "n") < 0)
+        return NULL;
+    if (size == 0)
+        Py_RETURN_NONE;
+    if (dst == 0 || src == 0 || dst > UINTPTR_MAX - size || src > UINTPTR_MAX - size) {
+        PyErr_SetString(PyExc_ValueError, "copy(): a null address, or a range past the end of the address space");
+        return NULL;
+    }
+    const uintptr_t page = page_size;
+    const size_t n = (size_t)size;
+    struct guard guard;
+    guard.src_lo = page_down(src, page);
+    guard.src_hi = page_up(src + n, page);
+    guard.dst_lo = page_down(dst, page);
+    guard.dst_hi = page_up(dst + n, page);
+    guard.fault_address = 0;
+    guard.fault_signal = 0;
+    /* A destination above an overlapping source must be copied backwards: one memmove, no progress steps. */
+    const int one_piece = dst > src && dst < src + n;
+    volatile size_t copied = 0;
+    int faulted = 0;
+
+    PyThreadState *const released = n >= KEEP_GIL_BELOW ? PyEval_SaveThread() : NULL;
+    if (sigsetjmp(guard.env, 0) == 0) {
+        current_guard = &guard;
+        atomic_signal_fence(memory_order_seq_cst);
+        if (one_piece) {
+            memmove((void *)dst, (const void *)src, n);
+            copied = n;
+        } else {
+            while (copied < n) {
+                size_t step = n - copied < STEP ? n - copied : STEP;
+                memmove((void *)(dst + copied), (const void *)(src + copied), step);
+                copied += step;
+            }
+        }
+        atomic_signal_fence(memory_order_seq_cst);
+        current_guard = NULL;
+    } else {
+        /* Back from the handler by siglongjmp: the kernel blocked the caught signal on entry and nothing restored
+         * the mask. It was unblocked before (a blocked fault kills outright), so unblocking it restores the mask. */
+        sigset_t caught;
+        sigemptyset(&caught);
+        sigaddset(&caught, guard.fault_signal);
+        pthread_sigmask(SIG_UNBLOCK, &caught, NULL);
+        faulted = 1;
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+
+    if (faulted)
+        return raise_fault(&guard, one_piece ? 0 : copied, n);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(handler_in_place_doc,
+"handler_in_place()\n--\n\n"
+"True while this module's fault handler is the one installed for SIGBUS and SIGSEGV. If something installed its\n"
+"own afterwards (faulthandler.enable() after import), a fault in a copy reaches that one first.");
+
+static PyObject *safecopy_handler_in_place(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    struct sigaction bus, segv;
+    if (sigaction(SIGBUS, NULL, &bus) != 0 || sigaction(SIGSEGV, NULL, &segv) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyBool_FromLong((bus.sa_flags & SA_SIGINFO) && bus.sa_sigaction == on_fault &&
+                           (segv.sa_flags & SA_SIGINFO) && segv.sa_sigaction == on_fault);
+}
+
+static PyMethodDef methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))safecopy_copy, METH_FASTCALL, copy_doc},
+    {"handler_in_place", safecopy_handler_in_place, METH_NOARGS, handler_in_place_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "kvbrokerd._safecopy",
+    "memmove that turns a vanished page into FaultError instead of SIGBUS (see copy()).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__safecopy(void) {
+    page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    FaultError = PyErr_NewExceptionWithDoc(
+        "kvbrokerd._safecopy.FaultError",
+        "A page under a copy vanished. Attributes: side ('source' or 'destination'), copied (leading bytes that "
+        "surely landed), size, address (of the fault), signal (SIGBUS or SIGSEGV).",
+        NULL, NULL);
+    if (FaultError == NULL || PyModule_AddObjectRef(module, "FaultError", FaultError) < 0 ||
+        PyModule_AddIntConstant(module, "STEP", (long)STEP) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (install_handler() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,424 @@
+"""kvbrokerd._safecopy: memmove that turns a page vanishing under it into FaultError, and leaves every other fault
+alone (issue 10, finding 3). What faults runs in a child process, so that a signal that got through fails the test
+instead of killing the test runner. The child imports the extension before anything else installs a handler,
+as the daemon does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbroker._local import LocalDaemon
+
+try:
+    from kvbrokerd import _safecopy
+except ImportError:  # pragma: no cover - a machine without a C compiler: the kernel copy is used instead
+    _safecopy = None  # type: ignore[assignment]
+
+needs_extension = pytest.mark.skipif(_safecopy is None, reason="kvbrokerd._safecopy is not built here")
+MIB = 1 << 20
+
+# Helpers of every child (and `sc`, the extension): `segment` makes a tmpfs file mapped read-write and returns its
+# fd, mapping, a numpy view and the mapping's address; `pattern(n)` the bytes a source is filled with.
+PRELUDE = """
+import json, mmap, os, signal, sys, threading
+import numpy as np
+if os.environ.get("KVBROKER_SAFECOPY") != "0":  # as the daemon: turned off, never loaded
+    from kvbrokerd import _safecopy as sc
+
+BLOCK = np.random.default_rng(1).integers(0, 256, 4099, dtype=np.uint8)  # an odd period: a shifted byte shows
+
+def pattern(n):
+    return np.resize(BLOCK, n)
+
+def segment(path, size, filled=False):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, size)
+    m = mmap.mmap(fd, size)
+    view = np.frombuffer(m, np.uint8)
+    if filled:
+        view[:] = pattern(size)
+    return fd, m, view, view.ctypes.data
+
+def fault(e):
+    return {"side": e.side, "copied": e.copied, "size": e.size, "signal": e.signal, "address": e.address}
+"""
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"kvtest-safecopy-{uuid.uuid4().hex[:12]}"
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        for entry in path.iterdir():
+            entry.unlink()
+        path.rmdir()
+
+
+def _child(code: str, *args: str, python_args: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *python_args, "-c", PRELUDE + code, *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def _result(out: subprocess.CompletedProcess[str]) -> Any:
+    assert out.returncode == 0, f"the child died ({out.returncode}):\n{out.stderr}"
+    assert "Fatal Python error" not in out.stderr, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_extension_is_built_where_a_compiler_and_headers_are() -> None:
+    """Keeps the tests below from skipping silently where the install step could have built it."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    compiler = any(os.access(Path(d) / cc, os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)
+                   for cc in ("cc", "gcc"))
+    if not (compiler and headers.exists()):
+        pytest.skip("no C compiler or no Python headers: the kernel copy is the expected fallback")
+    assert _safecopy is not None, "pip install -e . should have built kvbrokerd._safecopy here"
+
+
+# -- copies that do not fault ----------------------------------------------------------------------------------------
+
+@needs_extension
+@pytest.mark.parametrize("size", [0, 1, 7, 4095, 4096, 4097, MIB - 1, MIB, MIB + 13, 3 * MIB + 4099])
+@pytest.mark.parametrize("src_shift,dst_shift", [(0, 0), (1, 0), (0, 3), (13, 61)])
+def test_copies_every_byte_at_any_size_and_alignment(size: int, src_shift: int, dst_shift: int) -> None:
+    assert _safecopy is not None
+    src = np.random.default_rng(size).integers(0, 256, size + 64, dtype=np.uint8)
+    dst = np.zeros(size + 64, dtype=np.uint8)
+    _safecopy.copy(dst.ctypes.data + dst_shift, src.ctypes.data + src_shift, size)
+    assert np.array_equal(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
+    assert not dst[:dst_shift].any() and not dst[dst_shift + size:].any(), "wrote outside the destination"
+
+
+@needs_extension
+@pytest.mark.parametrize("shift", [-MIB - 5, -4096, -1, 1, 4096, MIB + 5])
+def test_overlapping_copies_have_memmove_semantics(shift: int) -> None:
+    assert _safecopy is not None
+    size = 3 * MIB
+    buf = np.random.default_rng(7).integers(0, 256, size + 2 * MIB + 16, dtype=np.uint8)
+    expected = buf.copy()
+    src_at = MIB + 8
+    expected[src_at + shift:src_at + shift + size] = buf[src_at:src_at + size].copy()
+    _safecopy.copy(buf.ctypes.data + src_at + shift, buf.ctypes.data + src_at, size)
+    assert np.array_equal(buf, expected)
+
+
+@needs_extension
+def test_bad_arguments_are_refused_before_any_byte_moves() -> None:
+    assert _safecopy is not None
+    buf = np.zeros(16, dtype=np.uint8)
+    for args in [(-1, buf.ctypes.data, 1), (buf.ctypes.data, 0, 1), (buf.ctypes.data, buf.ctypes.data, -2),
+                 (buf.ctypes.data, 2**64 - 8, 16), (buf.ctypes.data, "x", 1)]:
+        with pytest.raises(ValueError):
+            _safecopy.copy(*args)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _safecopy.copy(buf.ctypes.data, buf.ctypes.data)  # type: ignore[call-arg]
+    _safecopy.copy(0, 0, 0)  # nothing to copy: nothing touched
+
+
+# -- memory that vanishes -------------------------------------------------------------------------------------------
+
+TRUNCATED_BEFORE = """
+shm, side, start, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+size, keep = 8 << 20, (5 << 20) + 4096 + 100
+sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", size)
+os.ftruncate(sfd if side == "source" else dfd, keep)
+try:
+    sc.copy(dst_at + start, src_at + start, length)
+    print(json.dumps(None))
+except sc.FaultError as e:
+    ok = bool((dst[start:start + e.copied] == pattern(size)[start:start + e.copied]).all())
+    base = src_at if side == "source" else dst_at
+    print(json.dumps({**fault(e), "landed": ok, "message": str(e), "offset": e.address - base}))
+"""
+
+
+@needs_extension
+@pytest.mark.parametrize("side", ["source", "destination"])
+@pytest.mark.parametrize("start,length", [(64, (8 << 20) - 128), ((5 << 20) - 8192, 16384 + 1)],
+                         ids=["large", "small"])  # small: with the GIL held
+def test_memory_truncated_before_the_copy_is_a_fault_error_with_what_landed(shm_dir: Path, side: str, start: int,
+                                                                           length: int) -> None:
+    assert _safecopy is not None
+    got = _result(_child(TRUNCATED_BEFORE, str(shm_dir), side, str(start), str(length)))
+    assert got is not None, "the copy read or wrote past the end of a truncated file without a fault"
+    keep = (5 << 20) + 4096 + 100
+    assert got["side"] == side and got["signal"] == signal.SIGBUS and got["size"] == length
+    assert got["copied"] == (keep - start) // _safecopy.STEP * _safecopy.STEP, got
+    assert got["landed"], "the bytes reported as copied are not the source's"
+    assert keep // 4096 * 4096 <= got["offset"] < start + length, got
+    assert side in got["message"]
+
+
+TRUNCATED_DURING = """
+shm, side = sys.argv[1], sys.argv[2]
+size, keep = 64 << 20, 24 << 20
+sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", size)
+first_copy_done, faults, copies = threading.Event(), [], [0]
+
+def copier():
+    while True:
+        try:
+            sc.copy(dst_at, src_at, size)
+        except sc.FaultError as e:
+            faults.append(e)
+            return
+        copies[0] += 1
+        first_copy_done.set()
+
+thread = threading.Thread(target=copier)
+thread.start()
+first_copy_done.wait(30)
+os.ftruncate(sfd if side == "source" else dfd, keep)  # while the copier goes on, without the GIL
+thread.join(30)
+[e] = faults
+# Past `keep` a truncated destination has no pages left to look at (what the copy wrote there is gone).
+seen = min(e.copied, keep) if side == "destination" else e.copied
+landed = bool((dst[:seen] == pattern(size)[:seen]).all())
+os.ftruncate(sfd if side == "source" else dfd, size)  # the memory is back (zeros where it had vanished)
+sc.copy(dst_at, src_at, size)
+print(json.dumps({**fault(e), "landed": landed, "copies": copies[0], "again": bool((dst[:keep] == src[:keep]).all())}))
+"""
+
+
+@needs_extension
+@pytest.mark.parametrize("side", ["source", "destination"])
+def test_memory_truncated_while_another_thread_copies_it_is_a_fault_error(shm_dir: Path, side: str) -> None:
+    assert _safecopy is not None
+    got = _result(_child(TRUNCATED_DURING, str(shm_dir), side))
+    assert got["side"] == side and got["signal"] == signal.SIGBUS, got
+    # The fault is at the truncation or, if the copy had passed it when the file shrank, further on.
+    assert 24 * MIB <= got["copied"] < 64 * MIB and got["copied"] % _safecopy.STEP == 0, got
+    assert got["landed"] and got["again"], got
+    assert got["copies"] >= 1
+
+
+SEVERAL_THREADS = """
+shm = sys.argv[1]
+size = 4 << 20
+good = segment(shm + "/good", size, filled=True)
+bad = segment(shm + "/bad", size, filled=True)
+os.ftruncate(bad[0], MIB_KEEP := 1 << 20)
+results = {}
+
+def worker(i):
+    dst = np.zeros(size, np.uint8)
+    outcome = []
+    for _ in range(25):
+        dst[:] = 0
+        try:
+            sc.copy(dst.ctypes.data, (bad if i % 2 else good)[3], size)
+            outcome.append("ok" if (dst == pattern(size)).all() else "wrong bytes")
+        except sc.FaultError as e:
+            right = e.side == "source" and e.copied == MIB_KEEP and (dst[:MIB_KEEP] == pattern(MIB_KEEP)).all()
+            outcome.append("fault" if right else f"wrong fault {fault(e)}")
+    results[i] = sorted(set(outcome))
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(results))
+"""
+
+
+@needs_extension
+def test_several_threads_copy_and_fault_at_once_each_with_its_own_outcome(shm_dir: Path) -> None:
+    got = _result(_child(SEVERAL_THREADS, str(shm_dir)))
+    assert got == {str(i): ["fault"] if i % 2 else ["ok"] for i in range(8)}
+
+
+UNMAPPED = """
+page = mmap.mmap(-1, 4096)
+address = np.frombuffer(page, np.uint8).ctypes.data
+del page  # nothing holds it: the address is unmapped now
+target = np.zeros(4096, np.uint8)
+try:
+    sc.copy(target.ctypes.data, address, 4096)
+except sc.FaultError as e:
+    print(json.dumps(fault(e) | {"at": e.address - address}))
+"""
+
+
+@needs_extension
+def test_an_unmapped_source_is_a_sigsegv_fault_error() -> None:
+    got = _result(_child(UNMAPPED))
+    assert got["side"] == "source" and got["signal"] == signal.SIGSEGV and got["copied"] == 0, got
+
+
+# -- every other fault is left alone --------------------------------------------------------------------------------
+
+REAL_CRASHES = {
+    # A plain read of a truncated mapping: a bug outside any guarded copy.
+    "sigbus": """
+fd, m, view, at = segment(sys.argv[1] + "/seg", 1 << 20, filled=True)
+os.ftruncate(fd, 4096)
+print("before", flush=True)
+int(view[8192])
+print("survived", flush=True)
+""",
+    "sigsegv": """
+import ctypes
+print("before", flush=True)
+ctypes.string_at(16)
+print("survived", flush=True)
+""",
+    # A guarded copy is running on another thread: its guard must not catch this thread's fault.
+    "sigbus-beside-a-copy": """
+fd, m, view, at = segment(sys.argv[1] + "/seg", 64 << 20, filled=True)
+target = np.zeros(64 << 20, np.uint8)
+stop = threading.Event()
+def copier():
+    while not stop.is_set():
+        sc.copy(target.ctypes.data, at, 32 << 20)
+threading.Thread(target=copier, daemon=True).start()
+os.ftruncate(fd, 48 << 20)
+print("before", flush=True)
+int(view[60 << 20])
+print("survived", flush=True)
+""",
+    "sent-sigbus": """
+print("before", flush=True)
+os.kill(os.getpid(), signal.SIGBUS)
+print("survived", flush=True)
+""",
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("faulthandler", [False, True], ids=["plain", "faulthandler"])
+@pytest.mark.parametrize("crash", sorted(REAL_CRASHES))
+def test_a_fault_outside_a_guarded_copy_still_kills_the_process(shm_dir: Path, crash: str,
+                                                                faulthandler: bool) -> None:
+    """With faulthandler enabled first (as `python -X faulthandler` does), it still reports the crash."""
+    out = _child(REAL_CRASHES[crash], str(shm_dir), python_args=("-X", "faulthandler") if faulthandler else ())
+    want = signal.SIGSEGV if crash == "sigsegv" else signal.SIGBUS
+    assert out.returncode == -want, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout.splitlines() == ["before"], out.stdout
+    if faulthandler:
+        assert "Fatal Python error" in out.stderr, out.stderr
+
+
+FAULTHANDLER_FIRST = """
+import faulthandler
+assert faulthandler.is_enabled()
+fd, m, view, at = segment(sys.argv[1] + "/seg", 4 << 20, filled=True)
+os.ftruncate(fd, 1 << 20)
+target = np.zeros(4 << 20, np.uint8)
+for _ in range(3):
+    try:
+        sc.copy(target.ctypes.data, at, 4 << 20)
+    except sc.FaultError as e:
+        last = fault(e)
+print(json.dumps({**last, "in_place": sc.handler_in_place()}))
+"""
+
+
+@needs_extension
+def test_faulthandler_enabled_first_sees_nothing_of_a_guarded_fault(shm_dir: Path) -> None:
+    out = _child(FAULTHANDLER_FIRST, str(shm_dir), python_args=("-X", "faulthandler"))
+    got = _result(out)
+    assert out.stderr == "", out.stderr
+    assert got["side"] == "source" and got["copied"] == MIB and got["in_place"], got
+
+
+# -- which copy kvbrokerd uses ---------------------------------------------------------------------------------------
+
+@needs_extension
+@pytest.mark.parametrize("case", ["built", "off", "missing"])
+def test_memcopy_says_which_copy_it_uses_and_falls_back_to_the_kernel(case: str) -> None:
+    code = ("import logging, sys\n"
+            "if sys.argv[1] == 'missing':\n    sys.modules['kvbrokerd._safecopy'] = None  # as if never built\n"
+            "from kvbrokerd.backends import memcopy\n"
+            "import json\n"
+            "level, line = memcopy.copy_path()\n"
+            "print(json.dumps({'level': logging.getLevelName(level), 'line': line,\n"
+            "                  'loaded': 'kvbrokerd._safecopy' in sys.modules and sys.modules['kvbrokerd._safecopy'] "
+            "is not None, 'maps_registered': memcopy.maps_to_copy(False)}))\n")
+    out = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KVBROKER_SAFECOPY": "0" if case == "off" else "1"})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    if case == "built":
+        assert got == {"level": "INFO", "line": "memory copies: fault-safe memmove (kvbrokerd._safecopy) for every run",
+                       "loaded": True, "maps_registered": True}
+        return
+    assert not got["loaded"] and not got["maps_registered"], got  # no handler installed, registered memory unmapped
+    assert "the kernel (pread" in got["line"]
+    if case == "off":
+        assert got["level"] == "INFO" and "turned off (KVBROKER_SAFECOPY=0)" in got["line"], got
+    else:
+        assert got["level"] == "WARNING" and "not available" in got["line"] and "C compiler" in got["line"], got
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_daemon_logs_its_copy_path_at_start(tmp_path: Path, setting: str) -> None:
+    with LocalDaemon(tmp_path, 1, backends=("shm",), env={"KVBROKER_SAFECOPY": setting}) as daemon:
+        assert daemon.stop() == 0, daemon.log_tail()
+    lines = [line for line in daemon.log_path.read_text().splitlines() if "memory copies:" in line]
+    assert len(lines) == 1, daemon.log_tail(40)
+    if setting == "0":
+        assert "turned off" in lines[0]
+    elif _safecopy is not None:
+        assert "fault-safe memmove" in lines[0]
+
+
+STABLE_MEMORY_TRUNCATED = """
+import concurrent.futures, time
+from kvbroker._types import CacheDesc, DataType
+from kvbrokerd.backends import memcopy
+from kvbrokerd.errors import LlmError
+from kvbrokerd.planner import LayerSelection, Progress, plan_blocks
+
+shm, side = sys.argv[1], sys.argv[2]
+desc = CacheDesc(num_tensors=2, shape=(64, 256 << 10), data_type=DataType.UINT8)  # 32 MiB: two copy threads
+n = desc.num_tensors * desc.tensor_nbytes
+src, dst = segment(shm + "/src", n, filled=True), segment(shm + "/dst", n)
+def side_of(seg, label):  # daemon-owned memory (memmove's rule), no size re-check: it shrinks after the check
+    return memcopy.Endpoint(label, [seg[3], seg[3] + desc.tensor_nbytes], [seg[0]] * 2, [0, desc.tensor_nbytes],
+                            True, lambda: None)
+os.ftruncate((src if side == "source" else dst)[0], desc.tensor_nbytes + 40 * (256 << 10))
+blocks = np.arange(64, dtype=np.uint64)
+plan = plan_blocks(desc, desc, blocks, blocks, LayerSelection())
+progress = Progress(plan)
+try:
+    memcopy.copy_plan(side_of(src, "the source"), side_of(dst, "the destination"), plan, progress,
+                      time.monotonic() + 30, concurrent.futures.ThreadPoolExecutor(1), threads=2)
+except LlmError as e:
+    print(json.dumps({"status": e.status.name, "message": e.message,
+                      "failed": progress.failed_dst_blocks().tolist()}))
+"""
+
+
+@pytest.mark.parametrize("side", ["source", "destination"])
+@pytest.mark.parametrize("safecopy", ["1", "0"])
+def test_daemon_owned_memory_truncated_under_two_copy_threads(shm_dir: Path, side: str, safecopy: str) -> None:
+    """memmove's memory is daemon-owned: only a process of the daemon's own user can truncate it. With the extension
+    even that is an error, with the blocks that did not land; without it, that process can still kill the daemon
+    (docs/THREAT_MODEL.md)."""
+    if safecopy == "1" and _safecopy is None:
+        pytest.skip("kvbrokerd._safecopy is not built here")
+    out = _child(STABLE_MEMORY_TRUNCATED, str(shm_dir), side, env={"KVBROKER_SAFECOPY": safecopy})
+    if safecopy == "0":
+        assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr)
+        return
+    got = _result(out)
+    assert got["status"] == "LLM_KV_CACHE_NOT_EXIST", got
+    assert f"the {side}: its memory" in got["message"], got
+    # Tensor 0 and blocks 0-39 of tensor 1 are still there; what failed is at least the rest of tensor 1.
+    assert set(range(40, 64)) <= set(got["failed"]), got
