@@ -1,0 +1,53 @@
+"""Per-transfer numbers the connector reports through vLLM's KV connector stats (logged with vLLM's periodic
+metrics line): pulls, failures, bytes and transfer time per request."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class TransferLog:
+    """Thread-safe accumulator of one worker's pulls since the last `take()`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = empty()
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._data["transfer_bytes"].append(int(nbytes))
+            self._data["transfer_s"].append(float(seconds))
+
+    def record_outcome(self, ok: bool, seconds: float) -> None:
+        with self._lock:
+            self._data["num_pulls"] += 1
+            if not ok:
+                self._data["num_failed"] += 1
+
+    def take(self) -> dict[str, Any] | None:
+        with self._lock:
+            if not self._data["num_pulls"]:
+                return None
+            data, self._data = self._data, empty()
+        return data
+
+
+def empty() -> dict[str, Any]:
+    return {"num_pulls": 0, "num_failed": 0, "transfer_bytes": [], "transfer_s": []}
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {key: a[key] + b[key] for key in ("num_pulls", "num_failed", "transfer_bytes", "transfer_s")}
+
+
+def summarize(data: dict[str, Any]) -> dict[str, int | float]:
+    times = sorted(data["transfer_s"])
+    total_bytes = sum(data["transfer_bytes"])
+    out: dict[str, int | float] = {"num_pulls": data["num_pulls"], "num_failed": data["num_failed"],
+                                   "bytes_MB": round(total_bytes / 1e6, 3)}
+    if times:
+        out["avg_transfer_ms"] = round(sum(times) / len(times) * 1e3, 3)
+        out["p90_transfer_ms"] = round(times[min(len(times) - 1, int(0.9 * len(times)))] * 1e3, 3)
+        out["throughput_GBps"] = round(total_bytes / max(sum(times), 1e-9) / 1e9, 3)
+    return out

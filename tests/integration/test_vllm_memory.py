@@ -1,0 +1,82 @@
+"""The vLLM connector's KV memory, without vLLM: the buffer vLLM would allocate is daemon memory, pulls between two
+such buffers land in place (one tensor per layer), and the memory goes back to the daemon when its engine dies."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvbroker import CacheIndex, Client, KvCacheExtParam
+from kvbroker._local import LocalDaemon
+from kvbroker._shm import Cache
+from kvbroker.integrations.vllm.layout import KvLayout
+from kvbroker.integrations.vllm.memory import DaemonKvAllocation
+
+LAYOUT = KvLayout(num_layers=3, num_blocks=8, block_size=32, num_kv_heads=1, head_size=64, dtype="float32",
+                  page_bytes=32 * 128 * 4, model_id="m", tp_size=1)
+
+
+def _layer_views(buffer: torch.Tensor) -> list[torch.Tensor]:
+    """What vLLM's CPU attention does with the buffer: one [blocks, heads, block_size, 2*head] view per layer."""
+    per_layer = LAYOUT.num_blocks * LAYOUT.page_bytes
+    return [buffer[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(LAYOUT.num_blocks, 1, 32, 128)
+            for i in range(LAYOUT.num_layers)]
+
+
+def _allocate(daemon: LocalDaemon, lease_ttl: float = 30.0) -> tuple[DaemonKvAllocation, torch.Tensor, Client]:
+    client = daemon.client(lease_ttl=lease_ttl)
+    alloc = DaemonKvAllocation(LAYOUT, lambda: client.allocate_cache(LAYOUT.desc()))
+    with alloc:
+        buffer = torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8, device="cpu")
+        unrelated = torch.zeros(LAYOUT.buffer_bytes, dtype=torch.float32)
+    assert alloc.cache is not None and buffer is alloc.buffer
+    assert unrelated.data_ptr() != buffer.data_ptr()
+    return alloc, buffer, client
+
+
+def test_kv_buffer_is_daemon_memory_and_pulls_land_in_place(linked_pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    src_daemon, dst_daemon = linked_pair
+    src, src_buf, src_client = _allocate(src_daemon)
+    dst, dst_buf, dst_client = _allocate(dst_daemon)
+    try:
+        assert src.cache is not None and dst.cache is not None
+        assert not torch.count_nonzero(src_buf)  # vLLM asked for zeros
+        src_layers, dst_layers = _layer_views(src_buf), _layer_views(dst_buf)
+        for i, layer in enumerate(src_layers):
+            layer[2].fill_(i + 1.5)
+            layer[5].fill_(-(i + 1.0))
+        # The daemon sees the engine's writes without a copy: its own mapping of the cache holds them.
+        with src_daemon.client() as c:
+            record = next(r for r in c.list_caches() if r.cache_id == src.cache.cache_id)
+        view = Cache.map(record)
+        assert float(view.tensors[1][2].reshape(-1)[0]) == 2.5
+        view.close()
+        dst_client.pull_kv_blocks(CacheIndex(src_daemon.cluster_id, src.cache.cache_id),
+                                  dst.cache.cache_id, [2, 5], [7, 0], KvCacheExtParam(tensor_num_per_layer=1))
+        for i, layer in enumerate(dst_layers):
+            assert torch.equal(layer[7], src_layers[i][2]) and torch.equal(layer[0], src_layers[i][5])
+            assert not torch.count_nonzero(layer[1:7])
+    finally:
+        src_client.close()
+        dst_client.close()
+        for daemon, alloc in ((src_daemon, src), (dst_daemon, dst)):
+            with daemon.client() as c:
+                assert alloc.cache is not None
+                c.deallocate_cache(alloc.cache.cache_id)
+
+
+def test_kv_memory_of_a_dead_engine_returns_to_the_daemon(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 1) as daemon:
+        alloc, _, client = _allocate(daemon, lease_ttl=1.0)
+        client.close()  # stops renewing the lease, as a dead engine does
+        with daemon.client() as c:
+            deadline = time.monotonic() + 10
+            while c.list_caches():
+                assert time.monotonic() < deadline, "the lease never released the KV memory"
+                time.sleep(0.1)
+        assert alloc.cache is not None
+        record = alloc.cache.record
+        assert not (Path(record.shm_dir) / record.tensors[0].segment).exists()
+
