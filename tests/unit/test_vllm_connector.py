@@ -74,7 +74,7 @@ ENDPOINTS = {0: WorkerEndpoint(rank=0, cluster_id=7, peer_address="10.0.0.7:7100
 
 
 def test_prefill_params_round_trip_with_nixl_key_names() -> None:
-    params = prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3, 4, 5], 70)
+    params = prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3, 4, 5], 70, 0.0)
     for key in ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                 "remote_request_id", "remote_host", "remote_port", "remote_num_tokens", "tp_size"):
         assert key in params
@@ -93,7 +93,7 @@ def test_prefill_params_round_trip_with_nixl_key_names() -> None:
     ({"remote_engine_id": "e" * 200}, "too long"),
 ])
 def test_unusable_params_are_refused(change: dict[str, Any], message: str) -> None:
-    params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3], 10), **change}
+    params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3], 10, 0.0), **change}
     with pytest.raises(BadTransferParams, match=message):
         parse_remote(params)
     del params["remote_request_id"]
@@ -175,7 +175,7 @@ def _decode_side() -> SchedulerSide:
 
 def _remote_params(blocks: list[int], num_tokens: int, tag: str = "tag-a") -> dict[str, Any]:
     endpoints = {0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}
-    return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens)
+    return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens, time.time() + 60)
 
 
 def test_prefill_side_holds_blocks_and_returns_params() -> None:
@@ -226,3 +226,42 @@ def test_malformed_params_mean_local_compute() -> None:
     side.after_alloc(req, [1, 2], [1, 2], 0)
     plan = side.take_plan()
     assert not plan.pulls and not plan.releases
+
+
+# -- worker bookkeeping ------------------------------------------------------------------------------------------
+LAYOUT = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1)
+
+
+def _worker(**config: Any) -> Any:
+    from kvbroker.integrations.vllm.worker import WorkerSide
+
+    # No daemon: the constructor does no I/O, and these paths do not reach one (notifications fail, and say so).
+    return WorkerSide(ConnectorConfig(target="unix:///nonexistent/kvbroker.sock", **config), "engine", 0, LAYOUT)
+
+
+def test_held_blocks_are_freed_on_release_or_after_the_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    worker = _worker(release_timeout_s=30)
+    now = time.monotonic()
+    worker.note_release("early", "pulled")  # a release may arrive before the hold itself
+    worker.start([], [], {"held": now + 30, "expired": now - 0.1, "early": now + 30})
+    assert worker.finished() == ({"expired", "early"}, set())
+    assert "no decode node released its KV blocks" in caplog.text
+    assert worker.finished() == (set(), set())
+    worker.note_release("held", "failed")
+    assert worker.finished() == ({"held"}, set())
+    worker.shutdown()
+
+
+def test_refused_pull_reports_every_block_with_the_request() -> None:
+    from kvbroker.integrations.vllm.params import PullSpec
+
+    worker = _worker(link_timeout_s=0.5)
+    remote = parse_remote(_remote_params([1, 2], 40))
+    worker.start([PullSpec("d-req", (7, 8), (1, 2), remote, refused="block counts do not line up")], [], {})
+    deadline = time.monotonic() + 10
+    while not (done := worker.finished())[1]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert done == (set(), {"d-req"})
+    assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    worker.shutdown()

@@ -58,8 +58,9 @@ class Prompts:
 class PD:
     """A prefill engine, a decode engine, their daemons, and the shared baseline engine."""
 
-    def __init__(self, p_daemon: LocalDaemon, d_daemon: LocalDaemon, prefill: Engine, decode: Engine,
+    def __init__(self, backend: str, p_daemon: LocalDaemon, d_daemon: LocalDaemon, prefill: Engine, decode: Engine,
                  baseline: Engine, prompts: Prompts) -> None:
+        self.backend = backend
         self.p_daemon, self.d_daemon = p_daemon, d_daemon
         self.prefill, self.decode, self.baseline = prefill, decode, baseline
         self.prompts = prompts
@@ -133,7 +134,7 @@ def pd(request: pytest.FixtureRequest, model: str, workdir: Path, baseline: Engi
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        yield PD(p_daemon, d_daemon, prefill, decode, baseline, prompts)
+        yield PD(backend, p_daemon, d_daemon, prefill, decode, baseline, prompts)
     finally:
         for engine in (prefill, decode):
             engine.close()
@@ -152,6 +153,8 @@ def test_decode_gives_the_single_engine_tokens(pd: PD) -> None:
     for key, prompt in prompts.items():
         assert params[key]["remote_block_ids"] and len(params[key]["remote_block_ids"]) == -(-len(prompt) // BLOCK_SIZE)
     assert pd.run_decode(prompts, params) == expected
+    log = Path(pd.decode.spec.log_path).read_text()
+    assert log.count(f"over {pd.backend} (") >= len(prompts), "the pulls did not run over the daemons' backend"
 
 
 def test_corrupted_prefill_kv_changes_the_tokens(pd: PD) -> None:
@@ -215,6 +218,14 @@ def test_unreachable_prefill_daemon_means_recompute_not_wrong_tokens(pd: PD) -> 
     params = pd.run_prefill(prompts)
     bogus = {k: {**p, "kvbroker_cluster_id": 999, "kvbroker_peer_address": "127.0.0.1:9"} for k, p in params.items()}
     assert pd.run_decode(prompts, bogus) == pd.expected(prompts)
+
+
+def test_pull_after_the_prefill_hold_expired_is_refused(pd: PD) -> None:
+    prompts = pd.prompts.make((BLOCK_SIZE + 9,))
+    params = pd.run_prefill(prompts)
+    expired = {k: {**p, "kvbroker_hold_expires_unix": time.time() - 5} for k, p in params.items()}
+    assert pd.run_decode(prompts, expired) == pd.expected(prompts)
+    assert "hold on its blocks has expired" in Path(pd.decode.spec.log_path).read_text()
 
 
 def test_incompatible_layout_is_refused_and_recomputed(pd: PD) -> None:

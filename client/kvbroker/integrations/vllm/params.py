@@ -7,7 +7,7 @@ Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "rem
                       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
                       "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 1, "kvbroker_cluster_id": ...,
                       "kvbroker_peer_address": "host:port", "kvbroker_cache_ids": [one per TP rank],
-                      "kvbroker_layout_tag": "..."}
+                      "kvbroker_layout_tag": "...", "kvbroker_hold_expires_unix": ...}
 Decode request in:   the prefill output's params, unchanged.
 """
 
@@ -50,6 +50,8 @@ class RemoteKv:
     engine_id: str
     layout_tag: str
     num_tokens: int
+    hold_expires_unix: float = 0.0
+    """When the prefill node frees the blocks if nobody releases them first (0: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ class ReleaseSpec:
 
 
 def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: str, request_id: str,
-                          block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]:
+                          block_ids: Sequence[int], num_tokens: int, hold_expires_unix: float) -> dict[str, Any]:
     first = endpoints[min(endpoints)]
     host, _, port = first.peer_address.rpartition(":")
     return {
@@ -92,6 +94,7 @@ def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: st
         "kvbroker_peer_address": first.peer_address,
         "kvbroker_cache_ids": [endpoints[r].cache_id for r in sorted(endpoints)],
         "kvbroker_layout_tag": first.layout_tag,
+        "kvbroker_hold_expires_unix": round(hold_expires_unix, 3),
     }
 
 
@@ -115,6 +118,7 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
             engine_id=str(params["remote_engine_id"]),
             layout_tag=str(params["kvbroker_layout_tag"]),
             num_tokens=_int(params.get("remote_num_tokens", 0)),
+            hold_expires_unix=float(params.get("kvbroker_hold_expires_unix", 0.0)),
         )
     except KeyError as e:
         raise BadTransferParams(f"kv_transfer_params lack {e.args[0]!r}") from None

@@ -132,7 +132,9 @@ class SchedulerSide:
         num_tokens = request.num_computed_tokens
         blocks = list(block_ids)[: -(-num_tokens // self.block_size)]
         self._plan.holds[request.request_id] = time.monotonic() + self.config.release_timeout_s
-        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, blocks, num_tokens)
+        expires = time.time() + self.config.release_timeout_s
+        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, blocks, num_tokens,
+                                           expires)
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

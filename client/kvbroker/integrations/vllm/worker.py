@@ -44,6 +44,9 @@ log = logging.getLogger(f"vllm.{__name__}")
 # One tensor per layer: the whole page of a block (K and V of every head) is one contiguous range.
 _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
+# A pull must end this long before the prefill node's hold on the blocks expires (covers clock skew between hosts):
+# past the hold the blocks may already serve another request there, and their bytes are not this request's KV.
+HOLD_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,10 @@ class WorkerSide:
             log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
                       len(remote.cache_ids), self.rank)
             return everything
+        if self._hold_expired(remote):
+            log.error("request %s: the prefill node's hold on its blocks has expired; recomputing (raise "
+                      "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
+            return everything
         src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[self.rank])
         started = time.monotonic()
         for attempt in (1, 2):
@@ -201,6 +208,10 @@ class WorkerSide:
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
                 return failed or everything
+            if self._hold_expired(remote):
+                log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
+                          "cannot be trusted, recomputing", spec.request_id)
+                return everything
             seconds = time.monotonic() - started
             self.transfers.record(result.bytes_moved, seconds)
             if self.config.log_transfers:
@@ -209,6 +220,10 @@ class WorkerSide:
                          result.bytes_moved / max(seconds, 1e-9) / 1e9)
             return frozenset()
         return everything
+
+    @staticmethod
+    def _hold_expired(remote: RemoteKv) -> bool:
+        return bool(remote.hold_expires_unix) and time.time() > remote.hold_expires_unix - HOLD_MARGIN_S
 
     def _ensure_link(self, remote: RemoteKv) -> None:
         with self._link_lock:
@@ -260,8 +275,12 @@ class WorkerSide:
                 except ValueError:
                     log.warning("kvbroker connector: ignoring a malformed release from cluster %d", note.cluster_id)
                     continue
-                with self._lock:
-                    self._released[req_id] = (now, outcome)
+                self.note_release(req_id, outcome, now)
+
+    def note_release(self, request_id: str, outcome: str, at: float | None = None) -> None:
+        """A decode node is done with a request's blocks (its notification arrived, possibly before the hold)."""
+        with self._lock:
+            self._released[request_id] = (time.monotonic() if at is None else at, outcome)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
