@@ -62,6 +62,7 @@ def test_config_defaults_and_coercion(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"kvbroker_max_concurrent_pulls": 0}, r"kvbroker_max_concurrent_pulls must be in \[1, 256\]"),
     ({"kvbroker_log_transfers": "maybe"}, "kvbroker_log_transfers must be a bool"),
     ({"kvbroker_lease_ttl_s": 0.5}, "kvbroker_lease_ttl_s must be >= 1"),
+    ({"kvbroker_model_id": "llama 3"}, "kvbroker_model_id must be at most 64 printable characters"),
 ])
 def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -217,6 +218,21 @@ def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> 
     req = FakeRequest("d-req", 40, _remote_params([3, 4], 40))
     assert side.request_finished(req, [], finished_normally=False) == (False, None)
     assert [r.reason for r in side.take_plan().releases] == ["aborted"]
+
+
+def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> None:
+    from kvbroker.integrations.vllm.stats import RequestTransfer
+
+    side = _decode_side()
+    reqs = [FakeRequest(f"d-{i}", 40, _remote_params([3, 4], 40)) for i in range(2)]
+    for req in reqs:
+        side.num_new_matched_tokens(req, 0)
+        side.after_alloc(req, [8, 9], [8, 9], 40)
+    assert side.request_finished(reqs[1], [], finished_normally=False) == (False, None)  # aborted mid-pull
+    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp") for r in reqs})
+    assert side.request_finished(reqs[0], [8, 9], finished_normally=True) == (False, {
+        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp"})
+    assert not side._transfers
 
 
 def test_malformed_params_mean_local_compute() -> None:

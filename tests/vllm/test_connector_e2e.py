@@ -28,7 +28,7 @@ else:
 from kvbroker._local import LocalDaemon
 from kvbroker._shm import Cache
 from tests.vllm.engines import BLOCK_SIZE, Engine, EngineSpec
-from tests.vllm.tiny_model import VOCAB_SIZE, build
+from tests.vllm.tiny_model import NUM_LAYERS, VOCAB_SIZE, build
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -64,6 +64,7 @@ class PD:
         self.p_daemon, self.d_daemon = p_daemon, d_daemon
         self.prefill, self.decode, self.baseline = prefill, decode, baseline
         self.prompts = prompts
+        self.last_decode_params: dict[str, dict[str, Any] | None] = {}
 
     def expected(self, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
         out = self.baseline.call("generate", [(k, v, DECODE_TOKENS, None) for k, v in prompts.items()])
@@ -77,6 +78,7 @@ class PD:
 
     def run_decode(self, prompts: dict[str, list[int]], params: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
         out = self.decode.call("generate", [(k, v, DECODE_TOKENS, params[k]) for k, v in prompts.items()])
+        self.last_decode_params = {k: v["kv_transfer_params"] for k, v in out.items()}
         return {k: v["tokens"] for k, v in out.items()}
 
     def prefill_cache(self) -> Cache:
@@ -86,11 +88,17 @@ class PD:
             record = next(r for r in c.list_caches() if r.cache_id == cache_id)
         return Cache.map(record)
 
-    def wait_released(self, free_before: int, timeout_s: float = 5.0) -> None:
+    def wait_released(self, timeout_s: float = 5.0) -> None:
+        """Steps the prefill engine until it holds no finished request's blocks."""
         deadline = time.monotonic() + timeout_s
-        while self.prefill.call("free_blocks") < free_before:
+        while self.prefill.call("num_requests"):
             assert time.monotonic() < deadline, "the prefill engine still holds blocks"
             self.prefill.call("step_for", 0.2)
+
+    def settled_free_blocks(self) -> int:
+        """Free blocks of the prefill engine once earlier tests' holds are gone (some end only at the timeout)."""
+        self.wait_released(timeout_s=RELEASE_TIMEOUT_S + 5.0)
+        return int(self.prefill.call("free_blocks"))
 
 
 @pytest.fixture(scope="session")
@@ -153,8 +161,15 @@ def test_decode_gives_the_single_engine_tokens(pd: PD) -> None:
     for key, prompt in prompts.items():
         assert params[key]["remote_block_ids"] and len(params[key]["remote_block_ids"]) == -(-len(prompt) // BLOCK_SIZE)
     assert pd.run_decode(prompts, params) == expected
+    page_bytes = pd.decode.call("connector")["page_bytes"]
+    for key in prompts:  # per-request transfer metrics come back in the decode output
+        report = pd.last_decode_params[key]
+        assert report is not None and report["kvbroker_backend"] == pd.backend, report
+        assert report["kvbroker_transfer_bytes"] == len(params[key]["remote_block_ids"]) * page_bytes * NUM_LAYERS
+        assert report["kvbroker_transfer_ms"] > 0
     log = Path(pd.decode.spec.log_path).read_text()
     assert log.count(f"over {pd.backend} (") >= len(prompts), "the pulls did not run over the daemons' backend"
+    assert log.count("kvbroker connector: linked to cluster") == 1, "the decode node linked more than once"
 
 
 def test_corrupted_prefill_kv_changes_the_tokens(pd: PD) -> None:
@@ -176,23 +191,25 @@ def test_corrupted_prefill_kv_changes_the_tokens(pd: PD) -> None:
 
 
 def test_prefill_keeps_blocks_until_decode_releases_them(pd: PD) -> None:
-    free_before = pd.prefill.call("free_blocks")
+    free_before = pd.settled_free_blocks()
     prompts = pd.prompts.make((5 * BLOCK_SIZE + 1,))
     params = pd.run_prefill(prompts)
     held = -(-(5 * BLOCK_SIZE + 1) // BLOCK_SIZE)
     pd.prefill.call("step_for", 1.0)
     assert pd.prefill.call("free_blocks") == free_before - held, "blocks were freed before the decode node read them"
     assert pd.run_decode(prompts, params) == pd.expected(prompts)
-    pd.wait_released(free_before)
+    pd.wait_released()
+    assert pd.prefill.call("free_blocks") == free_before
 
 
 def test_prefill_frees_blocks_no_decode_node_asks_for_after_the_timeout(pd: PD) -> None:
-    free_before = pd.prefill.call("free_blocks")
+    free_before = pd.settled_free_blocks()
     pd.run_prefill(pd.prompts.make((BLOCK_SIZE + 3,)))
     assert pd.prefill.call("free_blocks") < free_before
     pd.prefill.call("step_for", RELEASE_TIMEOUT_S - 3.0)
     assert pd.prefill.call("free_blocks") < free_before
-    pd.wait_released(free_before, timeout_s=10.0)
+    pd.wait_released(timeout_s=10.0)
+    assert pd.prefill.call("free_blocks") == free_before
     assert "no decode node released its KV blocks" in Path(pd.prefill.spec.log_path).read_text()
 
 
@@ -229,18 +246,19 @@ def test_pull_after_the_prefill_hold_expired_is_refused(pd: PD) -> None:
 
 
 def test_incompatible_layout_is_refused_and_recomputed(pd: PD) -> None:
-    free_before = pd.prefill.call("free_blocks")
+    pd.settled_free_blocks()
     prompts = pd.prompts.make((3 * BLOCK_SIZE,))
     params = pd.run_prefill(prompts)
     tampered = {k: {**p, "kvbroker_layout_tag": p["kvbroker_layout_tag"].replace("dtype=float32", "dtype=bfloat16")}
                 for k, p in params.items()}
     assert pd.run_decode(prompts, tampered) == pd.expected(prompts)
     assert "dtype: local float32 vs remote bfloat16" in Path(pd.decode.spec.log_path).read_text()
-    pd.wait_released(free_before)  # refused, yet the prefill node is told to free its blocks
+    pd.wait_released()  # refused, yet the prefill node is told to free its blocks (long before its timeout)
 
 
 def test_abort_during_a_pull_frees_both_sides(pd: PD) -> None:
-    p_free, d_free = pd.prefill.call("free_blocks"), pd.decode.call("free_blocks")
+    pd.settled_free_blocks()
+    d_free = pd.decode.call("free_blocks")
     prompts = pd.prompts.make((3 * BLOCK_SIZE + 1,))
     params = pd.run_prefill(prompts)
     (key,) = prompts
@@ -256,7 +274,7 @@ def test_abort_during_a_pull_frees_both_sides(pd: PD) -> None:
     while pd.decode.call("free_blocks") < d_free:
         assert time.monotonic() < deadline, "the decode engine never freed the aborted request's blocks"
         pd.decode.call("step_for", 0.2)
-    pd.wait_released(p_free)
+    pd.wait_released()
 
 
 def test_stopped_prefill_daemon_times_out_and_recomputes(pd: PD) -> None:

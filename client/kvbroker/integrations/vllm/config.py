@@ -69,6 +69,9 @@ class ConnectorConfig:
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}lease_ttl_s must be >= 1 second")
         if not 1 <= self.max_concurrent_pulls <= 256:
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}max_concurrent_pulls must be in [1, 256]")
+        if len(self.model_id) > 64 or any(not c.isprintable() or c.isspace() for c in self.model_id):
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}model_id must be at most 64 printable "
+                             "characters without spaces")
         if not self.target:
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}target must name the kvbrokerd local API")
 

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
@@ -43,6 +44,20 @@ class KvBrokerMetadata(KVConnectorMetadata):
     pulls: list[PullSpec] = dataclasses.field(default_factory=list)
     releases: list[ReleaseSpec] = dataclasses.field(default_factory=list)
     holds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class KvBrokerWorkerMetadata(KVConnectorWorkerMetadata):
+    """Pulls the workers finished this step (request id -> time, bytes, backend), for the requests' outputs."""
+
+    transfers: dict[str, stats_mod.RequestTransfer] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvBrokerWorkerMetadata:
+        if isinstance(other, KvBrokerWorkerMetadata):
+            for req_id, transfer in other.transfers.items():
+                mine = self.transfers.get(req_id)
+                self.transfers[req_id] = transfer if mine is None else mine.combine(transfer)
+        return self
 
 
 @dataclasses.dataclass
@@ -137,6 +152,10 @@ class KvBrokerConnector(KVConnectorBase_V1):
         data = self._worker.transfers.take()
         return None if data is None else KvBrokerStats(data=data)
 
+    def build_connector_worker_meta(self) -> KvBrokerWorkerMetadata | None:
+        transfers = self.worker_side.transfers.take_requests()
+        return KvBrokerWorkerMetadata(transfers) if transfers else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvBrokerStats:
         return KvBrokerStats(data=data or stats_mod.empty())
@@ -150,6 +169,11 @@ class KvBrokerConnector(KVConnectorBase_V1):
         endpoints = {rank: m.endpoint for rank, m in metadata.items() if isinstance(m, KvBrokerHandshake)}
         if endpoints:
             self.scheduler_side.set_endpoints(endpoints)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvBrokerWorkerMetadata):
+            self.scheduler_side.on_transfers(meta.transfers)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)

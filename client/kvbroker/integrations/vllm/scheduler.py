@@ -25,6 +25,7 @@ from kvbroker.integrations.vllm.params import (
     prefill_output_params,
     wants_remote_prefill,
 )
+from kvbroker.integrations.vllm.stats import RequestTransfer
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -47,6 +48,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.endpoints: dict[int, WorkerEndpoint] = {}
         self._plan = StepPlan()
+        self._pulling: set[str] = set()
+        self._transfers: dict[str, RequestTransfer] = {}
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         self.endpoints = dict(endpoints)
@@ -102,6 +105,13 @@ class SchedulerSide:
                        f"tokens, {num_local_hits} cached locally, {len(new_blocks)} allocated)")
             local = tuple(new_blocks)
         self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, refused))
+        self._pulling.add(request.request_id)
+
+    def on_transfers(self, transfers: Mapping[str, RequestTransfer]) -> None:
+        """The workers' finished pulls: reported in the request's output (`kv_transfer_params`) when it finishes."""
+        for req_id, transfer in transfers.items():
+            if req_id in self._pulling:  # not for requests that finished (aborted) while their pull ran
+                self._transfers[req_id] = transfer
 
     def _refusal(self, remote: RemoteKv) -> str:
         if not self.endpoints:
@@ -117,6 +127,10 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        self._pulling.discard(request.request_id)
+        transfer = self._transfers.pop(request.request_id, None)
+        if transfer is not None:
+            return False, transfer.params()
         if not params:
             return False, None
         if wants_remote_prefill(params):

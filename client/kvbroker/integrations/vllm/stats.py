@@ -4,7 +4,25 @@ metrics line): pulls, failures, bytes and transfer time per request."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTransfer:
+    """One request's pull as the decode engine's response reports it (`kv_transfer_params`)."""
+
+    seconds: float
+    nbytes: int
+    backend: str
+
+    def params(self) -> dict[str, Any]:
+        return {"kvbroker_transfer_ms": round(self.seconds * 1e3, 3), "kvbroker_transfer_bytes": self.nbytes,
+                "kvbroker_backend": self.backend}
+
+    def combine(self, other: RequestTransfer) -> RequestTransfer:
+        """Two TP ranks' pulls of one request: they ran side by side."""
+        return RequestTransfer(max(self.seconds, other.seconds), self.nbytes + other.nbytes, self.backend)
 
 
 class TransferLog:
@@ -13,11 +31,18 @@ class TransferLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data = empty()
+        self._requests: dict[str, RequestTransfer] = {}
 
-    def record(self, nbytes: int, seconds: float) -> None:
+    def record(self, request_id: str, nbytes: int, seconds: float, backend: str) -> None:
         with self._lock:
             self._data["transfer_bytes"].append(int(nbytes))
             self._data["transfer_s"].append(float(seconds))
+            self._requests[request_id] = RequestTransfer(seconds, int(nbytes), backend)
+
+    def take_requests(self) -> dict[str, RequestTransfer]:
+        with self._lock:
+            out, self._requests = self._requests, {}
+        return out
 
     def record_outcome(self, ok: bool, seconds: float) -> None:
         with self._lock:

@@ -213,7 +213,7 @@ class WorkerSide:
                           "cannot be trusted, recomputing", spec.request_id)
                 return everything
             seconds = time.monotonic() - started
-            self.transfers.record(result.bytes_moved, seconds)
+            self.transfers.record(spec.request_id, result.bytes_moved, seconds, result.backend)
             if self.config.log_transfers:
                 log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s)",
                          spec.request_id, len(spec.local_blocks), result.bytes_moved, seconds * 1e3, result.backend,
