@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tests.vllm.tiny_model import BLOCK_SIZE
+
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
               "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-BLOCK_SIZE = 32
 START_TIMEOUT_S = 300.0
 
 
@@ -28,7 +29,7 @@ class EngineSpec:
     """Empty: a plain engine without a KV connector (the baseline)."""
     extra_config: dict[str, Any] = field(default_factory=dict)
     kv_cache_bytes: int = 32 << 20
-    max_model_len: int = 1024
+    max_model_len: int = 512
     log_path: str = ""
 
 
@@ -53,6 +54,16 @@ class _Server:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.done: dict[str, dict[str, Any]] = {}
+        self.num_preemptions = 0
+        # Counts preemptions (a test's precondition) by wrapping the scheduler's own method.
+        scheduler = self._scheduler()
+        preempt = scheduler._preempt_request
+
+        def counting_preempt(*args: Any, **kwargs: Any) -> Any:
+            self.num_preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counting_preempt
 
     def _step(self) -> None:
         for out in self.engine.step():
@@ -104,6 +115,9 @@ class _Server:
 
     def free_blocks(self) -> int:
         return int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def preemptions(self) -> int:
+        return self.num_preemptions
 
     def num_requests(self) -> int:
         """Requests the scheduler still tracks (finished ones whose blocks are held included)."""

@@ -27,8 +27,8 @@ else:
 
 from kvbroker._local import LocalDaemon
 from kvbroker._shm import Cache
-from tests.vllm.engines import BLOCK_SIZE, Engine, EngineSpec
-from tests.vllm.tiny_model import NUM_LAYERS, VOCAB_SIZE, build
+from tests.vllm.engines import Engine, EngineSpec
+from tests.vllm.tiny_model import BLOCK_SIZE, NUM_LAYERS, PAGE_BYTES, VOCAB_SIZE, build
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -38,6 +38,9 @@ LENGTHS = (17, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 5, 6 * BLOCK_SIZE + 9)
 RELEASE_TIMEOUT_S = 8.0
 PULL_TIMEOUT_S = 4.0
 LEASE_TTL_S = 2.0
+# The decode engine's KV cache holds 28 blocks: room for every test's requests, yet three 250-token requests that grow
+# by 40 tokens each must preempt one another.
+DECODE_KV_BLOCKS = 28
 
 
 class Prompts:
@@ -138,7 +141,7 @@ def pd(request: pytest.FixtureRequest, model: str, workdir: Path, baseline: Engi
         log_path=str(root / "prefill.log"))).start()
     decode = Engine(f"decode-{backend}", EngineSpec(
         model, d_daemon.target, {"kvbroker_pull_timeout_s": PULL_TIMEOUT_S, "kvbroker_lease_ttl_s": LEASE_TTL_S},
-        log_path=str(root / "decode.log"))).start()
+        kv_cache_bytes=DECODE_KV_BLOCKS * NUM_LAYERS * PAGE_BYTES, log_path=str(root / "decode.log"))).start()
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -211,6 +214,17 @@ def test_prefill_frees_blocks_no_decode_node_asks_for_after_the_timeout(pd: PD) 
     pd.wait_released(timeout_s=10.0)
     assert pd.prefill.call("free_blocks") == free_before
     assert "no decode node released its KV blocks" in Path(pd.prefill.spec.log_path).read_text()
+
+
+def test_preempted_decode_requests_recompute_to_the_same_tokens(pd: PD) -> None:
+    prompts = pd.prompts.make((250, 251, 252))  # 8 blocks each to start with, 10 once 40 tokens are added
+    expected = {k: v["tokens"] for k, v in pd.baseline.call(
+        "generate", [(k, v, 40, None) for k, v in prompts.items()]).items()}
+    params = pd.run_prefill(prompts)
+    before = pd.decode.call("preemptions")
+    out = pd.decode.call("generate", [(k, v, 40, params[k]) for k, v in prompts.items()])
+    assert pd.decode.call("preemptions") > before, "no request was preempted: the test proves nothing"
+    assert {k: v["tokens"] for k, v in out.items()} == expected
 
 
 def test_decode_keeps_serving_while_a_pull_is_stalled(pd: PD) -> None:

@@ -17,6 +17,9 @@ NUM_HEADS = 2
 NUM_KV_HEADS = 1
 MAX_POSITIONS = 1024
 SEED = 1234
+BLOCK_SIZE = 32
+PAGE_BYTES = NUM_KV_HEADS * BLOCK_SIZE * 2 * (HIDDEN_SIZE // NUM_HEADS) * 4
+"""Bytes of one block of one layer in vLLM's CPU KV cache (K and V, float32)."""
 
 
 def build(path: Path) -> Path:
