@@ -4,6 +4,13 @@
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"kvbroker_target": "unix:///run/kvbroker/kvbroker.sock"})
 
+OpenAI server (`python -m vllm.entrypoints.openai.api_server ...`):
+
+    --kv-transfer-config '{"kv_connector": "KvBrokerConnector",
+                           "kv_connector_module_path": "kvbroker.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kvbroker_target": "unix:///run/kvbroker/kvbroker.sock"}}'
+
 Pinned to vLLM 0.32 (its connector API is experimental). The request protocol is NixlConnector's: send the prefill
 request with `kv_transfer_params={"do_remote_decode": True}` (and usually `max_tokens=1`), then send the decode request
 with the prefill output's `kv_transfer_params`, unchanged (offline: `SamplingParams(extra_args={"kv_transfer_params":
@@ -21,8 +28,12 @@ What it does:
   the daemons), or `kvbroker_release_timeout_s`.
 - Engines refuse each other's KV (and compute locally, with a log line saying why) unless model, dtype, block size,
   head layout, layer count and TP size match (the cache's layout tag, also enforced by kvbrokerd).
-- Per-request transfer time and bytes go to vLLM's KV connector stats ("KV Transfer metrics" log line), and with
-  `kvbroker_log_transfers` to an INFO line per pull.
+- Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report the request's pull:
+  `kvbroker_transfer_ms`, `kvbroker_transfer_bytes`, `kvbroker_backend`; vLLM's KV connector stats ("KV Transfer
+  metrics" log line) sum pulls, failures, bytes and transfer times per interval; `kvbroker_log_transfers` adds an
+  INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over BACKEND (X GB/s)").
+- Loads are asynchronous (vLLM schedules a request once its whole pull has landed), so layer-by-layer loading would
+  overlap nothing: the decode step after a pull computes one token. The pull itself runs as one transfer.
 
 Settings (`kv_connector_extra_config`; all optional):
     kvbroker_target             local API of this node's kvbrokerd (default $KVBROKER_TARGET, else
