@@ -281,3 +281,13 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
     worker.shutdown()
+
+
+def test_engine_start_fails_clearly_without_a_daemon() -> None:
+    import torch
+
+    worker = _worker(pull_timeout_s=2)
+    with pytest.raises(RuntimeError, match=r"through kvbrokerd at unix:///nonexistent/kvbroker.sock \(kvbroker_target\)"
+                       ), worker.allocation_context():
+        torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8)
+    worker.shutdown()

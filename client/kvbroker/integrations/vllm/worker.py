@@ -81,8 +81,16 @@ class WorkerSide:
 
     # -- memory ---------------------------------------------------------------------------------------------------
     def allocation_context(self) -> DaemonKvAllocation:
-        self._allocation = DaemonKvAllocation(self.layout, lambda: self.client.allocate_cache(self.layout.desc()))
+        self._allocation = DaemonKvAllocation(self.layout, self._allocate)
         return self._allocation
+
+    def _allocate(self) -> Cache:
+        try:
+            return self.client.allocate_cache(self.layout.desc())
+        except LlmError as e:
+            raise RuntimeError(f"KvBrokerConnector: cannot allocate the KV cache ({self.layout.buffer_bytes} bytes) "
+                               f"through kvbrokerd at {self.config.target} (kvbroker_target): {e.status.name}: "
+                               f"{e.message}") from e
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Checks that every layer vLLM will use lies in the daemon's cache, where the daemon expects it."""
