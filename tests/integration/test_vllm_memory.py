@@ -1,8 +1,10 @@
-"""The vLLM connector's KV memory, without vLLM: the buffer vLLM would allocate is daemon memory, pulls between two
-such buffers land in place (one tensor per layer), and the memory goes back to the daemon when its engine dies."""
+"""The vLLM connector without vLLM, against real daemons: the buffer vLLM would allocate is daemon memory, pulls
+between two such buffers land in place (one tensor per layer), the memory goes back to the daemon when its engine
+dies, and the decode worker links on first use, relinks to a restarted prefill daemon and reports failed blocks."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -11,8 +13,11 @@ import torch
 from kvbroker import CacheIndex, Client, KvCacheExtParam
 from kvbroker._local import LocalDaemon
 from kvbroker._shm import Cache
+from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
+from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
+from kvbroker.integrations.vllm.worker import WorkerSide
 
 LAYOUT = KvLayout(num_layers=3, num_blocks=8, block_size=32, num_kv_heads=1, head_size=64, dtype="float32",
                   page_bytes=32 * 128 * 4, model_id="m", tp_size=1)
@@ -80,3 +85,51 @@ def test_kv_memory_of_a_dead_engine_returns_to_the_daemon(tmp_path: Path) -> Non
         record = alloc.cache.record
         assert not (Path(record.shm_dir) / record.tensors[0].segment).exists()
 
+
+
+def _pull_spec(request_id: str, src: LocalDaemon, cache_id: int, src_blocks: list[int], dst_blocks: list[int]
+               ) -> PullSpec:
+    remote = RemoteKv(cluster_id=src.cluster_id, peer_address=src.peer_address, cache_ids=(cache_id,),
+                      block_ids=tuple(src_blocks), request_id=f"p-{request_id}", engine_id="engine-p",
+                      layout_tag=LAYOUT.tag(), num_tokens=len(src_blocks) * 32, hold_expires_unix=time.time() + 60)
+    return PullSpec(request_id, tuple(dst_blocks), tuple(src_blocks), remote)
+
+
+def _finish(worker: WorkerSide, request_id: str) -> set[int]:
+    deadline = time.monotonic() + 30
+    while request_id not in worker.finished()[1]:
+        assert time.monotonic() < deadline, f"pull {request_id} never finished"
+        time.sleep(0.02)
+    return worker.take_load_errors()
+
+
+def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_daemon(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 2) as d_daemon:
+        worker = WorkerSide(ConnectorConfig(target=d_daemon.target, link_timeout_s=3), "engine-d", 0, LAYOUT)
+        with worker.allocation_context():
+            buffer = torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8)
+        layers = _layer_views(buffer)
+        worker.register({f"layer{i}": t for i, t in enumerate(layers)})
+        try:
+            for attempt in range(2):  # the second prefill daemon is the first one restarted, on another port
+                with LocalDaemon(tmp_path / f"p{attempt}", 1) as p_daemon, p_daemon.client() as p:
+                    src = p.allocate_cache(LAYOUT.desc())
+                    src.tensors[0][3] = 7.0 + attempt
+                    assert _finish(worker, worker_pull(worker, p_daemon, src.cache_id, attempt)) == set()
+                    assert float(layers[0][4].reshape(-1)[0]) == 7.0 + attempt
+                with d_daemon.client() as d:
+                    assert len(d.list_links()) == 1
+            # A prefill daemon nobody can reach: every block is reported, so that vLLM recomputes them.
+            spec = _pull_spec("gone", p_daemon, src.cache_id, [3, 5], [4, 6])
+            spec = dataclasses.replace(spec, remote=dataclasses.replace(spec.remote, cluster_id=9,
+                                                                        peer_address="127.0.0.1:9"))
+            worker.start([spec], [], {})
+            assert _finish(worker, "gone") == {4, 6}
+        finally:
+            worker.shutdown()
+
+
+def worker_pull(worker: WorkerSide, p_daemon: LocalDaemon, cache_id: int, attempt: int) -> str:
+    request_id = f"d-{attempt}"
+    worker.start([_pull_spec(request_id, p_daemon, cache_id, [3], [4])], [], {})
+    return request_id

@@ -291,7 +291,7 @@ def test_abort_during_a_pull_frees_both_sides(pd: PD) -> None:
     pd.wait_released()
 
 
-def test_stopped_prefill_daemon_times_out_and_recomputes(pd: PD) -> None:
+def test_stopped_prefill_daemon_times_out_and_recomputes_then_pulls_resume(pd: PD) -> None:
     prompts = pd.prompts.make((2 * BLOCK_SIZE + 3,))
     expected = pd.expected(prompts)
     params = pd.run_prefill(prompts)
@@ -301,6 +301,16 @@ def test_stopped_prefill_daemon_times_out_and_recomputes(pd: PD) -> None:
     finally:
         pd.p_daemon.signal(signal.SIGCONT)
     assert got == expected
+    # Once the prefill node's daemon answers again, its KV is pulled again (the link recovered or was made anew).
+    deadline = time.monotonic() + 30
+    while True:
+        prompts = pd.prompts.make((BLOCK_SIZE + 1,))
+        assert pd.run_decode(prompts, pd.run_prefill(prompts)) == pd.expected(prompts)
+        (report,) = pd.last_decode_params.values()
+        if report is not None and "kvbroker_transfer_ms" in report:
+            break
+        assert time.monotonic() < deadline, "pulls never resumed after the prefill daemon came back"
+        time.sleep(1.0)
 
 
 def test_engines_give_their_kv_memory_back_on_exit_and_on_death(pd: PD) -> None:

@@ -23,7 +23,7 @@ import torch
 from kvbroker._client import Client
 from kvbroker._shm import Cache
 from kvbroker._status import LlmError, LlmStatus, NotYetLinkError
-from kvbroker._types import CacheIndex, ClusterInfo, KvCacheExtParam
+from kvbroker._types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
@@ -239,11 +239,21 @@ class WorkerSide:
                 return
             info = ClusterInfo(remote_cluster_id=remote.cluster_id, remote_address=remote.peer_address)
             result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
+            if result.status == LlmStatus.LLM_ALREADY_LINK and not self._link_usable(info):
+                # The daemon keeps a link we cannot use (the peer restarted, or moved): make it anew.
+                self.client.unlink_clusters([info], force=True, timeout=self.config.link_timeout_s)
+                result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
             if not result.ok and result.status != LlmStatus.LLM_ALREADY_LINK:
                 raise LlmError(result.status, f"cannot link to cluster {remote.cluster_id} at {remote.peer_address}: "
                                               f"{result.message}")
             self._links[remote.cluster_id] = remote.peer_address
             log.info("kvbroker connector: linked to cluster %d at %s", remote.cluster_id, remote.peer_address)
+
+    def _link_usable(self, info: ClusterInfo) -> bool:
+        for link in self.client.list_links(timeout=self.config.link_timeout_s):
+            if link.remote_cluster_id == info.remote_cluster_id:
+                return link.state == LinkState.READY and link.remote_address == info.remote_address
+        return False
 
     def _forget_link(self, cluster_id: int) -> None:
         with self._link_lock:
