@@ -10,17 +10,20 @@
     kvbroker demo
 
 `--target` is `unix:///path/to/kvbroker.sock` (a bare absolute path works too) or `host:port`. A failure prints the
-LLM status name, the daemon's message and a one-line hint, and exits 1 (2 for a bad command line).
+LLM status name, the daemon's message and a one-line hint, and exits 1 (2 for a bad command line, 130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,6 +120,14 @@ def fmt_size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def fmt_gbps(gbps: float) -> str:
+    """GB/s with two decimals, or as many as two significant digits need: a small pull shows 0.0031, not 0.00."""
+    if gbps <= 0 or gbps >= 0.01:
+        return f"{gbps:.2f}"
+    decimals = min(9, 1 - math.floor(math.log10(gbps)))
+    return f"{gbps:.{decimals}f}"
+
+
 # -------------------------------------------------------------------------------------------------- hints
 
 
@@ -125,6 +136,9 @@ def _hint(status: LlmStatus, args: argparse.Namespace) -> str | None:
     cluster = getattr(args, "src_cluster", None) or getattr(args, "cluster", None) or "N"
     if status == LlmStatus.LLM_NOT_YET_LINK and args.command == "unlink":
         return f"nothing to unlink: `kvbroker links --target {target}` lists the links"
+    if status == LlmStatus.LLM_FAILED and args.command in ("bench", "demo"):
+        # These talk only to daemons they started themselves: no --target to check.
+        return f"a daemon that `kvbroker {args.command}` started stopped answering; is /dev/shm (or memory) full?"
     hints: dict[LlmStatus, str] = {
         LlmStatus.LLM_NOT_YET_LINK: f"run `kvbroker link --target {target} --cluster {cluster} --address HOST:PORT` "
                                     "first (HOST:PORT = the remote daemon's PEER ADDRESS in its `kvbroker status`)",
@@ -158,6 +172,38 @@ def _report(status: LlmStatus, message: str, args: argparse.Namespace, err: Text
     hint = _hint(status, args)
     if hint:
         print(f"hint: {hint}", file=err)
+
+
+def _not_the_local_api(e: LlmError) -> bool:
+    """UNIMPLEMENTED from gRPC itself (no kvbroker ErrorInfo): nothing at the target serves kvbroker.v1.KvBroker."""
+    return e.details.get("grpc_code") == "UNIMPLEMENTED" and "status_code" not in e.details
+
+
+def _serves_peer_api(target: str, timeout: float) -> bool:
+    """Whether `target` is a kvbrokerd peer port: its health service knows kvbroker.v1.Peer."""
+    import grpc
+
+    # HealthCheckRequest{service: "kvbroker.v1.Peer"} encoded by hand: the client does not depend on grpc_health.
+    service = b"kvbroker.v1.Peer"
+    request = b"\x0a" + bytes([len(service)]) + service
+    with grpc.insecure_channel(target) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
+        try:
+            check(request, timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def _report_wrong_target(args: argparse.Namespace, err: TextIO) -> None:
+    target = args.target
+    if _serves_peer_api(target, min(args.timeout, 5.0)):
+        print(f"error: {target} is a kvbrokerd peer port (daemon to daemon), not its local API", file=err)
+    else:
+        print(f"error: {target} does not serve the kvbroker local API (kvbroker.v1.KvBroker)", file=err)
+    print("hint: give --target the daemon's --listen address: its unix socket (default "
+          f"{DEFAULT_TARGET}) or the host:port of a TCP local API", file=err)
 
 
 # ------------------------------------------------------------------------------------------ table commands
@@ -256,7 +302,7 @@ def _pull(args: argparse.Namespace) -> int:
         print(json.dumps({**dataclasses.asdict(result), "seconds": elapsed, "gbps": gbps}))
         return 0
     print(_table([[result.transfer_id, str(result.bytes_moved), fmt_size(result.bytes_moved), result.backend,
-                   str(result.num_runs), f"{elapsed * 1e3:.2f}", f"{gbps:.2f}"]],
+                   str(result.num_runs), f"{elapsed * 1e3:.2f}", fmt_gbps(gbps)]],
                  ["TRANSFER ID", "BYTES", "SIZE", "BACKEND", "RUNS", "MS", "GB/S"]))
     return 0
 
@@ -277,6 +323,8 @@ class Progress:
         self.tty = stream.isatty()
         self._last_draw = 0.0
         self._last_decile = -1
+        self._bar = ""
+        """The bar now drawn in place on the terminal ("" = none)."""
 
     def advance(self, n: int, label: str) -> None:
         self.done = min(self.total, self.done + n)
@@ -291,15 +339,27 @@ class Progress:
                 self.stream.write("\r" + line + "\x1b[K")
                 self.stream.flush()
                 self._last_draw = now
+                self._bar = line
         elif int(frac * 10) != self._last_decile:
             self._last_decile = int(frac * 10)
             self.stream.write(line + "\n")
             self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line of its own: on a terminal it replaces the bar, which is redrawn below it."""
+        if not self.enabled:
+            return
+        if self._bar:
+            self.stream.write("\r\x1b[K" + text + "\n" + self._bar)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.enabled and self._bar:
             self.stream.write("\n")
             self.stream.flush()
+            self._bar = ""
 
 
 @dataclasses.dataclass
@@ -362,7 +422,13 @@ def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed
             dst_d = LocalDaemon(Path(tmp) / backend, 2 * n + 2, backends=(backend,),
                                 extra_args=["--metrics-listen", metrics_listen] if metrics_listen else [])
             try:
-                with src_d, dst_d, src_d.client(timeout) as sc, dst_d.client(timeout) as dc:
+                with contextlib.ExitStack() as daemons:
+                    # Each daemon is stopped on the way out even when Ctrl-C lands while it is still starting.
+                    for d in (src_d, dst_d):
+                        daemons.callback(d.stop)
+                        d.start()
+                    sc = daemons.enter_context(src_d.client(timeout))
+                    dc = daemons.enter_context(dst_d.client(timeout))
                     link = dc.link_clusters([ClusterInfo(src_d.cluster_id, src_d.peer_address)], timeout=timeout)[0]
                     if not link.ok:
                         raise LlmError(link.status, f"linking the bench daemons: {link.message}")
@@ -379,36 +445,33 @@ def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed
 
 def _bench_point(p: BenchPoint, sc: Client, dc: Client, src_cluster: int, rng: np.random.Generator,
                  progress: Progress) -> None:
+    # The caches are released after a point so that the next one has the memory; on a failure or Ctrl-C, stopping
+    # the bench's private daemons releases them (a release call to a daemon that is going away would only fail).
     desc = CacheDesc(num_tensors=p.tensors, shape=(p.blocks_per_pull, p.block_size), data_type=DataType.UINT8)
     src = sc.allocate_cache(desc)
-    try:
-        dst = dc.allocate_cache(desc)
-        try:
-            for t in src.tensors:
-                t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
-            sperm = rng.permutation(p.blocks_per_pull).tolist()
-            dperm = rng.permutation(p.blocks_per_pull).tolist()
-            index = CacheIndex(src_cluster, src.cache_id)
-            dc.pull_kv_blocks(index, dst, sperm, dperm)  # warm-up, verified
-            for s, d in zip(src.tensors, dst.tensors, strict=True):
-                if not np.array_equal(d[dperm], s[sperm]):
-                    raise CliError(f"{p.backend}: pulled bytes differ from the source (block size {p.block_size})")
-            p.verified = True
-            label = f"{p.backend} {fmt_size(p.block_size)} blocks"
-            start = time.perf_counter()
-            for _ in range(p.pulls):
-                t0 = time.perf_counter()
-                result = dc.pull_kv_blocks(index, dst, sperm, dperm)
-                t1 = time.perf_counter()
-                p.latencies_ms.append((t1 - t0) * 1e3)
-                p.bytes += result.bytes_moved
-                progress.advance(result.bytes_moved,
-                                 f"{label}  {p.bytes / max(t1 - start, 1e-9) / 1e9:.2f} GB/s")
-            p.seconds = time.perf_counter() - start
-        finally:
-            dc.deallocate_cache(dst)
-    finally:
-        sc.deallocate_cache(src)
+    dst = dc.allocate_cache(desc)
+    for t in src.tensors:
+        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
+    sperm = rng.permutation(p.blocks_per_pull).tolist()
+    dperm = rng.permutation(p.blocks_per_pull).tolist()
+    index = CacheIndex(src_cluster, src.cache_id)
+    dc.pull_kv_blocks(index, dst, sperm, dperm)  # warm-up, verified
+    for s, d in zip(src.tensors, dst.tensors, strict=True):
+        if not np.array_equal(d[dperm], s[sperm]):
+            raise CliError(f"{p.backend}: pulled bytes differ from the source (block size {p.block_size})")
+    p.verified = True
+    label = f"{p.backend} {fmt_size(p.block_size)} blocks"
+    start = time.perf_counter()
+    for _ in range(p.pulls):
+        t0 = time.perf_counter()
+        result = dc.pull_kv_blocks(index, dst, sperm, dperm)
+        t1 = time.perf_counter()
+        p.latencies_ms.append((t1 - t0) * 1e3)
+        p.bytes += result.bytes_moved
+        progress.advance(result.bytes_moved, f"{label}  {fmt_gbps(p.bytes / max(t1 - start, 1e-9) / 1e9)} GB/s")
+    p.seconds = time.perf_counter() - start
+    dc.deallocate_cache(dst)
+    sc.deallocate_cache(src)
 
 
 def render_bench(points: Sequence[BenchPoint]) -> str:
@@ -416,7 +479,7 @@ def render_bench(points: Sequence[BenchPoint]) -> str:
     for p in points:
         s = p.summary()
         rows.append([p.backend, fmt_size(p.block_size), str(p.tensors), str(p.blocks_per_pull), str(p.pulls),
-                     fmt_size(p.bytes), f"{p.seconds:.3f}", f"{s['gbps']:.2f}", f"{s['latency_ms']['p50']:.2f}",
+                     fmt_size(p.bytes), f"{p.seconds:.3f}", fmt_gbps(s["gbps"]), f"{s['latency_ms']['p50']:.2f}",
                      f"{s['latency_ms']['p99']:.2f}", "yes" if p.verified else "no"])
     return _table(rows, ["BACKEND", "BLOCK", "TENSORS", "BLOCKS/PULL", "PULLS", "MOVED", "SECONDS", "GB/S",
                          "P50 MS", "P99 MS", "VERIFIED"])
@@ -428,8 +491,7 @@ def _bench(args: argparse.Namespace) -> int:
     progress = Progress(sys.stderr, total, enabled=not args.no_progress)
 
     def log(msg: str) -> None:
-        if not args.no_progress:
-            print(f"[bench] {msg}", file=sys.stderr, flush=True)
+        progress.note(f"[bench] {msg}")
 
     log(f"{len(points)} point(s), {fmt_size(total)} in all; each pull moves every block of a cache of "
         f"{args.tensors} tensors in a random order")
@@ -513,19 +575,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-bytes", type=parse_size, default=64 * 2**20,
                    help="bytes per pull, i.e. cache size (default 64M)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of each call, seconds (default 120)")
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--seed", type=int, default=7, help="seed of the cache contents and block orders (default 7)")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve the pulling daemon's Prometheus metrics there while the bench runs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines on stderr")
     p.set_defaults(fn=_bench)
 
-    p = sub.add_parser("demo", help="two local daemons, a real verified pull, and its throughput")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=256)
+    p = sub.add_parser("demo", help="two local daemons, a real verified pull, and its throughput",
+                       description="Starts a prefill and a decode daemon on this host, links them, pulls half the "
+                       "layers of scattered blocks from one cache into the other, checks every byte, prints the "
+                       "throughput, and stops both daemons leaving nothing behind. Needs `kvbroker[server]`.")
+    p.add_argument("--layers", type=int, default=8, help="layers per cache, each a K and a V tensor (default 8)")
+    p.add_argument("--blocks", type=int, default=256, help="blocks per cache of 16 tokens x 8 heads x 128 fp16 "
+                   "(default 256)")
     p.add_argument("--backends", default="shm,tcp", help="backend order for both daemons, e.g. tcp")
     p.set_defaults(fn=_demo)
     return parser
+
+
+_interrupted = threading.Event()
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -535,15 +609,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--src-blocks has {len(args.src_blocks)} blocks, --dst-blocks {len(args.dst_blocks)}")
     if args.command == "bench" and (args.tensors < 1 or args.timeout <= 0):
         parser.error("--tensors must be >= 1 and --timeout > 0")
+    # Ctrl-C in a terminal reaches the whole process group: `bench` and `demo` daemons stop too, and the call that
+    # was waiting on one may fail (UNAVAILABLE) before KeyboardInterrupt is raised. The flag says what happened.
+    with contextlib.suppress(ValueError):  # not the main thread (main() called from a program): nothing to do
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         code: int = args.fn(args)
-    except LlmError as e:
-        _report(e.status, e.message, args, sys.stderr)
-        return 1
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
+        code = 130
+    except LlmError as e:
+        if _interrupted.is_set():
+            code = 130
+        elif _not_the_local_api(e):
+            _report_wrong_target(args, sys.stderr)
+            return 1
+        else:
+            _report(e.status, e.message, args, sys.stderr)
+            return 1
+    except (CliError, RuntimeError) as e:
+        if not _interrupted.is_set():
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        code = 130
+    if code == 130 or _interrupted.is_set():
         print("interrupted", file=sys.stderr)
         return 130
     return code

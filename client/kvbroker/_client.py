@@ -31,6 +31,7 @@ from kvbroker._types import (
     KvCacheExtParam,
     LayerLanded,
     LinkInfo,
+    Notification,
     PullBlocks,
     PushBlocks,
     TensorLocation,
@@ -91,6 +92,21 @@ def _rpc_deadline(handshake_timeout: float | None) -> float | None:
     """(Un)link `timeout` bounds each peer handshake (LLM-DataDist's timeout_in_millis); the call itself gets a
     margin on top so that per-cluster results come back instead of a bare deadline error."""
     return None if handshake_timeout is None else handshake_timeout + LINK_CALL_MARGIN_S
+
+
+def _notification_request(cluster_id: int, topic: str, payload: bytes) -> broker_pb2.SendNotificationRequest:
+    return broker_pb2.SendNotificationRequest(cluster_id=cluster_id, topic=topic, payload=bytes(payload))
+
+
+def _fetch_request(topic: str, max_count: int, wait: float) -> broker_pb2.FetchNotificationsRequest:
+    if not 0 <= wait <= 30 or not 0 < max_count <= 65536:
+        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"wait must be in [0, 30] s and max_count in "
+                                f"[1, 65536], got wait={wait}, max_count={max_count}")
+    return broker_pb2.FetchNotificationsRequest(topic=topic, max_count=max_count, wait_ms=int(wait * 1000))
+
+
+def _notification(n: broker_pb2.Notification) -> Notification:
+    return Notification(n.cluster_id, n.topic, bytes(n.payload), n.received_unix)
 
 
 def _check_size(size: int) -> None:
@@ -209,6 +225,13 @@ class _Base(Generic[_Stub]):
             raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
         return self.default_timeout if timeout is None else timeout
 
+    def _fetch_deadline(self, timeout: float | None, wait: float) -> float | None:
+        """A long poll outlives a default deadline shorter than its wait."""
+        deadline = self._deadline(timeout)
+        if timeout is None and deadline is not None:
+            deadline = max(deadline, wait + LINK_CALL_MARGIN_S)
+        return deadline
+
     def _forget(self, cache_id: int) -> None:
         cache = self._mapped.pop(cache_id, None)
         if cache is not None:
@@ -318,6 +341,20 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
     ) -> list[ClusterResult]:
         req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
         return [cv.cluster_result_from_pb(r) for r in self._call("UnlinkClusters", req, _rpc_deadline(timeout)).results]
+
+    def send_notification(self, cluster_id: int, topic: str, payload: bytes, *,
+                          timeout: float | None = None) -> None:
+        """Sends `payload` (<= 64 KiB) on `topic` (<= 128 bytes) to the daemon of `cluster_id`, which must be linked
+        from this daemon; that daemon's clients get it with `fetch_notifications(topic)`."""
+        self._call("SendNotification", _notification_request(cluster_id, topic, payload), timeout)
+
+    def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
+                            timeout: float | None = None) -> list[Notification]:
+        """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once; waits up to
+        `wait` seconds (at most 30) for the first when there are none."""
+        req = _fetch_request(topic, max_count, wait)
+        resp = self._call("FetchNotifications", req, self._fetch_deadline(timeout, wait))
+        return [_notification(n) for n in resp.notifications]
 
     def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
         resp = self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
@@ -492,6 +529,20 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
         resp = await self._call("UnlinkClusters", req, _rpc_deadline(timeout))
         return [cv.cluster_result_from_pb(r) for r in resp.results]
+
+    async def send_notification(self, cluster_id: int, topic: str, payload: bytes, *,
+                          timeout: float | None = None) -> None:
+        """Sends `payload` (<= 64 KiB) on `topic` (<= 128 bytes) to the daemon of `cluster_id`, which must be linked
+        from this daemon; that daemon's clients get it with `fetch_notifications(topic)`."""
+        await self._call("SendNotification", _notification_request(cluster_id, topic, payload), timeout)
+
+    async def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
+                            timeout: float | None = None) -> list[Notification]:
+        """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once; waits up to
+        `wait` seconds (at most 30) for the first when there are none."""
+        req = _fetch_request(topic, max_count, wait)
+        resp = await self._call("FetchNotifications", req, self._fetch_deadline(timeout, wait))
+        return [_notification(n) for n in resp.notifications]
 
     async def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
         resp = await self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)

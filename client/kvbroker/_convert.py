@@ -13,6 +13,7 @@ from kvbroker._types import (
     ClusterResult,
     ClusterStatus,
     DataType,
+    DeviceMemory,
     KvCacheExtParam,
     LinkInfo,
     LinkState,
@@ -59,14 +60,27 @@ def ext_param_to_pb(ext: KvCacheExtParam | None) -> types_pb2.KvCacheExtParam | 
 
 
 def tensor_location_to_pb(loc: TensorLocation) -> types_pb2.TensorLocation:
-    return types_pb2.TensorLocation(segment=loc.segment, offset=loc.offset)
+    msg = types_pb2.TensorLocation(segment=loc.segment, offset=loc.offset)
+    if loc.device is not None:
+        d = loc.device
+        msg.device.CopyFrom(types_pb2.DeviceMemory(kind=d.kind, device=d.device, ipc_handle=d.ipc_handle,
+                                                   allocation_bytes=d.allocation_bytes))
+    return msg
+
+
+def tensor_location_from_pb(msg: types_pb2.TensorLocation) -> TensorLocation:
+    device = None
+    if msg.HasField("device"):
+        d = msg.device
+        device = DeviceMemory(d.kind, d.device, bytes(d.ipc_handle), d.allocation_bytes)
+    return TensorLocation(msg.segment, msg.offset, device)
 
 
 def cache_record_from_pb(msg: broker_pb2.CacheInfo) -> CacheRecord:
     return CacheRecord(
         cache_id=msg.cache_id,
         desc=desc_from_pb(msg.desc),
-        tensors=tuple(TensorLocation(t.segment, t.offset) for t in msg.tensors),
+        tensors=tuple(tensor_location_from_pb(t) for t in msg.tensors),
         shm_dir=msg.shm_dir,
         daemon_owned=msg.daemon_owned,
         owner=msg.owner,

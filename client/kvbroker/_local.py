@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +18,24 @@ from kvbroker._client import DEFAULT_LEASE_TTL_S, Client
 from kvbroker._status import LlmError
 
 READY_TIMEOUT_S = 30.0
+
+
+TOKEN_FILE = "peer.token"
+
+
+def ensure_token(workdir: Path) -> Path:
+    """The peer token shared by every daemon started in `workdir` (made once, readable by this user only)."""
+    path = Path(workdir) / TOKEN_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)  # first writer wins; every daemon of the workdir reads the same token
+        tmp.unlink()
+    return path
 
 
 class DaemonStartError(RuntimeError):
@@ -36,8 +55,10 @@ class LocalDaemon:
         self.socket_path = self.workdir / f"kvbroker-{cluster_id}.sock"
         self.target = local_listen or f"unix://{self.socket_path}"
         self.log_path = self.workdir / f"kvbrokerd-{cluster_id}.log"
+        auth = () if any(a.startswith(("--tls-cert", "--peer-token-file", "--insecure-peers")) for a in extra_args) \
+            else ("--peer-token-file", str(ensure_token(self.workdir)))
         self.args = ["--cluster-id", str(cluster_id), "--listen", self.target, "--peer-listen", "127.0.0.1:0",
-                     "--backends", ",".join(backends), *extra_args]
+                     "--backends", ",".join(backends), *auth, *extra_args]
         self.env = env
         self.wrapper = list(wrapper)
         self.peer_address = ""

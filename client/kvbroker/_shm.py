@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +19,16 @@ from kvbroker._types import CacheDesc, CacheRecord
 
 
 class SegmentMap:
-    """One read-write mapping of a whole segment file."""
+    """One read-write mapping of a whole segment file (a regular file, never reached through a symlink)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{self.path} is not a regular file")
+            self.size = st.st_size
             self.mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

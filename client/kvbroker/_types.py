@@ -147,6 +147,17 @@ class LinkState(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Notification:
+    """A message a linked peer's client sent to this daemon (`send_notification` there, `fetch_notifications`
+    here); `cluster_id` is the sender's, as its authenticated link says."""
+
+    cluster_id: int
+    topic: str
+    payload: bytes
+    received_unix: float
+
+
+@dataclass(frozen=True, slots=True)
 class LinkInfo:
     """A link as `list_links` reports it."""
 
@@ -185,11 +196,25 @@ class TransferResult:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """Accelerator memory exported by IPC handle: `kind` "cuda" or "npu", the device (UUID or ordinal), the
+    exporter's handle (CUDA: the 64-byte cudaIpcMemHandle_t of the allocation; Ascend: its IPC export key) and the
+    exported allocation's size."""
+
+    kind: str
+    device: str
+    ipc_handle: bytes
+    allocation_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class TensorLocation:
-    """A tensor in a shared-memory segment: segment name (no slash) and byte offset."""
+    """A tensor in a shared-memory segment (segment name without slash, byte offset), or, with `device`, in an
+    exported device allocation (offset from the allocation's base; segment empty)."""
 
     segment: str
     offset: int = 0
+    device: DeviceMemory | None = None
 
 
 @dataclass(frozen=True, slots=True)

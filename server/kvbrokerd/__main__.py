@@ -10,6 +10,7 @@ from typing import Any
 from kvbrokerd import logs
 from kvbrokerd.config import ConfigError, load, to_toml
 from kvbrokerd.daemon import Daemon
+from kvbrokerd.listen import ListenError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     daemon = Daemon(config)
     try:
         run(daemon.run_until_signal())
+    except ListenError as e:
+        print(f"kvbrokerd: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"kvbrokerd: cannot start: {e}", file=sys.stderr)
         return 1

@@ -17,7 +17,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-KNOWN_BACKENDS = ("shm", "tcp")
+from kvbrokerd import backends as _backends
+
+KNOWN_BACKENDS = tuple(_backends.MODULES)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -33,7 +35,7 @@ class Config:
     peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
     advertise_address: str = field(default="", metadata={"help": "address peers should dial, if not peer_listen"})
     data_port: int = field(default=0, metadata={"help": "tcp data-plane port on the peer host (0 = any free port)"})
-    backends: tuple[str, ...] = field(default=KNOWN_BACKENDS,
+    backends: tuple[str, ...] = field(default=_backends.DEFAULT_BACKENDS,
                                       metadata={"help": "data-plane backends allowed, in order of preference"})
     shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of POSIX shared-memory segments"})
     max_caches: int = field(default=4096, metadata={"help": "most caches this daemon holds at once"})
@@ -45,18 +47,31 @@ class Config:
     tls_key: str = field(default="", metadata={"help": "PEM private key of tls_cert"})
     tls_ca: str = field(default="", metadata={"help": "PEM CA bundle that peers' certificates must chain to"})
     data_tls: bool = field(default=False, metadata={"help": "TLS on tcp data connections too (needs tls_*)"})
+    peer_token_file: str = field(default="", metadata={
+        "help": "file holding the deployment's shared peer token (>= 16 bytes, not world-readable); peers prove "
+                "it by challenge-response and it never travels"})
+    insecure_peers: bool = field(default=False, metadata={
+        "help": "accept unauthenticated peers (development only): without this, give peer_token_file or tls_*"})
+    peer_link_ttl: float = field(default=120.0, metadata={
+        "help": "seconds after which a peer's link to us that has gone silent (no heartbeat) is forgotten"})
     max_transfers: int = field(default=256, metadata={"help": "most transfers in flight; more are refused"})
     parallel_transfers: int = field(default=2, metadata={"help": "large transfers copying at once (others queue)"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
 
-    def validate(self) -> Config:
+    def validate(self, *, require_auth: bool = True) -> Config:
+        if self.listen.startswith("/"):  # a bare path means a unix socket, as the CLI's --target accepts it
+            object.__setattr__(self, "listen", "unix://" + self.listen)
         if not 0 <= self.cluster_id < 2**64:
             raise ConfigError(f"cluster_id: {self.cluster_id} is not a uint64")
-        unknown = [b for b in self.backends if b not in KNOWN_BACKENDS]
-        if unknown or not self.backends:
-            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — choose from {KNOWN_BACKENDS}")
+        if not self.backends or len(set(self.backends)) != len(self.backends):
+            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — name each of {KNOWN_BACKENDS} at "
+                              "most once")
+        for name in self.backends:
+            reason = _backends.unavailable(name)
+            if reason:
+                raise ConfigError(f"backends: {reason}")
         if not self.listen.startswith("unix://") and ":" not in self.listen:
             raise ConfigError(f"listen: {self.listen!r} is neither unix:///path nor host:port")
         for name in ("peer_listen", "advertise_address"):
@@ -84,6 +99,20 @@ class Config:
             raise ConfigError(f"log_level: {self.log_level!r} — choose from {LOG_LEVELS}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: {self.log_format!r} — choose text or json")
+        if self.peer_token_file:
+            from kvbrokerd.linkauth import TokenError, load_token
+
+            try:
+                load_token(self.peer_token_file)
+            except TokenError as e:
+                raise ConfigError(f"peer_token_file: {e}") from None
+        if require_auth and not (self.peer_token_file or all(tls) or self.insecure_peers):
+            raise ConfigError("peer authentication: give --peer-token-file FILE (a secret shared by the deployment's "
+                              "daemons, e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`), or mutual "
+                              "TLS with --tls-cert/--tls-key/--tls-ca, or --insecure-peers to accept any peer "
+                              "(development only)")
+        if not self.peer_link_ttl >= 3.0:
+            raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
         return self
 
 
@@ -109,6 +138,10 @@ def _coerce(name: str, raw: Any, kind: Any) -> Any:
             if isinstance(raw, bool):
                 raise ValueError
             return int(raw)
+        if kind in (float, "float"):
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
         if kind in ("tuple[str, ...]",):
             items = raw.split(",") if isinstance(raw, str) else list(raw)
             return tuple(s.strip() for s in items if str(s).strip())
@@ -121,14 +154,19 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     """(config, print_config) from the command line, `environ` and the TOML file named by --config/KVBROKER_CONFIG."""
     environ = os.environ if environ is None else environ
     fields = [f for f in dataclasses.fields(Config)]
-    parser = argparse.ArgumentParser(prog="kvbrokerd", description="kvbroker daemon: KV-cache block transfers "
-                                     "between LLM serving nodes (LLM-DataDist semantics).")
+    parser = argparse.ArgumentParser(
+        prog="kvbrokerd", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvbroker daemon: KV-cache block transfers between LLM serving nodes (LLM-DataDist semantics).",
+        epilog="Every option also has a KVBROKER_* environment variable and a key in the --config TOML file; options\n"
+               "win over the environment, which wins over the file. Example:\n"
+               "  kvbrokerd --cluster-id 1 --peer-listen 0.0.0.0:7100 --peer-token-file /etc/kvbroker/token")
     parser.add_argument("--config", help="TOML file with any of the keys below (env: KVBROKER_CONFIG)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     for f in fields:
         flag: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}  # `--x` = true
+        default = "" if f.default is dataclasses.MISSING else f" [default: {_render(f.default) or 'none'}]"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                            help=f"{f.metadata['help']} (env: KVBROKER_{f.name.upper()})", **flag)
+                            help=f"{f.metadata['help']}{default} (env: KVBROKER_{f.name.upper()})", **flag)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     path = args.config or environ.get("KVBROKER_CONFIG")
@@ -151,9 +189,20 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if cli is not None:
             values[f.name] = cli
     if "cluster_id" not in values:
-        raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
+        if not args.print_config:
+            raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
+        values["cluster_id"] = 0  # --print-config shows the defaults even before an id is chosen
     typed = {f.name: _coerce(f.name, values[f.name], f.type) for f in fields if f.name in values}
-    return Config(**typed).validate(), bool(args.print_config)
+    # --print-config shows a config that still lacks peer authentication (it is how one finds out what to add).
+    return Config(**typed).validate(require_auth=not args.print_config), bool(args.print_config)
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def to_toml(config: Config) -> str:
@@ -164,7 +213,7 @@ def to_toml(config: Config) -> str:
             rendered = "[" + ", ".join(f'"{v}"' for v in value) + "]"
         elif isinstance(value, bool):
             rendered = str(value).lower()
-        elif isinstance(value, int):
+        elif isinstance(value, int | float):
             rendered = str(value)
         else:
             rendered = f'"{value}"'

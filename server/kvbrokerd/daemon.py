@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker._types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvbrokerd.backends import tcp as tcp_backend
+from kvbrokerd import backends, linkauth
+from kvbrokerd.backends.base import Backend, LocalContext
+from kvbrokerd.backends.tcp import TcpBackend
 from kvbrokerd.config import Config
 from kvbrokerd.links import LinkTable
+from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_use, unix_path
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
@@ -36,11 +38,16 @@ from kvbrokerd.transfers import TransferManager
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+BACKEND_WATCH_INTERVAL_S = 1.0
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Peers send small requests only; a stranger must not make us buffer 64 MiB messages.
+MAX_PEER_REQUEST_BYTES = 1 << 20
+_PEER_SERVER_OPTIONS = [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES),
+                        *_SERVER_OPTIONS[2:]]
 LOCAL_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 
@@ -57,7 +64,8 @@ class Daemon:
         self._health: list[tuple[health.aio.HealthServicer, str]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._parts_executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._data_server: tcp_backend.DataServer | None = None
+        self._backends: list[Backend] = []
+        self._health_watch: asyncio.Task[None] | None = None
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
         self._sessions: SessionTable | None = None
@@ -65,9 +73,11 @@ class Daemon:
         self.metrics_port = 0
         self._stopped = asyncio.Event()
         self._stopping = False
+        self._owns_socket = False
 
     async def start(self) -> None:
         cfg = self.config
+        _claim_addresses(cfg)  # before anything is created: a refusal leaves no trace and touches nobody's socket
         try:
             self._registry = Registry(Path(cfg.shm_dir), cfg.max_caches)
             self._registry.open()
@@ -77,11 +87,15 @@ class Daemon:
             self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-transfer")
             self._parts_executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-part")
             tls = TlsMaterial.from_config(cfg)
+            if cfg.insecure_peers and not (cfg.peer_token_file or tls):
+                log.warning("--insecure-peers: ANY process that reaches the peer port can link to this daemon and "
+                            "read or write its caches; use --peer-token-file or mutual TLS outside development")
             self._links = LinkTable(
-                cfg.cluster_id, epoch, cfg.backends, self._parts_executor,
+                cfg.cluster_id, epoch, {},
+                token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
-                data_tls=tls.data_client_context() if tls and cfg.data_tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, shm_dir=Path(cfg.shm_dir),
+                inbound_ttl_s=cfg.peer_link_ttl)
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -90,13 +104,21 @@ class Daemon:
             self._sessions = SessionTable(self._registry)
             self._sessions.start()
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
-            data_address = ""
-            if "tcp" in cfg.backends:
-                self._data_server = tcp_backend.DataServer(
-                    self._registry, self._links.secret_for, peer_host, cfg.data_port,
-                    tls=tls.data_server_context() if tls and cfg.data_tls else None)
-                self._data_server.start()
-                data_address = f":{self._data_server.port}"
+            ctx = LocalContext(
+                cluster_id=cfg.cluster_id, registry=self._registry, shm_dir=Path(cfg.shm_dir), peer_host=peer_host,
+                parts_executor=self._parts_executor, secret_for=self._links.secret_for, data_port=cfg.data_port,
+                data_server_tls=tls.data_server_context() if tls and cfg.data_tls else None,
+                data_client_tls=tls.data_client_context() if tls and cfg.data_tls else None)
+            for name in cfg.backends:
+                backend = backends.backend_class(name)(ctx)
+                self._backends.append(backend)
+                try:
+                    await backend.start()
+                except OSError as e:
+                    raise ListenError(f"cannot start the {name} data plane: {e.strerror or e}") from None
+            self._links.backends = {b.name: b for b in self._backends}
+            tcp = self._links.backends.get("tcp")
+            data_address = f":{tcp.port}" if isinstance(tcp, TcpBackend) else ""
             node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
                         transfers, self._sessions)
             peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
@@ -109,20 +131,40 @@ class Daemon:
             if cfg.metrics_listen:
                 self.metrics_port = self.metrics.serve(cfg.metrics_listen)
                 node.metrics_address = f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
-            for h, name in self._health:
-                await h.set("", health_pb2.HealthCheckResponse.SERVING)
-                await h.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self._set_health(serving=True)
+            self._health_watch = asyncio.create_task(self._watch_backends())
         except BaseException:
             await self.stop(grace=0)
             raise
         log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
                  self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
 
+    async def _set_health(self, *, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for h, name in self._health:
+            await h.set("", status)
+            await h.set(name, status)
+
+    async def _watch_backends(self) -> None:
+        """Health follows the data plane: NOT_SERVING while a backend's server is down (e.g. its accept loop is
+        backing off from EMFILE), SERVING again when it recovers."""
+        serving = True
+        while True:
+            await asyncio.sleep(BACKEND_WATCH_INTERVAL_S)
+            down = [b.name for b in self._backends if not b.serving]
+            if bool(down) == serving:
+                serving = not down
+                if down:
+                    log.error("data plane down (%s): health is NOT_SERVING", ", ".join(down))
+                else:
+                    log.info("data plane serving again: health is SERVING")
+                await self._set_health(serving=serving)
+
     async def _serve(self, address: str, node: Node, service: str,
                      credentials: grpc.ServerCredentials | None = None) -> int:
         """One listener: the local API (KvBroker) or the peer API (Peer), each with health and reflection. The
         local API is never served on the peer port: that port is reachable from the network."""
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else _PEER_SERVER_OPTIONS)
         if service == LOCAL_SERVICE:
             broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
         else:
@@ -132,10 +174,17 @@ class Daemon:
         reflection.enable_server_reflection(
             (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
             pool=commented_pool())
-        port: int = (server.add_insecure_port(address) if credentials is None else
-                     server.add_secure_port(address, credentials))
+        what = "local API" if service == LOCAL_SERVICE else "peer API"
+        try:
+            port: int = (server.add_insecure_port(address) if credentials is None else
+                         server.add_secure_port(address, credentials))
+        except RuntimeError:  # gRPC says only "failed to bind"; on a port, most likely a listener that came first
+            if address.startswith("unix:"):
+                raise ListenError(f"cannot listen on {address} ({what}): cannot bind the socket there (check the "
+                                  "directory's permissions)") from None
+            raise in_use(address, what) from None
         if port == 0 and not address.startswith("unix:"):
-            raise OSError(f"cannot listen on {address}")
+            raise in_use(address, what)
         await server.start()
         self._servers.append(server)
         self._health.append((health_servicer, service))
@@ -145,12 +194,12 @@ class Daemon:
         if not listen.startswith("unix://"):
             port = await self._serve(listen, node, LOCAL_SERVICE)
             return f"{listen.rpartition(':')[0]}:{port}"
-        _prepare_socket_path(listen)
         old_umask = os.umask(0o177)  # The socket is born 0600: only this user may drive the daemon.
         try:
             await self._serve(listen, node, LOCAL_SERVICE)
         finally:
             os.umask(old_umask)
+        self._owns_socket = True
         return listen
 
     def _state(self) -> dict[str, Any]:
@@ -171,6 +220,8 @@ class Daemon:
             await self._stopped.wait()
             return
         self._stopping = True
+        if self._health_watch is not None:
+            self._health_watch.cancel()
         for h, _ in self._health:
             await h.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
@@ -178,8 +229,8 @@ class Daemon:
             await self._sessions.stop()
         if self._links is not None:
             await self._links.close()
-        if self._data_server is not None:
-            self._data_server.close()
+        for backend in self._backends:
+            backend.close()
         for pool in (self._executor, self._parts_executor):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -187,10 +238,11 @@ class Daemon:
             self._registry.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.config.listen.startswith("unix://"):
+        if self._owns_socket:
             _remove_socket(self.config.listen)
         self._stopped.set()
-        log.info("kvbrokerd stopped")
+        if self.node is not None:  # a daemon that never started has nothing to report (its error says why)
+            log.info("kvbrokerd stopped")
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -206,18 +258,26 @@ class Daemon:
         await self.stop()
 
 
-def _prepare_socket_path(listen: str) -> None:
-    """Creates the socket's directory and removes a socket file left by a previous daemon (never a regular file)."""
-    path = Path(listen[len("unix://") :])
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
+def _claim_addresses(cfg: Config) -> None:
+    """Refuses, with one line naming the address, any address another process holds; replaces a stale socket."""
+    if cfg.listen.startswith("unix://"):
+        claim_unix_socket(cfg.listen)
+    else:
+        check_tcp_free(cfg.listen, "local API")
+    check_tcp_free(cfg.peer_listen, "peer API")
+    if "tcp" in cfg.backends and cfg.data_port:
+        check_tcp_free(_host_port(cfg.peer_listen.rpartition(":")[0].strip("[]"), cfg.data_port), "tcp data plane")
+    if cfg.metrics_listen:
+        check_tcp_free(cfg.metrics_listen, "metrics")
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _remove_socket(listen: str) -> None:
     with contextlib.suppress(OSError):
-        Path(listen[len("unix://") :]).unlink()
+        unix_path(listen).unlink()
 
 
 def _advertised(host: str, port: int) -> str:

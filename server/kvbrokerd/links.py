@@ -1,39 +1,50 @@
 """The link table: outbound links (we dialled a peer and may transfer with it) and inbound ones (a peer dialled us;
-its link token authorises its data connections and cache lookups).
+see inbound.py).
 
-A link is made by a `Peer.Handshake` that checks the protocol version and both cluster ids, then picks the first
-backend of our `--backends` order that both sides can use (`shm` only after the probe proves shared memory).
-Heartbeats watch each outbound link: a silent peer or a new peer incarnation moves it to BROKEN.
+A link is made by the two-step authenticated handshake of linkauth.py (`Peer.Handshake`, then `Peer.Authenticate`),
+which checks the protocol version, both cluster ids and the deployment token, then picks the first backend of our
+`--backends` order that both sides can use (`shm` only after the probe proves shared memory). Heartbeats watch each
+outbound link: a silent peer or a new peer incarnation moves it to BROKEN. What a peer answers is untrusted: a
+malformed answer fails that link with LLM_LINK_FAILED and the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
+import itertools
 import logging
-import ssl
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from kvbroker._convert import desc_from_pb
 from kvbroker._types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
-from kvbrokerd.backends import shm as shm_backend
-from kvbrokerd.backends import tcp as tcp_backend
-from kvbrokerd.backends.base import PeerChannel, RemoteCache
+from kvbrokerd.backends.base import (
+    MAX_ADVERTISEMENT_BYTES,
+    Backend,
+    BackendUnusable,
+    PeerChannel,
+    PeerInfo,
+    RemoteCache,
+)
 from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-"""Peer protocol history: 1 — first version (Handshake, GetCacheInfo, Heartbeat, Unlink; tcp data frames v1)."""
 MAX_LINKS = 1024
+MAX_PEER_ANSWER_BYTES = 16 << 20
+"""Largest answer we accept from a peer (a cache description of 4096 tensors is well under 1 MiB)."""
+_PEER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PEER_ANSWER_BYTES)]
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_MISSES = 3
 
@@ -44,7 +55,7 @@ class Link:
     remote_address: str
     state: LinkState = LinkState.LINKING
     remote_epoch: str = ""
-    token: bytes = b""
+    secret: bytes = b""
     backend: str = ""
     channel: PeerChannel | None = None
     grpc_channel: grpc.aio.Channel | None = None
@@ -54,6 +65,20 @@ class Link:
     remote_caches: dict[int, RemoteCache] = field(default_factory=dict)
     final: bool = False
     heartbeat: asyncio.Task[None] | None = None
+    _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    shm_dir: Path = Path("/dev/shm")
+
+    def signed(self, method: str, request: Message) -> Message:
+        sign(request, method, self.secret, linkauth.link_id(self.secret), next(self._seq))
+        return request
+
+    async def notify(self, topic: str, payload: bytes, timeout: float) -> None:
+        assert self.stub is not None
+        req = self.signed("Notify", peer_pb2.PeerNotifyRequest(topic=topic, payload=payload))
+        try:
+            await self.stub.Notify(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            _peer_call_failed(e, self.remote_cluster_id, "the notification")
 
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
         """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon)."""
@@ -61,27 +86,37 @@ class Link:
         if cached is not None:
             return cached
         assert self.stub is not None
+        req = self.signed("GetCacheInfo", peer_pb2.GetCacheInfoRequest(cache_id=cache_id))
         try:
-            resp = await self.stub.GetCacheInfo(
-                peer_pb2.GetCacheInfoRequest(link_token=self.token, cache_id=cache_id), timeout=timeout
-            )
+            resp = await self.stub.GetCacheInfo(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST,
                      f"remote cache {cache_id} does not exist on cluster {self.remote_cluster_id}")
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                fail(LlmStatus.LLM_TIMEOUT, f"cluster {self.remote_cluster_id} did not describe cache {cache_id} "
-                     "in time")
-            fail(LlmStatus.LLM_LINK_FAILED, f"cache lookup on cluster {self.remote_cluster_id} failed: "
-                 f"{e.code().name} {e.details()}")
+            _peer_call_failed(e, self.remote_cluster_id, f"the lookup of cache {cache_id}")
         if resp.instance_epoch != self.remote_epoch:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
                  "belonged to its previous incarnation")
-        remote = RemoteCache(cache_id=cache_id, desc=desc_from_pb(resp.desc), shm_dir=resp.shm_dir,
-                             tensors=tuple(TensorLocation(t.segment, t.offset) for t in resp.tensors))
+        remote = self._parse_cache(cache_id, resp)
         self.remote_caches[cache_id] = remote
         return remote
+
+    def _parse_cache(self, cache_id: int, resp: peer_pb2.GetCacheInfoResponse) -> RemoteCache:
+        """The peer's description, checked like any untrusted input: a bad one fails this lookup, not the daemon."""
+        try:
+            desc = desc_from_pb(resp.desc)
+            tensors = tuple(TensorLocation(t.segment, t.offset) for t in resp.tensors)
+            if resp.cache_id != cache_id or len(tensors) != desc.num_tensors or desc.num_tensors < 1 or \
+                    not desc.shape or min(desc.shape) < 1 or any(t.offset < 0 for t in tensors):
+                raise ValueError("inconsistent cache description")
+        except (ValueError, TypeError, OverflowError) as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id} described cache {cache_id} "
+                 f"unusably: {e}")
+        # Segment names are resolved in OUR shm dir: a peer never names a path on this host.
+        info = {name: bytes(v) for name, v in resp.backend_info.items() if len(v) <= MAX_ADVERTISEMENT_BYTES}
+        return RemoteCache(cache_id=cache_id, desc=desc, shm_dir=str(self.shm_dir), tensors=tensors,
+                           backend_info=info)
 
     def forget_cache(self, cache_id: int) -> None:
         remote = self.remote_caches.pop(cache_id, None)
@@ -111,30 +146,33 @@ class Link:
             await self.grpc_channel.close()
 
 
-@dataclass(frozen=True, slots=True)
-class InboundLink:
-    remote_cluster_id: int
-    remote_epoch: str
-    created: float
-    secret: bytes
+def _peer_call_failed(e: grpc.aio.AioRpcError, cluster_id: int, what: str) -> None:
+    """One decoder for a failed peer call."""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        fail(LlmStatus.LLM_TIMEOUT, f"cluster {cluster_id} did not answer {what} in time")
+    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        fail(LlmStatus.LLM_LINK_FAILED, f"cluster {cluster_id} no longer knows this link ({what}); unlink and "
+             "link again")
+    fail(LlmStatus.LLM_LINK_FAILED, f"{what} on cluster {cluster_id} failed: {e.code().name} {e.details()}")
 
 
 class LinkTable:
-    def __init__(self, cluster_id: int, epoch: str, backends: tuple[str, ...],
-                 executor: concurrent.futures.Executor, *, credentials: grpc.ChannelCredentials | None = None,
-                 data_tls: ssl.SSLContext | None = None, max_links: int = MAX_LINKS,
-                 auto_relink: bool = False) -> None:
+    def __init__(self, cluster_id: int, epoch: str, backends: Mapping[str, Backend], *, token: bytes | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, max_links: int = MAX_LINKS,
+                 auto_relink: bool = False, shm_dir: Path = Path("/dev/shm"), inbound_ttl_s: float | None = None
+                 ) -> None:
+        """`backends`: this daemon's started backends, in order of preference."""
         self.cluster_id = cluster_id
+        self._key = linkauth.token_key(token)
         self._credentials = credentials
-        self._data_tls = data_tls
         self.max_links = max_links
         self.auto_relink = auto_relink
         self.epoch = epoch
-        self.backends = backends
-        self._executor = executor  # for the parts of a transfer (see daemon.py)
+        self.backends = dict(backends)
+        self.shm_dir = shm_dir
         self.links: dict[int, Link] = {}
-        self.inbound: dict[bytes, InboundLink] = {}
-        """Links peers made to us, by link id."""
+        self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
+                                    **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
 
     # -- outbound ------------------------------------------------------------------------------------------------
     def get_ready(self, cluster_id: int) -> Link:
@@ -157,7 +195,7 @@ class LinkTable:
             fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
         if len(self.links) >= self.max_links:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({self.max_links})")
-        link = self.links[cluster_id] = Link(cluster_id, address)
+        link = self.links[cluster_id] = Link(cluster_id, address, shm_dir=self.shm_dir)
         try:
             await self._handshake(link, timeout)
         except BaseException:
@@ -169,51 +207,84 @@ class LinkTable:
         return link
 
     async def _handshake(self, link: Link, timeout: float) -> None:
-        link.grpc_channel = (grpc.aio.insecure_channel(link.remote_address) if self._credentials is None else
-                             grpc.aio.secure_channel(link.remote_address, self._credentials))
-        link.stub = peer_pb2_grpc.PeerStub(link.grpc_channel)
-        req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
-                                        instance_epoch=self.epoch, expected_cluster_id=link.remote_cluster_id)
+        """Both steps of the handshake within `timeout`; any malformed answer is LLM_LINK_FAILED for this link."""
         try:
-            resp = await link.stub.Handshake(req, timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self._authenticated_handshake(link, timeout)
+        except TimeoutError:
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} did not "
+                 f"complete the handshake within {timeout:.3g} s")
+        except LlmError:
+            raise
+        except Exception as e:  # a peer's answer must never surface as an internal error
+            log.warning("handshake with cluster %d failed", link.remote_cluster_id, exc_info=True)
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} answered "
+                 f"unusably: {type(e).__name__}: {e}")
+
+    async def _authenticated_handshake(self, link: Link, timeout: float) -> None:
+        link.grpc_channel = (
+            grpc.aio.insecure_channel(link.remote_address, options=_PEER_CHANNEL_OPTIONS) if self._credentials is None
+            else grpc.aio.secure_channel(link.remote_address, self._credentials, options=_PEER_CHANNEL_OPTIONS))
+        link.stub = peer_pb2_grpc.PeerStub(link.grpc_channel)
+        where = f"cluster {link.remote_cluster_id} at {link.remote_address}"
+        hello = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
+                                          instance_epoch=self.epoch, expected_cluster_id=link.remote_cluster_id,
+                                          caller_nonce=linkauth.new_nonce())
+        try:
+            challenge = await link.stub.Handshake(hello, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} did not "
-                     f"answer within {timeout:.3g} s")
-            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {link.remote_cluster_id} at {link.remote_address} refused: "
-                 f"{e.details() or e.code().name}")
-        if resp.protocol_version != PROTOCOL_VERSION:
-            fail(LlmStatus.LLM_LINK_FAILED, f"peer speaks protocol {resp.protocol_version}, we speak "
-                 f"{PROTOCOL_VERSION}")
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where} refused: {e.details() or e.code().name}")
+        if challenge.protocol_version != PROTOCOL_VERSION:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where} speaks peer protocol {challenge.protocol_version}, we speak "
+                 f"{PROTOCOL_VERSION}; run the same kvbroker release on both sides")
+        bound = linkauth.binding(self.cluster_id, link.remote_cluster_id, self.epoch, hello.caller_nonce,
+                                 bytes(challenge.responder_nonce), PROTOCOL_VERSION)
+        if not hmac.compare_digest(linkauth.handshake_proof(self._key, b"responder", bound),
+                                   bytes(challenge.responder_proof)):
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where} failed authentication: it is not cluster "
+                 f"{link.remote_cluster_id}, or it does not hold our peer token (both daemons need the same "
+                 "--peer-token-file, or both --insecure-peers)")
+        auth = peer_pb2.AuthenticateRequest(challenge_id=challenge.challenge_id,
+                                            caller_proof=linkauth.handshake_proof(self._key, b"caller", bound))
+        try:
+            resp = await link.stub.Authenticate(auth, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where} refused: {e.details() or e.code().name}")
         if resp.cluster_id != link.remote_cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, f"{link.remote_address} is cluster {resp.cluster_id}, not "
                  f"{link.remote_cluster_id}")
+        if len(resp.instance_epoch.encode()) > MAX_EPOCH_BYTES:
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where} sent an instance epoch longer than {MAX_EPOCH_BYTES} bytes")
         link.remote_epoch = resp.instance_epoch
-        link.token = resp.link_token
+        link.secret = linkauth.derive_link_secret(self._key, bound)
         link.channel, link.backend = self._choose_backend(link, resp)
         link.state = LinkState.READY
         link.last_seen = time.time()
 
-    def _choose_backend(self, link: Link, resp: peer_pb2.HandshakeResponse) -> tuple[PeerChannel, str]:
-        peer_backends = set(resp.backends)
-        for name in self.backends:
-            if name not in peer_backends:
+    def _choose_backend(self, link: Link, resp: peer_pb2.AuthenticateResponse) -> tuple[PeerChannel, str]:
+        """The first backend of our order that the peer serves and that can reach it; every other one's reason goes
+        into the failure."""
+        peer = PeerInfo(link.remote_cluster_id, link.remote_address, link.secret)
+        reasons = []
+        for name, backend in self.backends.items():
+            info = resp.backend_info.get(name)
+            if info is None:
+                reasons.append(f"{name}: not served by the peer")
                 continue
-            if name == shm_backend.NAME:
-                control = shm_backend.probe(resp.shm_probe_path, resp.shm_probe_nonce)
-                if control is None:
-                    log.info("cluster %d: shm probe failed (no shared host memory); trying the next backend",
-                             link.remote_cluster_id)
-                    continue
-                return shm_backend.ShmChannel(control, self._executor), name
-            if name == tcp_backend.NAME:
-                host, _, port = resp.data_address.rpartition(":")
-                if not host:
-                    host = link.remote_address.rpartition(":")[0]
-                return tcp_backend.TcpChannel(host.strip("[]"), int(port), link.token, self._executor,
-                                              tls=self._data_tls), name
-        fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
-             f"{link.remote_cluster_id} serves {sorted(peer_backends)}")
+            if len(info) > MAX_ADVERTISEMENT_BYTES:
+                reasons.append(f"{name}: advertisement larger than {MAX_ADVERTISEMENT_BYTES} bytes")
+                continue
+            try:
+                return backend.connect(peer, bytes(info)), name
+            except BackendUnusable as e:
+                log.info("cluster %d: backend %s unusable (%s); trying the next", link.remote_cluster_id, name, e)
+                reasons.append(f"{name}: {e}")
+        served = sorted(resp.backend_info)[:16]
+        if not set(served) & set(self.backends):
+            fail(LlmStatus.LLM_LINK_FAILED, f"no common backend: we allow {list(self.backends)}, cluster "
+                 f"{link.remote_cluster_id} serves {served}")
+        fail(LlmStatus.LLM_LINK_FAILED, f"no usable backend with cluster {link.remote_cluster_id}: we allow "
+             f"{list(self.backends)}, it serves {served} ({'; '.join(reasons)})")
 
     async def unlink(self, cluster_id: int, force: bool, timeout: float) -> None:
         link = self.links.get(cluster_id)
@@ -224,8 +295,7 @@ class LinkTable:
         notified = True
         try:
             assert link.stub is not None
-            await link.stub.Unlink(peer_pb2.PeerUnlinkRequest(link_token=link.token, cluster_id=self.cluster_id),
-                                   timeout=timeout)
+            await link.stub.Unlink(link.signed("Unlink", peer_pb2.PeerUnlinkRequest()), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             notified = e.code() == grpc.StatusCode.FAILED_PRECONDITION  # The peer had already forgotten us.
             if not notified and not force:
@@ -241,7 +311,7 @@ class LinkTable:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             try:
-                resp = await link.stub.Heartbeat(peer_pb2.HeartbeatRequest(link_token=link.token),
+                resp = await link.stub.Heartbeat(link.signed("Heartbeat", peer_pb2.HeartbeatRequest()),
                                                  timeout=HEARTBEAT_INTERVAL_S)
             except grpc.aio.AioRpcError as e:
                 misses += 1
@@ -250,12 +320,15 @@ class LinkTable:
                 continue
             misses = 0
             link.last_seen = time.time()
-            if resp.instance_epoch != link.remote_epoch:
+            if not resp.link_known:
+                # The peer restarted (it knows no link of its previous incarnation), expired or removed the link.
+                if self.auto_relink and await self._relink(link):
+                    continue
+                link.mark_broken("the peer restarted or removed this link; unlink and link again", final=True)
+            elif resp.instance_epoch != link.remote_epoch:
                 if self.auto_relink and await self._relink(link):
                     continue
                 link.mark_broken("the peer restarted (new instance epoch); unlink and link again", final=True)
-            elif not resp.link_known:
-                link.mark_broken("the peer removed this link", final=True)
             elif link.state == LinkState.BROKEN and not link.final:
                 link.state, link.reason = LinkState.READY, ""
                 log.info("link to cluster %d is READY again", link.remote_cluster_id)
@@ -269,6 +342,8 @@ class LinkTable:
         link.channel = None
         link.remote_caches.clear()
         link.state, link.final = LinkState.LINKING, False
+        link._seq = itertools.count(1)
+        old_epoch = link.remote_epoch
         try:
             if link.grpc_channel is not None:
                 await link.grpc_channel.close()
@@ -276,8 +351,9 @@ class LinkTable:
         except LlmError as e:
             link.mark_broken(f"the peer restarted and re-linking failed: {e.message}", final=True)
             return False
-        log.info("cluster %d restarted: re-linked (epoch %s, backend %s)", link.remote_cluster_id,
-                 link.remote_epoch, link.backend)
+        log.info("cluster %d %s: re-linked (epoch %s, backend %s)", link.remote_cluster_id,
+                 "restarted" if link.remote_epoch != old_epoch else "forgot our link", link.remote_epoch,
+                 link.backend)
         return True
 
     async def close(self) -> None:
@@ -286,40 +362,8 @@ class LinkTable:
         self.links.clear()
         self.inbound.clear()
 
-    # -- inbound -------------------------------------------------------------------------------------------------
-    def accept(self, req: peer_pb2.HandshakeRequest) -> bytes:
-        """Checks a peer's handshake; returns the link token it will present."""
-        if req.protocol_version != PROTOCOL_VERSION:
-            fail(LlmStatus.LLM_LINK_FAILED, f"protocol {req.protocol_version} is not supported (we speak "
-                 f"{PROTOCOL_VERSION})")
-        if req.expected_cluster_id != self.cluster_id:
-            fail(LlmStatus.LLM_LINK_FAILED, f"this is cluster {self.cluster_id}, not {req.expected_cluster_id}")
-        if req.cluster_id == self.cluster_id:
-            fail(LlmStatus.LLM_LINK_FAILED, f"the caller uses our own cluster id {self.cluster_id}")
-        if len(self.inbound) >= self.max_links:
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({self.max_links})")
-        # A peer that re-links (e.g. after a restart) replaces its older inbound links.
-        for lid, old in list(self.inbound.items()):
-            if old.remote_cluster_id == req.cluster_id:
-                del self.inbound[lid]
-        secret = linkauth.new_secret()
-        self.inbound[linkauth.link_id(secret)] = InboundLink(req.cluster_id, req.instance_epoch, time.time(), secret)
-        return secret
-
-    def authorize(self, token: bytes) -> InboundLink:
-        """Checks the link secret a peer presents on the (TLS-protected) peer API."""
-        link = self.inbound.get(linkauth.link_id(bytes(token)))
-        if link is None or not hmac.compare_digest(link.secret, bytes(token)):
-            fail(LlmStatus.LLM_NOT_YET_LINK, "unknown link token: link first")
-        return link
-
     def secret_for(self, lid: bytes) -> bytes | None:
-        """For the data plane's challenge (any thread; dict lookups are atomic)."""
-        link = self.inbound.get(bytes(lid))
-        return None if link is None else link.secret
-
-    def drop_inbound(self, token: bytes) -> None:
-        self.inbound.pop(linkauth.link_id(bytes(token)), None)
+        return self.inbound.secret_for(lid)
 
 
 __all__ = ["PROTOCOL_VERSION", "InboundLink", "Link", "LinkTable", "LlmError"]

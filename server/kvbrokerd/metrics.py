@@ -7,6 +7,7 @@ caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvbrokerd.listen import ListenError, in_use
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,12 @@ class Metrics:
 
     def serve(self, address: str) -> int:
         host, _, port = address.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        try:
+            server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        except OSError as e:  # alone, "[Errno 98] Address already in use" does not say which address
+            if e.errno == errno.EADDRINUSE:
+                raise in_use(address, "metrics") from None
+            raise ListenError(f"cannot listen on {address} (metrics): {e.strerror or e}") from None
         bound = int(server.server_port)
         log.info("metrics on http://%s:%d/metrics", host, bound)
         self._server = server

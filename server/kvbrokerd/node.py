@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbrokerd.links import LinkTable
+from kvbrokerd.notifications import NotificationBox
 from kvbrokerd.registry import Registry
 from kvbrokerd.sessions import SessionTable
 from kvbrokerd.transfers import TransferManager
@@ -22,3 +23,4 @@ class Node:
     transfers: TransferManager
     sessions: SessionTable
     metrics_address: str = ""
+    notifications: NotificationBox = field(default_factory=NotificationBox)

@@ -242,6 +242,10 @@ class Progress:
     def mark(self, run_index: int, nbytes: int) -> None:
         self._landed.append((run_index, nbytes))
 
+    def retract(self, run_index: int, nbytes: int) -> None:
+        """Takes back a mark: the bytes arrived but turned out not to be the source's."""
+        self._landed.append((run_index, -nbytes))
+
     def attach(self, sock: socket.socket) -> None:
         """A socket this transfer waits on: `cancel` shuts it down, which wakes a thread blocked on it."""
         with self._lock:
@@ -263,10 +267,10 @@ class Progress:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _per_run(self) -> np.ndarray:
-        landed = np.zeros(self.plan.num_runs, dtype=np.uint64)
+        landed = np.zeros(self.plan.num_runs, dtype=np.int64)
         if self._landed:
             idx, n = zip(*self._landed, strict=True)
-            np.add.at(landed, np.asarray(idx), np.asarray(n, dtype=np.uint64))
+            np.add.at(landed, np.asarray(idx), np.asarray(n, dtype=np.int64))
         return landed
 
     @property
@@ -275,7 +279,7 @@ class Progress:
 
     def failed_dst_blocks(self) -> np.ndarray:
         """Destination blocks of which at least one tensor's bytes did not (completely) land."""
-        incomplete = self._per_run() < self.plan.length
+        incomplete = self._per_run() < self.plan.length.astype(np.int64)
         bpb = np.uint64(self.plan.block_nbytes)
         starts = self.plan.dst_offset[incomplete] // bpb
         ends = (self.plan.dst_offset[incomplete] + self.plan.length[incomplete] + bpb - np.uint64(1)) // bpb

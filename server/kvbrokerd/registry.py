@@ -1,17 +1,26 @@
 """The cache registry: which caches this daemon holds, where their bytes are, and who is using them.
 
-Thread-safety: the registry is mutated on the event loop, but data-plane threads look caches up and pin them while
-they copy; `_lock` guards the table and the pin counts, so a cache is never unmapped under a running copy.
+Thread-safety: the registry is mutated on the event loop and by AllocateCache on worker threads (reserving memory
+takes time); data-plane threads look caches up and pin them while they copy. `_lock` guards the table, the id counter
+and the pin counts, so a cache is never unmapped under a running copy.
+
+Segments: AllocateCache creates `kvbroker-<instance>-c<id>` with its memory reserved (a full tmpfs is refused here,
+never discovered by a SIGBUS later). RegisterKvCache takes a model server's own segments by plain name in this
+daemon's shm directory: regular files of this daemon's user, never symlinks, never a name that a daemon manages.
+Their owner may still truncate them: `CacheEntry.check_intact` says so before a copy, and copies that touch them go
+through the kernel (see backends/memcopy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
+import logging
 import math
 import os
-import re
+import resource
 import secrets
 import threading
 import time
@@ -21,18 +30,20 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbroker._shm import SegmentMap
 from kvbroker._types import CacheDesc, DataType, Placement, TensorLocation
 from kvbrokerd import shmseg
+from kvbrokerd.backends.memcopy import Endpoint
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
+
+log = logging.getLogger(__name__)
 
 MAX_DIMS = 32
 MAX_TENSORS = 4096
 MAX_TENSOR_BYTES = 1 << 44
-_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ALIGN = 4096
-# Control page: 16-byte nonce, then one uint64 slot per live cache id (slot = id % slots; 0 = empty).
-_NONCE_BYTES = 16
+NONCE_BYTES = 16
+"""Control page layout: a 16-byte nonce, then one little-endian uint64 slot per live cache id (slot = id % slots;
+0 = empty). Peers read it to prove they share our memory and to see which caches still live."""
 
 
 @dataclass(eq=False)
@@ -41,7 +52,7 @@ class CacheEntry:
     desc: CacheDesc
     tensors: tuple[TensorLocation, ...]
     daemon_owned: bool
-    maps: dict[str, SegmentMap]
+    segments: dict[str, shmseg.Segment]
     views: list[memoryview]
     """One flat uint8 memoryview per tensor."""
     pins: int = 0
@@ -52,8 +63,34 @@ class CacheEntry:
     addresses: list[int] = field(default_factory=list)
     """Base address of each tensor in this process (for memmove; valid while the entry is pinned)."""
 
+    def extents(self) -> dict[str, int]:
+        """Bytes each segment must hold for the tensors in it."""
+        need: dict[str, int] = {}
+        for t in self.tensors:
+            need[t.segment] = max(need.get(t.segment, 0), t.offset + self.desc.tensor_nbytes)
+        return need
 
-def validate_desc(desc: CacheDesc) -> None:
+    def check_intact(self) -> None:
+        """Raises LLM_KV_CACHE_NOT_EXIST when a segment is now smaller than the cache needs (its owner truncated
+        it): call under a pin, before a copy or a send from or into this cache. Touching such memory through a
+        mapping would kill the daemon with SIGBUS."""
+        for name, needed in self.extents().items():
+            seg = self.segments.get(name)
+            size = seg.current_size() if seg is not None and seg.fd >= 0 else 0
+            if size < needed:
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cache {self.cache_id}: segment {name!r} shrank to {size} "
+                     f"bytes, the cache needs {needed} (its owner truncated it); unregister the cache",
+                     cache_id=self.cache_id)
+
+    def endpoint(self) -> Endpoint:
+        """This cache as one side of a memory copy (valid while the entry is pinned)."""
+        return Endpoint(label=f"cache {self.cache_id}", addresses=self.addresses,
+                        fds=[self.segments[t.segment].fd for t in self.tensors],
+                        offsets=[t.offset for t in self.tensors], stable=self.daemon_owned, check=self.check_intact)
+
+
+def validate_desc(desc: CacheDesc, *, host: bool = True) -> None:
+    """`host`: the cache lives in shm (this registry's memory); device caches go through devicemem.py."""
     if not 1 <= desc.num_tensors <= MAX_TENSORS:
         param_invalid(f"num_tensors must be in [1, {MAX_TENSORS}], got {desc.num_tensors}")
     if not 1 <= len(desc.shape) <= MAX_DIMS:
@@ -62,8 +99,9 @@ def validate_desc(desc: CacheDesc) -> None:
         param_invalid(f"every dim must be >= 1 (shape[0] is the block count), got shape {list(desc.shape)}")
     if math.prod(desc.shape) * desc.data_type.itemsize > MAX_TENSOR_BYTES:
         param_invalid(f"a tensor of shape {list(desc.shape)} is larger than {MAX_TENSOR_BYTES} bytes")
-    if desc.placement != Placement.HOST:
-        fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, "only host placement is served (no device backend is enabled)")
+    if host and desc.placement != Placement.HOST:
+        fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, "a device cache is registered with a device location per tensor "
+             "(TensorLocation.device); AllocateCache makes host caches only")
 
 
 def desc_from_wire(num_tensors: int, data_type: int, shape: Sequence[int], placement: int, tag: str) -> CacheDesc:
@@ -79,7 +117,7 @@ def desc_from_wire(num_tensors: int, data_type: int, shape: Sequence[int], place
     if not 1 <= len(shape) <= MAX_DIMS:
         param_invalid(f"shape must have 1..{MAX_DIMS} dims, got {len(shape)}")
     desc = CacheDesc(num_tensors=num_tensors, shape=tuple(shape), data_type=dtype, placement=place, layout_tag=tag)
-    validate_desc(desc)
+    validate_desc(desc, host=False)  # the placement is checked by whoever takes the cache (registry or devicemem)
     return desc
 
 
@@ -87,28 +125,38 @@ class Registry:
     def __init__(self, shm_dir: Path, max_caches: int = 4096) -> None:
         self.shm_dir = shm_dir
         self.max_caches = max_caches
-        self.instance = secrets.token_hex(4)
-        self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        self.instance = ""
+        """This daemon's instance name (also its epoch), claimed by `open`."""
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
         self._lock = threading.Lock()
         self._caches: dict[int, CacheEntry] = {}
         # Ids start at a random point so that an id from a previous incarnation of this daemon (same cluster id,
         # after a restart) almost surely names no cache here instead of silently naming another one.
         self._next_id = (secrets.randbits(30) + 1) << 32
-        self._control: SegmentMap | None = None
+        self._instance_lock: shmseg.InstanceLock | None = None
+        self._control: shmseg.Segment | None = None
         self._live: np.ndarray | None = None
-        self.control_path: Path | None = None
+        self.control_name = ""
+
+    @property
+    def control_path(self) -> Path | None:
+        return self.shm_dir / self.control_name if self.control_name else None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def open(self) -> None:
-        """Removes segments of dead daemons and publishes the control page (nonce + live cache ids)."""
+        """Claims an instance name (its lock held until `close`), removes the files of dead instances, and publishes
+        the control page (nonce + live cache ids), readable by this daemon's user only."""
         self.shm_dir.mkdir(parents=True, exist_ok=True)
-        shmseg.remove_stale_segments(self.shm_dir)
+        _raise_fd_limit()
+        self._instance_lock = shmseg.InstanceLock.claim(self.shm_dir)
+        self.instance = self._instance_lock.instance
+        shmseg.remove_stale_segments(self.shm_dir, self.instance)
         name = shmseg.segment_name(self.instance, "ctl")
-        self.control_path = shmseg.create_segment(self.shm_dir, name, _NONCE_BYTES + 8 * self.max_caches)
-        os.chmod(self.control_path, 0o644)
-        self._control = SegmentMap(self.control_path)
-        self._control.mmap[:_NONCE_BYTES] = self.nonce
-        self._live = np.frombuffer(self._control.mmap, dtype=np.uint64, offset=_NONCE_BYTES)
+        self._control = shmseg.create_segment(self.shm_dir, name, NONCE_BYTES + 8 * self.max_caches)
+        self.control_name = name
+        control = self._control.map()
+        control[:NONCE_BYTES] = self.nonce
+        self._live = np.frombuffer(control, dtype=np.uint64, offset=NONCE_BYTES)
 
     def close(self) -> None:
         with self._lock:
@@ -120,8 +168,11 @@ class Registry:
         if self._control is not None:
             self._control.close()
             self._control = None
-        if self.control_path is not None:
-            self.control_path.unlink(missing_ok=True)
+        if self.control_name:
+            (self.shm_dir / self.control_name).unlink(missing_ok=True)
+        if self._instance_lock is not None:
+            self._instance_lock.release()  # last: until now a starting daemon must leave our files alone
+            self._instance_lock = None
 
     # -- queries ---------------------------------------------------------------------------------------------------
     def get(self, cache_id: int) -> CacheEntry:
@@ -162,20 +213,25 @@ class Registry:
         self._check_capacity()
         stride = -(-desc.tensor_nbytes // _ALIGN) * _ALIGN
         total = stride * desc.num_tensors
-        if total > shmseg.free_bytes(self.shm_dir):
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{total} bytes requested, {shmseg.free_bytes(self.shm_dir)} free in "
-                 f"{self.shm_dir}", requested=total)
+        free = shmseg.free_bytes(self.shm_dir)
+        if total > free:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{total} bytes requested, {free} free in {self.shm_dir}",
+                 requested=total)
         cache_id = self._reserve_id()
         name = shmseg.segment_name(self.instance, f"c{cache_id}")
         try:
-            path = shmseg.create_segment(self.shm_dir, name, total)
+            segment = shmseg.create_segment(self.shm_dir, name, total)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{total} bytes do not fit in {self.shm_dir} "
+                     f"({shmseg.free_bytes(self.shm_dir)} free): {e.strerror}", requested=total)
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cannot create shm segment {name}: {e.strerror}")
         tensors = tuple(TensorLocation(name, i * stride) for i in range(desc.num_tensors))
         try:
-            return self._add(cache_id, desc, tensors, daemon_owned=True, owner=owner)
+            return self._add(cache_id, desc, tensors, {name: segment}, daemon_owned=True, owner=owner)
         except BaseException:
-            path.unlink(missing_ok=True)
+            segment.close()
+            (self.shm_dir / name).unlink(missing_ok=True)
             raise
 
     def register(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str = "") -> CacheEntry:
@@ -184,15 +240,15 @@ class Registry:
             param_invalid(f"{len(tensors)} tensor locations for num_tensors={desc.num_tensors}")
         spans: dict[str, list[tuple[int, int]]] = {}
         for i, loc in enumerate(tensors):
-            if not _SEGMENT_NAME.match(loc.segment) or loc.segment in (".", ".."):
-                param_invalid(f"tensor {i}: bad segment name {loc.segment!r} (want a shm name without '/')")
             try:
-                size = (self.shm_dir / loc.segment).stat().st_size
-            except OSError:
-                param_invalid(f"tensor {i}: shm segment {loc.segment!r} does not exist in {self.shm_dir}")
-            if loc.offset < 0 or loc.offset + desc.tensor_nbytes > size:
-                param_invalid(f"tensor {i}: bytes [{loc.offset}, {loc.offset + desc.tensor_nbytes}) lie outside "
-                              f"segment {loc.segment!r} of {size} bytes")
+                shmseg.check_name(loc.segment)
+            except shmseg.SegmentError as e:
+                param_invalid(f"tensor {i}: {e} (a shm name in {self.shm_dir})")
+            if shmseg.instance_of(loc.segment) is not None:
+                param_invalid(f"tensor {i}: segment {loc.segment!r} belongs to a kvbroker daemon; register "
+                              "memory of your own")
+            if loc.offset < 0:
+                param_invalid(f"tensor {i}: negative offset {loc.offset}")
             spans.setdefault(loc.segment, []).append((loc.offset, loc.offset + desc.tensor_nbytes))
         for seg, ranges in spans.items():
             ranges.sort()
@@ -200,7 +256,22 @@ class Registry:
                 if start < end:
                     param_invalid(f"tensors overlap in segment {seg!r} at byte {start}")
         self._check_capacity()
-        return self._add(self._reserve_id(), desc, tuple(tensors), daemon_owned=False, owner=owner)
+        segments: dict[str, shmseg.Segment] = {}
+        try:
+            for name, ranges in spans.items():
+                # The checks hold for the descriptor kept: the name may be replaced later, the file we map may not.
+                segments[name] = shmseg.Segment.open(self.shm_dir, name, writable=True, owner=os.geteuid(),
+                                                     min_size=max(end for _, end in ranges))
+        except shmseg.SegmentError as e:
+            for opened in segments.values():
+                opened.close()
+            param_invalid(f"{e} (a regular file of uid {os.geteuid()} that holds every tensor is needed)")
+        try:
+            return self._add(self._reserve_id(), desc, tuple(tensors), segments, daemon_owned=False, owner=owner)
+        except BaseException:
+            for opened in segments.values():
+                opened.close()
+            raise
 
     async def remove(self, cache_id: int, *, daemon_owned: bool | None, wait_s: float = 10.0) -> None:
         """Removes a cache once no copy uses it; waits at most `wait_s`, then refuses with LLM_LINK_BUSY.
@@ -242,21 +313,20 @@ class Registry:
         if self._live is not None:
             self._live[cache_id % self.max_caches] = value
 
-    def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...], daemon_owned: bool,
-             owner: str) -> CacheEntry:
-        maps: dict[str, SegmentMap] = {}
+    def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...],
+             segments: dict[str, shmseg.Segment], daemon_owned: bool, owner: str) -> CacheEntry:
         try:
-            for loc in tensors:
-                if loc.segment not in maps:
-                    maps[loc.segment] = SegmentMap(self.shm_dir / loc.segment)
-        except OSError as e:
-            for m in maps.values():
-                m.close()
+            maps = {name: seg.map() for name, seg in segments.items()}
+        except (OSError, ValueError) as e:
             param_invalid(f"cannot map shm segment: {e}")
-        views = [memoryview(maps[t.segment].mmap)[t.offset : t.offset + desc.tensor_nbytes] for t in tensors]
+        views = [memoryview(maps[t.segment])[t.offset : t.offset + desc.tensor_nbytes] for t in tensors]
         addresses = [int(np.frombuffer(v, np.uint8).ctypes.data) for v in views]
-        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, maps, views, owner=owner, addresses=addresses)
+        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, segments, views, owner=owner, addresses=addresses)
         with self._lock:
+            if len(self._caches) >= self.max_caches:  # again: AllocateCache runs on worker threads
+                for v in views:
+                    v.release()
+                fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
             self._caches[cache_id] = entry
             self._set_live(cache_id, cache_id)
         return entry
@@ -265,18 +335,18 @@ class Registry:
         for v in entry.views:
             v.release()
         entry.views = []
-        for m in entry.maps.values():
-            m.close()
+        for seg in entry.segments.values():
+            seg.close()
         if entry.daemon_owned:
-            for seg in {t.segment for t in entry.tensors}:
-                (self.shm_dir / seg).unlink(missing_ok=True)
+            for name in entry.segments:
+                (self.shm_dir / name).unlink(missing_ok=True)
 
 
-def is_live(control: np.ndarray, cache_id: int) -> bool:
-    """Reads a peer's control page: is `cache_id` still registered there?"""
-    return bool(control[cache_id % len(control)] == cache_id)
-
-
-def control_view(seg: SegmentMap) -> tuple[bytes, np.ndarray]:
-    """(nonce, live-id array) of a peer's mapped control page."""
-    return bytes(seg.mmap[:_NONCE_BYTES]), np.frombuffer(seg.mmap, dtype=np.uint64, offset=_NONCE_BYTES)
+def _raise_fd_limit() -> None:
+    """Each mapped segment keeps its descriptor open (size re-checks, kernel copies): allow as many as the hard
+    limit lets this process have."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.debug("raised the open-file limit from %d to %d", soft, hard)

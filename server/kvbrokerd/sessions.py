@@ -3,6 +3,12 @@
 A client names a session (a random id) when it allocates or registers caches and renews the session's lease with
 KeepAlive. When a lease expires, the reaper releases the session's caches (waiting for transfers that use them),
 and the daemon carries on.
+
+A lease measures the client's silence, not the daemon's: while the daemon does not run (SIGSTOP, a host too loaded
+to schedule it) it cannot hear KeepAlives either. The reaper notices such a stall by waking up late and moves every
+lease's expiry on by the stall, so that leases count only time the daemon ran; after a stall as long as a session's
+TTL, every KeepAlive of that session went unheard, so it gets at least a full TTL from the resume. A client that is
+really gone still loses its caches: short stalls only shift its expiry, never reset it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvbrokerd.errors import LlmError, param_invalid
+from kvbrokerd.limits import MAX_LEASE_TTL_S, MAX_SESSION_ID_BYTES, check_text
 from kvbrokerd.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -21,8 +28,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 30.0
 MIN_TTL_S = 1.0
 MAX_SESSIONS = 4096
-MAX_SESSION_ID = 128
 REAP_INTERVAL_S = 0.5
+STALL_S = 0.25
+"""A reaper round this much later than planned means the daemon did not run in between."""
 
 
 @dataclass
@@ -39,10 +47,9 @@ class SessionTable:
 
     def touch(self, session_id: str, ttl_s: float | None = None) -> Session:
         """Creates or renews a session's lease (ttl_s None: keep the session's own, or the default)."""
-        if not session_id or len(session_id) > MAX_SESSION_ID:
-            param_invalid(f"session_id must be 1..{MAX_SESSION_ID} characters")
-        if ttl_s is not None and ttl_s < MIN_TTL_S:
-            param_invalid(f"lease ttl must be >= {MIN_TTL_S} s, got {ttl_s}")
+        check_text("session_id", session_id, MAX_SESSION_ID_BYTES, required=True)
+        if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_LEASE_TTL_S:
+            param_invalid(f"lease ttl must be in [{MIN_TTL_S}, {MAX_LEASE_TTL_S}] s, got {ttl_s}")
         session = self._sessions.get(session_id)
         if session is None:
             if len(self._sessions) >= MAX_SESSIONS:
@@ -70,9 +77,26 @@ class SessionTable:
                 await self._reaper
 
     async def _reap_forever(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
+            late = time.monotonic() - last - REAP_INTERVAL_S
+            if late > STALL_S:
+                # The stall may have begun anywhere in the interval: count the whole interval, erring for clients.
+                self.forgive_stall(late + REAP_INTERVAL_S)
             await self.reap()
+            last = time.monotonic()
+
+    def forgive_stall(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s`: that time does not count against any lease."""
+        now = time.monotonic()
+        for session in self._sessions.values():
+            session.expires += stalled_s
+            if stalled_s >= session.ttl_s:
+                session.expires = max(session.expires, now + session.ttl_s)
+        if self._sessions:
+            log.warning("the daemon did not run for %.1f s (stopped or starved of CPU): %d client leases extended by "
+                        "that time", stalled_s, len(self._sessions))
 
     async def reap(self) -> None:
         now = time.monotonic()

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvbroker._types import TransferResult
 from kvbroker.v1 import errors_pb2
+from kvbrokerd import blocklocks
 from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 60.0
 GRACE_S = 1.0
 REPLY_MARGIN_S = 0.05
+MAX_REPLY_MARGIN_S = 0.25
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
 
@@ -103,7 +105,9 @@ class Deadline:
 
     def __init__(self, timeout: float | None) -> None:
         budget = DEFAULT_DEADLINE_S if timeout is None else timeout
-        self.at = time.monotonic() + budget - min(REPLY_MARGIN_S, budget * 0.1)
+        # 10% of the budget (50-250 ms): on a loaded host a reply sent 50 ms early can still miss a 1 s deadline.
+        margin = min(MAX_REPLY_MARGIN_S, max(REPLY_MARGIN_S, budget * 0.1), budget * 0.2)
+        self.at = time.monotonic() + budget - margin
 
     def remaining(self) -> float:
         return max(0.001, self.at - time.monotonic())
@@ -113,7 +117,7 @@ class TransferManager:
     def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor,
                  parts_executor: concurrent.futures.Executor, *,
                  max_transfers: int = 256, max_inflight_bytes: int = 16 << 30, metrics: Metrics | None = None,
-                 parallel_transfers: int = 2) -> None:
+                 parallel_transfers: int = 2, block_locks: blocklocks.BlockLocks = blocklocks.DEFAULT) -> None:
         # Transfers that need worker threads run at most `parallel_transfers` at a time (each already spreads its
         # bytes over several threads or connections); the rest wait their turn in FIFO order. On a machine with few
         # cores, dozens of transfers copying at once only thrash: the same bytes take longer.
@@ -123,6 +127,7 @@ class TransferManager:
         self._links = links
         self._executor = executor
         self._parts_executor = parts_executor
+        self._block_locks = block_locks
         self.max_transfers = max_transfers
         self.max_inflight_bytes = max_inflight_bytes
         self.in_flight = 0
@@ -211,15 +216,22 @@ class TransferManager:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{plan.total_bytes} more bytes would exceed max_inflight_bytes="
                  f"{self.max_inflight_bytes} ({self.inflight_bytes} in flight); retry later or split the request")
         progress = Progress(plan)
-        local = self._registry.pin(job.local_cache_id)
-        pinned = [local]
         try:
+            claim = await self._claim_destination(job, plan, deadline, transfer_id)
+        except LlmError as e:
+            if e.status == LlmStatus.LLM_TIMEOUT:  # waited for its turn past the deadline: report every block
+                self._on_failure(job, e, transfer_id, progress)
+            raise
+        pinned: list[CacheEntry] = []
+        try:
+            pinned.append(self._registry.pin(job.local_cache_id))
             if job.direction == Direction.COPY:
                 pinned.append(self._registry.pin(job.copy_src_cache_id))
             call = self._operation(job, plan, progress, pinned, deadline)
         except BaseException:
             for entry in pinned:
                 self._registry.unpin(entry)
+            self._block_locks.release(claim)
             raise
         work: asyncio.Future[int]
         if on_loop:
@@ -261,6 +273,7 @@ class TransferManager:
                 self.inflight_bytes -= plan.total_bytes
                 for entry in pinned:
                     self._registry.unpin(entry)
+                self._block_locks.release(claim)
 
             # A copy still running (timeout, cancelled caller) keeps its memory mapped and its place in the limits
             # until it stops.
@@ -269,12 +282,29 @@ class TransferManager:
             else:
                 work.add_done_callback(release)
 
+    async def _claim_destination(self, job: Job, plan: Plan, deadline: Deadline, transfer_id: str
+                                 ) -> blocklocks.Claim:
+        """Waits (within the deadline) until no other write of this daemon's targets the plan's destination
+        blocks, and claims them: two sources never interleave in one block."""
+        if job.direction == Direction.PUSH:
+            # Over shm this daemon writes the peer's memory itself; over tcp the peer's data server claims too.
+            assert job.remote is not None
+            key: object = job.remote
+            desc = job.remote.desc
+        else:
+            entry = self._registry.get(job.local_cache_id)
+            key, desc = entry, entry.desc
+        cells = blocklocks.run_cells(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
+                                     desc.num_blocks)
+        return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
+                                                   f"transfer {transfer_id}")
+
     def _operation(self, job: Job, plan: Plan, progress: Progress, pinned: list[CacheEntry],
                    deadline: Deadline) -> Callable[[], int]:
         if job.direction == Direction.COPY:
             # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
             dst, src = pinned
-            return lambda: memcopy.copy_plan(src.addresses, dst.addresses, plan, progress, deadline.at,
+            return lambda: memcopy.copy_plan(src.endpoint(), dst.endpoint(), plan, progress, deadline.at,
                                              self._parts_executor)
         assert job.link is not None and job.link.channel is not None and job.remote is not None
         channel, remote, local = job.link.channel, job.remote, pinned[0]
@@ -331,8 +361,12 @@ class TransferManager:
                 try:
                     t.moved += await self.run(job, t.deadline, t.id, sub)
                 except LlmError as e:
-                    report = e.details["transfer_report"]
-                    if k < len(layers) - 1:
+                    report = e.details.get("transfer_report")
+                    refused = report is None  # a limit refused this layer before any of its bytes moved
+                    if report is None:
+                        report = e.details["transfer_report"] = errors_pb2.TransferReport(
+                            transfer_id=t.id, backend=job.backend, stage="transfer")
+                    if k < len(layers) - 1 or refused:
                         # Later layers never started: every requested block misses those layers' bytes.
                         report.ClearField("failed_dst_blocks")
                         report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())

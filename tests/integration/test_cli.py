@@ -4,7 +4,10 @@ hint and exit non-zero."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
+import os
 import re
 import signal
 import socket
@@ -20,7 +23,9 @@ import numpy as np
 import pytest
 
 from kvbroker import Cache, CacheDesc, ClusterInfo
+from kvbroker._cli import Progress, _hint, build_parser, fmt_gbps
 from kvbroker._local import LocalDaemon
+from kvbroker._status import LlmStatus
 from tests.helpers import fill
 
 
@@ -107,6 +112,7 @@ def test_pull_moves_the_layer_range_and_prints_the_result(env: Env) -> None:
         header, row = out.stdout.splitlines()
         assert header.split() == ["TRANSFER", "ID", "BYTES", "SIZE", "BACKEND", "RUNS", "MS", "GB/S"]
         assert row.split()[1] == str(3 * 2 * env.src.desc.block_nbytes) and row.split()[4] == "shm"
+        assert float(row.split()[-1]) > 0  # a 6 KiB pull is slow in GB/s, but not 0.00
         s, d = env.src.tensors, env.dst.tensors
         for t in range(2):
             assert np.array_equal(d[2 + t][5:8].view(np.uint8), s[t][0:3].view(np.uint8))
@@ -248,3 +254,115 @@ def test_bench_metrics_move_while_it_runs() -> None:
             proc.kill()
             proc.communicate()
     assert len(set(seen)) >= 2 and seen == sorted(seen), seen  # the counter grew between two scrapes
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_of_bench_says_interrupted_and_stops_its_daemons() -> None:
+    """Ctrl-C in a terminal signals the whole process group: the bench's daemons stop at the same moment, and the
+    call in flight fails. The CLI must still say it was interrupted (exit 130), not report that failure."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvbroker._cli", "bench", "--backends", "tcp", "--block-size", "64K",
+                             "--total-bytes", "8G", "--pull-bytes", "4M"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    try:
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until pulls are running: the first progress line
+            line = proc.stderr.readline()
+            seen.append(line)
+            if not line or (line.startswith("[") and "%" in line):
+                break
+        assert any("link over 'tcp'" in s for s in seen), seen
+        daemons = _children(proc.pid)
+        assert len(daemons) == 2
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("interrupted") and "error:" not in err and "hint:" not in err, err
+    assert not [pid for pid in daemons if _running(pid)]
+
+
+def test_status_on_a_peer_port_says_it_is_a_peer_port(env: Env) -> None:
+    out = kvbroker("status", "--target", env.local.peer_address)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        f"error: {env.local.peer_address} is a kvbrokerd peer port (daemon to daemon), not its local API",
+        "hint: give --target the daemon's --listen address: its unix socket (default "
+        "unix:///run/kvbroker/kvbroker.sock) or the host:port of a TCP local API"]
+
+
+def test_every_command_and_option_explains_itself() -> None:
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert command.description, f"`kvbroker {name} --help` has no description"
+        for action in command._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"`kvbroker {name}` option {action.option_strings} has no help"
+
+
+def test_small_rates_are_not_rounded_to_zero() -> None:
+    assert [fmt_gbps(x) for x in (0.0, 0.0031, 0.000012, 0.01, 3.14159, 12.0)] == [
+        "0.00", "0.0031", "0.000012", "0.01", "3.14", "12.00"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows: CR moves to the line start, ESC[K erases to its end, text overwrites."""
+    lines: list[str] = []
+    line, col = "", 0
+    for token in re.split(r"(\r|\n|\x1b\[K)", written):
+        if token == "\n":
+            lines, line, col = [*lines, line], "", 0
+        elif token == "\r":
+            col = 0
+        elif token == "\x1b[K":
+            line = line[:col]
+        else:
+            line, col = line[:col] + token + line[col + len(token):], col + len(token)
+    return [*lines, line] if line else lines
+
+
+def test_bench_notes_and_the_progress_bar_do_not_run_together() -> None:
+    term = _Terminal()
+    progress = Progress(term, 100)
+    progress.note("[bench] shm: daemons up")
+    progress.advance(40, "shm 64 KiB blocks")
+    progress.note("[bench] tcp: daemons up")
+    progress.advance(60, "tcp 64 KiB blocks")
+    progress.close()
+    screen = _screen(term.getvalue())
+    assert screen[:3] == ["[bench] shm: daemons up", "[bench] tcp: daemons up",
+                          "[" + "#" * 30 + "] 100.0%  tcp 64 KiB blocks"], screen
+
+
+def test_bench_failures_do_not_point_at_a_target_it_never_used() -> None:
+    for command in ("bench", "demo"):
+        hint = _hint(LlmStatus.LLM_FAILED, argparse.Namespace(command=command)) or ""
+        assert f"`kvbroker {command}` started" in hint and "/run/kvbroker" not in hint

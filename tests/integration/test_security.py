@@ -17,7 +17,7 @@ from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LlmStatus
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
-from kvbrokerd.links import PROTOCOL_VERSION
+from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import fill
 from tests.tlsgen import Ca
@@ -69,12 +69,16 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
         yield d
 
 
+_fake_links: dict[str, tuple[bytes, int]] = {}
+
+
 def _fake_link(d: LocalDaemon) -> tuple[bytes, int]:
-    """Links to `d` as a made-up peer through the real Peer API: (link secret, data port)."""
-    with grpc.insecure_channel(d.peer_address) as ch:
-        resp = peer_pb2_grpc.PeerStub(ch).Handshake(peer_pb2.HandshakeRequest(
-            protocol_version=PROTOCOL_VERSION, cluster_id=77, instance_epoch="test", expected_cluster_id=1), timeout=5)
-    return resp.link_token, int(resp.data_address.rpartition(":")[2])
+    """Links to `d` (once per daemon) as a made-up peer holding the deployment token: (link secret, data port)."""
+    if d.peer_address not in _fake_links:
+        link = peerkit.link_as(d.peer_address, peerkit.token_of(d.workdir), 77, 1)
+        link.close()
+        _fake_links[d.peer_address] = link.secret, link.data_port
+    return _fake_links[d.peer_address]
 
 
 def _open(port: int) -> tuple[socket.socket, bytes]:
@@ -143,12 +147,17 @@ def test_daemon_healthy_after_probing(victim: LocalDaemon) -> None:
 
 
 def test_peer_calls_need_the_link_secret(victim: LocalDaemon) -> None:
-    with grpc.insecure_channel(victim.peer_address) as ch:
-        stub = peer_pb2_grpc.PeerStub(ch)
-        for token in (b"", b"x" * 32):
+    link = peerkit.link_as(victim.peer_address, peerkit.token_of(victim.workdir), 77, 1)
+    forged = peerkit.FakePeerLink(b"x" * 32, link.description, link.channel)
+    try:
+        for request in (peer_pb2.GetCacheInfoRequest(cache_id=1),
+                        forged.signed("GetCacheInfo", peer_pb2.GetCacheInfoRequest(cache_id=1)),
+                        link.signed("Heartbeat", peer_pb2.GetCacheInfoRequest(cache_id=1))):  # wrong method
             with pytest.raises(grpc.RpcError) as info:
-                stub.GetCacheInfo(peer_pb2.GetCacheInfoRequest(link_token=token, cache_id=1), timeout=5)
+                link.stub.GetCacheInfo(request, timeout=5)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        link.close()
 
 
 def test_malformed_protobuf_on_the_local_api(victim: LocalDaemon) -> None:

@@ -9,19 +9,53 @@ import pytest
 from kvbrokerd.config import ConfigError, load
 
 
-def test_defaults_and_required_cluster_id() -> None:
+def _token(tmp_path: Path, mode: int = 0o600, text: str = "s3cret-token-of-the-deployment") -> str:
+    path = tmp_path / "token"
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_defaults_and_required_cluster_id(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cluster_id"):
         load([], {})
-    config, show = load(["--cluster-id", "3"], {})
+    config, show = load(["--cluster-id", "3", "--peer-token-file", _token(tmp_path)], {})
     assert config.cluster_id == 3 and config.backends == ("shm", "tcp") and not show
     assert config.listen == "unix:///run/kvbroker/kvbroker.sock"
+
+
+def test_peer_authentication_is_required_and_names_the_three_ways(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="peer authentication") as info:
+        load(["--cluster-id", "3"], {})
+    for way in ("--peer-token-file", "--tls-cert", "--insecure-peers"):
+        assert way in str(info.value)
+    assert load(["--cluster-id", "3", "--insecure-peers"], {})[0].insecure_peers
+    assert load(["--cluster-id", "3"], {"KVBROKER_PEER_TOKEN_FILE": _token(tmp_path)})[0].peer_token_file
+
+
+@pytest.mark.parametrize(("mode", "text", "problem"), [
+    (0o644, "s3cret-token-of-the-deployment", "readable by every user"),
+    (0o600, "short", "at least 16"),
+])
+def test_bad_token_files_are_refused(tmp_path: Path, mode: int, text: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load(["--cluster-id", "3", "--peer-token-file", _token(tmp_path, mode, text)], {})
+    with pytest.raises(ConfigError, match="cannot open"):
+        load(["--cluster-id", "3", "--peer-token-file", str(tmp_path / "missing")], {})
+
+
+def test_print_config_needs_no_cluster_id_and_a_bare_listen_path_is_a_socket() -> None:
+    config, show = load(["--print-config"], {})
+    assert show and config.cluster_id == 0
+    config, _ = load(["--cluster-id", "1", "--insecure-peers", "--listen", "/tmp/kv.sock"], {})
+    assert config.listen == "unix:///tmp/kv.sock"
 
 
 def test_precedence_flags_env_file(tmp_path: Path) -> None:
     toml = tmp_path / "kv.toml"
     toml.write_text('cluster_id = 1\nbackends = ["tcp"]\nlog_level = "debug"\npeer_listen = "127.0.0.1:7000"\n')
     env = {"KVBROKER_CONFIG": str(toml), "KVBROKER_LOG_LEVEL": "warning", "KVBROKER_CLUSTER_ID": "2"}
-    config, _ = load(["--cluster-id", "5"], env)
+    config, _ = load(["--cluster-id", "5", "--insecure-peers"], env)
     assert config.cluster_id == 5  # flag beats env and file
     assert config.log_level == "warning"  # env beats file
     assert config.backends == ("tcp",) and config.peer_listen == "127.0.0.1:7000"  # file beats defaults

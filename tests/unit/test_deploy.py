@@ -58,15 +58,19 @@ def _broker(doc: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ kvbroker.toml
 
 
-def test_example_config_has_every_key_with_its_default() -> None:
+def test_example_config_has_every_key_with_its_default(tmp_path: Path) -> None:
     path = DEPLOY / "kvbroker.toml"
-    cfg, print_config = config.load(["--config", str(path)], {})
+    token = tmp_path / "token"
+    token.write_text("a-token-of-thirty-two-characters")
+    token.chmod(0o600)
+    # The defaults alone do not start (peer authentication is required): the token comes from the environment.
+    cfg, print_config = config.load(["--config", str(path)], {"KVBROKER_PEER_TOKEN_FILE": str(token)})
     assert not print_config
     text = path.read_text()
     keys = re.findall(r"^([a-z_]+) = ", text, re.MULTILINE)
     assert sorted(keys) == sorted(FIELDS), "deploy/kvbroker.toml must list exactly the Config fields"
     for name, f in FIELDS.items():
-        if name != "cluster_id":
+        if name not in ("cluster_id", "peer_token_file"):
             assert getattr(cfg, name) == f.default, f"{name}: the example should show the default {f.default!r}"
     lines = text.splitlines()
     for i, line in enumerate(lines):  # every key is documented: a comment right above it (or above its group)
@@ -159,6 +163,11 @@ def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, st
         if var in env:  # mounted from the Secret in the cluster
             (tmp_path / var).write_text("PEM")
             env[var] = str(tmp_path / var)
+    if "KVBROKER_PEER_TOKEN_FILE" in env:  # the Secret, mounted 0440 for fsGroup
+        token = tmp_path / "peer-token"
+        token.write_text("a-token-of-thirty-two-characters")
+        token.chmod(0o440)
+        env["KVBROKER_PEER_TOKEN_FILE"] = str(token)
     return env
 
 
@@ -182,6 +191,7 @@ def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) 
     assert printed["cluster_id"] == str((10 << 24) | (1 << 16) | (2 << 8) | 3)
     assert printed["advertise_address"] == '"10.1.2.3:7100"'
     assert printed["listen"] == '"unix:///run/kvbroker/kvbroker.sock"'
+    assert printed["peer_token_file"].strip('"'), "the broker must authenticate its peers"
 
 
 def test_every_client_variable_in_manifests_is_known() -> None:
@@ -214,12 +224,18 @@ def test_compose_validates_against_the_compose_spec() -> None:
 
 def test_compose_has_two_brokers_and_a_demo_client(tmp_path: Path) -> None:
     services = _compose()["services"]
-    assert set(services) == {"broker-a", "broker-b", "demo"}
+    assert set(services) == {"peer-token", "broker-a", "broker-b", "demo"}
+    token = tmp_path / "token"
+    token.write_text("a-token-of-thirty-two-characters")
+    token.chmod(0o600)
     ids = set()
     for name in ("broker-a", "broker-b"):
         env = {k: str(v) for k, v in services[name]["environment"].items()}
         assert set(env) <= {f"KVBROKER_{n.upper()}" for n in FIELDS}
-        cfg, _ = config.load([], env)  # every value is valid
+        assert services[name]["depends_on"]["peer-token"]["condition"] == "service_completed_successfully"
+        mount = env.pop("KVBROKER_PEER_TOKEN_FILE").rpartition("/")[0]
+        assert any(v.startswith("peer-token:" + mount) for v in services[name]["volumes"])
+        cfg, _ = config.load([], {**env, "KVBROKER_PEER_TOKEN_FILE": str(token)})  # every value is valid
         ids.add(cfg.cluster_id)
         assert cfg.advertise_address == f"{name}:7100"
         assert any(v.endswith(":/run/kvbroker") for v in services[name]["volumes"])

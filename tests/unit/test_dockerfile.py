@@ -124,7 +124,7 @@ def test_runtime_stage_has_only_the_environment_and_runs_kvbrokerd_as_non_root()
     assert json.loads(FINAL.all("CMD")[-1]) == []
 
 
-def test_env_defaults_are_valid_daemon_settings() -> None:
+def test_env_defaults_are_valid_daemon_settings(tmp_path: Path) -> None:
     env: dict[str, str] = {}
     for line in FINAL.all("ENV"):
         env.update((k, v) for k, v in (w.split("=", 1) for w in shlex.split(line)))
@@ -132,7 +132,10 @@ def test_env_defaults_are_valid_daemon_settings() -> None:
     fields = {f"KVBROKER_{n.upper()}" for n in config.Config.__dataclass_fields__}
     assert set(daemon) <= fields
     assert daemon["KVBROKER_LISTEN"] == "unix:///run/kvbroker/kvbroker.sock"
-    cfg, _ = config.load([], {**daemon, "KVBROKER_CLUSTER_ID": "1"})
+    token = tmp_path / "token"  # the operator mounts the peer token (README: docker run ... -v token)
+    token.write_text("a-token-of-thirty-two-characters")
+    token.chmod(0o600)
+    cfg, _ = config.load([], {**daemon, "KVBROKER_CLUSTER_ID": "1", "KVBROKER_PEER_TOKEN_FILE": str(token)})
     assert cfg.peer_listen.endswith(":7100") and "7100" in " ".join(FINAL.all("EXPOSE"))
 
 

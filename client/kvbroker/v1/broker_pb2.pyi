@@ -152,7 +152,9 @@ class AllocateCacheRequest(_message.Message):
     DESC_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease."""
+    """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease.
+    At most 128 UTF-8 bytes, printable.
+    """
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the cache to allocate (placement must be host)."""
@@ -290,7 +292,9 @@ class RegisterKvCacheRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """Client session that owns the registration (see AllocateCacheRequest.session_id)."""
+    """Client session that owns the registration (see AllocateCacheRequest.session_id). At most 128 UTF-8 bytes,
+    printable.
+    """
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """Descriptor of the caller's cache."""
@@ -393,9 +397,9 @@ class KeepAliveRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """The session to renew (any non-empty string the client chose, e.g. a UUID)."""
+    """The session to renew (any non-empty string the client chose, e.g. a UUID; 1..128 UTF-8 bytes, printable)."""
     ttl_ms: _builtins.int
-    """Lease length from now, in milliseconds (at least 1000)."""
+    """Lease length from now, in milliseconds: 1000..86400000; 0 = keep the session's current length."""
     def __init__(
         self,
         *,
@@ -437,7 +441,9 @@ class ListCachesResponse(_message.Message):
     CACHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheInfo]:
-        """Every cache, ordered by id."""
+        """Every cache, ordered by id. All descriptions together stay under 48 MiB: a cache that would pass it is refused
+        (LLM_OUT_OF_MEMORY).
+        """
 
     def __init__(
         self,
@@ -463,7 +469,7 @@ class ClusterInfo(_message.Message):
     remote_cluster_id: _builtins.int
     """The remote daemon's cluster id; the handshake refuses a peer that reports another id."""
     remote_address: _builtins.str
-    """The remote daemon's peer address, "host:port"."""
+    """The remote daemon's peer address, "host:port" (at most 512 UTF-8 bytes, printable)."""
     def __init__(
         self,
         *,
@@ -1176,3 +1182,130 @@ class TransferKvBlocksBatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferKvBlocksBatchResponse: _TypeAlias = TransferKvBlocksBatchResponse  # noqa: Y015
+
+@_typing.final
+class SendNotificationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.int
+    """The linked cluster to notify."""
+    topic: _builtins.str
+    """Topic the receiving side fetches (1..128 bytes)."""
+    payload: _builtins.bytes
+    """Opaque payload (at most 64 KiB)."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.int = ...,
+        topic: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "payload", b"payload", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendNotificationRequest: _TypeAlias = SendNotificationRequest  # noqa: Y015
+
+@_typing.final
+class SendNotificationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendNotificationResponse: _TypeAlias = SendNotificationResponse  # noqa: Y015
+
+@_typing.final
+class FetchNotificationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    MAX_COUNT_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """Topic to fetch (1..128 bytes)."""
+    max_count: _builtins.int
+    """Most notifications to return; 0 means 1024 (at most 65536)."""
+    wait_ms: _builtins.int
+    """How long to wait for the first notification, in milliseconds (at most 30000); 0 returns at once."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        max_count: _builtins.int = ...,
+        wait_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_count", b"max_count", "topic", b"topic", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchNotificationsRequest: _TypeAlias = FetchNotificationsRequest  # noqa: Y015
+
+@_typing.final
+class Notification(_message.Message):
+    """A notification a linked peer sent to this daemon."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    RECEIVED_UNIX_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.int
+    """Cluster id of the sender (as authenticated by its link)."""
+    topic: _builtins.str
+    """Its topic."""
+    payload: _builtins.bytes
+    """Its payload."""
+    received_unix: _builtins.float
+    """Unix time (seconds) this daemon received it."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.int = ...,
+        topic: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+        received_unix: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "payload", b"payload", "received_unix", b"received_unix", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Notification: _TypeAlias = Notification  # noqa: Y015
+
+@_typing.final
+class FetchNotificationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOTIFICATIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def notifications(self) -> _containers.RepeatedCompositeFieldContainer[Global___Notification]:
+        """Oldest first; each is returned once. Undelivered ones expire after 600 s; at most 65536 wait per topic."""
+
+    def __init__(
+        self,
+        *,
+        notifications: _abc.Iterable[Global___Notification] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notifications", b"notifications"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchNotificationsResponse: _TypeAlias = FetchNotificationsResponse  # noqa: Y015

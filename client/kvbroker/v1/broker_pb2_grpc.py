@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class KvBrokerStub:
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -126,10 +126,20 @@ class KvBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
                 _registered_method=True)
+        self.SendNotification = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/SendNotification',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.SendNotificationRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.SendNotificationResponse.FromString,
+                _registered_method=True)
+        self.FetchNotifications = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/FetchNotifications',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.FromString,
+                _registered_method=True)
 
 
 class KvBrokerServicer:
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -260,6 +270,21 @@ class KvBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendNotification(self, request, context):
+        """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
+        engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchNotifications(self, request, context):
+        """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -353,6 +378,16 @@ def add_KvBrokerServicer_to_server(servicer, server):
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.SerializeToString,
             ),
+            'SendNotification': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendNotification,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.SendNotificationRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.SendNotificationResponse.SerializeToString,
+            ),
+            'FetchNotifications': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchNotifications,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvbroker.v1.KvBroker', rpc_method_handlers)
@@ -362,7 +397,7 @@ def add_KvBrokerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvBroker:
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -842,6 +877,60 @@ class KvBroker:
             '/kvbroker.v1.KvBroker/TransferKvBlocksBatch',
             kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendNotification(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/SendNotification',
+            kvbroker_dot_v1_dot_broker__pb2.SendNotificationRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.SendNotificationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchNotifications(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/FetchNotifications',
+            kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KvBrokerStub:
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -73,10 +73,16 @@ class KvBrokerStub:
     """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
     byte moves, one deadline, one terminal state.
     """
+    SendNotification: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SendNotificationRequest, _broker_pb2.SendNotificationResponse]
+    """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
+    engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
+    """
+    FetchNotifications: _grpc.UnaryUnaryMultiCallable[_broker_pb2.FetchNotificationsRequest, _broker_pb2.FetchNotificationsResponse]
+    """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
 
 @_typing.type_check_only
 class KvBrokerAsyncStub(KvBrokerStub):
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -119,9 +125,15 @@ class KvBrokerAsyncStub(KvBrokerStub):
     """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
     byte moves, one deadline, one terminal state.
     """
+    SendNotification: _aio.UnaryUnaryMultiCallable[_broker_pb2.SendNotificationRequest, _broker_pb2.SendNotificationResponse]  # type: ignore[assignment]
+    """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
+    engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
+    """
+    FetchNotifications: _aio.UnaryUnaryMultiCallable[_broker_pb2.FetchNotificationsRequest, _broker_pb2.FetchNotificationsResponse]  # type: ignore[assignment]
+    """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
 
 class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
-    """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
+    """The local API of a kvbrokerd daemon. Every field's limit: docs/LIMITS.md. Failures carry a gRPC status whose message starts with the LLM status
     name (e.g. "LLM_NOT_YET_LINK: ...") and whose details hold google.rpc.ErrorInfo{reason: "LLM_..."}.
     """
 
@@ -270,5 +282,23 @@ class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
         """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
         byte moves, one deadline, one terminal state.
         """
+
+    @_abc_1.abstractmethod
+    def SendNotification(
+        self,
+        request: _broker_pb2.SendNotificationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.SendNotificationResponse, _abc.Awaitable[_broker_pb2.SendNotificationResponse]]:
+        """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
+        engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchNotifications(
+        self,
+        request: _broker_pb2.FetchNotificationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.FetchNotificationsResponse, _abc.Awaitable[_broker_pb2.FetchNotificationsResponse]]:
+        """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
 
 def add_KvBrokerServicer_to_server(servicer: KvBrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -27,14 +27,17 @@ class HandshakeRequest(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     EXPECTED_CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    CALLER_NONCE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Peer protocol version of the caller."""
     cluster_id: _builtins.int
     """Caller's cluster id."""
     instance_epoch: _builtins.str
-    """Caller's instance epoch."""
+    """Caller's instance epoch (<= 64 bytes)."""
     expected_cluster_id: _builtins.int
-    """Cluster id the caller expects to reach; the responder refuses when it differs from its own."""
+    """Cluster id the caller expects to reach; the responder's proof binds its own id, so a mismatch fails there."""
+    caller_nonce: _builtins.bytes
+    """32 fresh random bytes from the caller."""
     def __init__(
         self,
         *,
@@ -42,10 +45,11 @@ class HandshakeRequest(_message.Message):
         cluster_id: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
         expected_cluster_id: _builtins.int = ...,
+        caller_nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "expected_cluster_id", b"expected_cluster_id", "instance_epoch", b"instance_epoch", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_nonce", b"caller_nonce", "cluster_id", b"cluster_id", "expected_cluster_id", b"expected_cluster_id", "instance_epoch", b"instance_epoch", "protocol_version", b"protocol_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -56,70 +60,160 @@ class HandshakeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
-    CLUSTER_ID_FIELD_NUMBER: _builtins.int
-    INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
-    BACKENDS_FIELD_NUMBER: _builtins.int
-    DATA_ADDRESS_FIELD_NUMBER: _builtins.int
-    LINK_TOKEN_FIELD_NUMBER: _builtins.int
-    SHM_PROBE_PATH_FIELD_NUMBER: _builtins.int
-    SHM_PROBE_NONCE_FIELD_NUMBER: _builtins.int
+    CHALLENGE_ID_FIELD_NUMBER: _builtins.int
+    RESPONDER_NONCE_FIELD_NUMBER: _builtins.int
+    RESPONDER_PROOF_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Peer protocol version of the responder."""
-    cluster_id: _builtins.int
-    """Responder's cluster id."""
-    instance_epoch: _builtins.str
-    """Responder's instance epoch."""
-    data_address: _builtins.str
-    """TCP data-plane endpoint "host:port"."""
-    link_token: _builtins.bytes
-    """Secret that proves a data connection belongs to this link (32 random bytes)."""
-    shm_probe_path: _builtins.str
-    """Shared-memory probe segment and its content: the caller can use the shm backend only if it reads the same bytes."""
-    shm_probe_nonce: _builtins.bytes
-    """Expected content of the probe segment."""
-    @_builtins.property
-    def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Backends the responder serves."""
-
+    challenge_id: _builtins.bytes
+    """Names this pending handshake in step 2 (16 bytes; expires after a few seconds)."""
+    responder_nonce: _builtins.bytes
+    """32 fresh random bytes from the responder."""
+    responder_proof: _builtins.bytes
+    """HMAC-SHA256 proof of the deployment token, bound to both cluster ids, the caller's epoch and both nonces."""
     def __init__(
         self,
         *,
         protocol_version: _builtins.int = ...,
-        cluster_id: _builtins.int = ...,
-        instance_epoch: _builtins.str = ...,
-        backends: _abc.Iterable[_builtins.str] | None = ...,
-        data_address: _builtins.str = ...,
-        link_token: _builtins.bytes = ...,
-        shm_probe_path: _builtins.str = ...,
-        shm_probe_nonce: _builtins.bytes = ...,
+        challenge_id: _builtins.bytes = ...,
+        responder_nonce: _builtins.bytes = ...,
+        responder_proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "data_address", b"data_address", "instance_epoch", b"instance_epoch", "link_token", b"link_token", "protocol_version", b"protocol_version", "shm_probe_nonce", b"shm_probe_nonce", "shm_probe_path", b"shm_probe_path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["challenge_id", b"challenge_id", "protocol_version", b"protocol_version", "responder_nonce", b"responder_nonce", "responder_proof", b"responder_proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandshakeResponse: _TypeAlias = HandshakeResponse  # noqa: Y015
 
 @_typing.final
-class GetCacheInfoRequest(_message.Message):
+class AuthenticateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    LINK_TOKEN_FIELD_NUMBER: _builtins.int
-    CACHE_ID_FIELD_NUMBER: _builtins.int
-    link_token: _builtins.bytes
-    """Caller's link token, proving the call comes from a linked peer."""
-    cache_id: _builtins.int
-    """Cache id on the responder."""
+    CHALLENGE_ID_FIELD_NUMBER: _builtins.int
+    CALLER_PROOF_FIELD_NUMBER: _builtins.int
+    challenge_id: _builtins.bytes
+    """From HandshakeResponse."""
+    caller_proof: _builtins.bytes
+    """The caller's proof of the deployment token over the same binding (with its own label)."""
     def __init__(
         self,
         *,
-        link_token: _builtins.bytes = ...,
-        cache_id: _builtins.int = ...,
+        challenge_id: _builtins.bytes = ...,
+        caller_proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "link_token", b"link_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_proof", b"caller_proof", "challenge_id", b"challenge_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthenticateRequest: _TypeAlias = AuthenticateRequest  # noqa: Y015
+
+@_typing.final
+class AuthenticateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class BackendInfoEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    BACKEND_INFO_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.int
+    """Responder's cluster id."""
+    instance_epoch: _builtins.str
+    """Responder's instance epoch."""
+    @_builtins.property
+    def backend_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """What each backend the responder serves needs its peers to know (e.g. "tcp": its data port, "shm": the name of
+        its probe page and the nonce in it), by backend name; opaque to the handshake, at most 64 KiB each.
+        """
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.int = ...,
+        instance_epoch: _builtins.str = ...,
+        backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthenticateResponse: _TypeAlias = AuthenticateResponse  # noqa: Y015
+
+@_typing.final
+class LinkProof(_message.Message):
+    """Proves that a call comes from the holder of a link's secret: the secret itself never travels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINK_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    link_id: _builtins.bytes
+    """Public name of the link (16 bytes)."""
+    seq: _builtins.int
+    """Per-link call counter of the caller; a value is accepted once (replays are refused)."""
+    mac: _builtins.bytes
+    """HMAC-SHA256(link secret, label || method || link_id || seq || the request without this field)."""
+    def __init__(
+        self,
+        *,
+        link_id: _builtins.bytes = ...,
+        seq: _builtins.int = ...,
+        mac: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["link_id", b"link_id", "mac", b"mac", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkProof: _TypeAlias = LinkProof  # noqa: Y015
+
+@_typing.final
+class GetCacheInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    CACHE_ID_FIELD_NUMBER: _builtins.int
+    cache_id: _builtins.int
+    """Cache id on the responder."""
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
+    def __init__(
+        self,
+        *,
+        proof: Global___LinkProof | None = ...,
+        cache_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,15 +223,33 @@ Global___GetCacheInfoRequest: _TypeAlias = GetCacheInfoRequest  # noqa: Y015
 class GetCacheInfoResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class BackendInfoEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CACHE_ID_FIELD_NUMBER: _builtins.int
     DESC_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
-    SHM_DIR_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    BACKEND_INFO_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.int
     """Cache id."""
-    shm_dir: _builtins.str
-    """Directory that holds the segments on the responder's host."""
     instance_epoch: _builtins.str
     """Responder's instance epoch."""
     @_builtins.property
@@ -146,7 +258,11 @@ class GetCacheInfoResponse(_message.Message):
 
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TensorLocation]:
-        """One location per tensor (for the shm backend)."""
+        """One location per tensor (for the shm backend); segment names only, never paths."""
+
+    @_builtins.property
+    def backend_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """What each backend the responder serves adds to the description (e.g. a device engine's registration), by name."""
 
     def __init__(
         self,
@@ -154,12 +270,12 @@ class GetCacheInfoResponse(_message.Message):
         cache_id: _builtins.int = ...,
         desc: _types_pb2.CacheDesc | None = ...,
         tensors: _abc.Iterable[_types_pb2.TensorLocation] | None = ...,
-        shm_dir: _builtins.str = ...,
         instance_epoch: _builtins.str = ...,
+        backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "shm_dir", b"shm_dir", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -169,17 +285,19 @@ Global___GetCacheInfoResponse: _TypeAlias = GetCacheInfoResponse  # noqa: Y015
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    LINK_TOKEN_FIELD_NUMBER: _builtins.int
-    link_token: _builtins.bytes
-    """Caller's link token."""
+    PROOF_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
     def __init__(
         self,
         *,
-        link_token: _builtins.bytes = ...,
+        proof: Global___LinkProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["link_token", b"link_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -192,9 +310,9 @@ class HeartbeatResponse(_message.Message):
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     LINK_KNOWN_FIELD_NUMBER: _builtins.int
     instance_epoch: _builtins.str
-    """Responder's instance epoch; a change means the peer restarted."""
+    """Responder's instance epoch (empty unless link_known)."""
     link_known: _builtins.bool
-    """False when the responder does not know the caller's link (it restarted, or it unlinked the caller)."""
+    """False when the responder does not know the caller's link (it restarted, expired or removed it)."""
     def __init__(
         self,
         *,
@@ -213,21 +331,19 @@ Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 class PeerUnlinkRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    LINK_TOKEN_FIELD_NUMBER: _builtins.int
-    CLUSTER_ID_FIELD_NUMBER: _builtins.int
-    link_token: _builtins.bytes
-    """Caller's link token."""
-    cluster_id: _builtins.int
-    """Caller's cluster id."""
+    PROOF_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
     def __init__(
         self,
         *,
-        link_token: _builtins.bytes = ...,
-        cluster_id: _builtins.int = ...,
+        proof: Global___LinkProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "link_token", b"link_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -247,3 +363,48 @@ class PeerUnlinkResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerUnlinkResponse: _TypeAlias = PeerUnlinkResponse  # noqa: Y015
+
+@_typing.final
+class PeerNotifyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """Topic the responder's clients fetch (1..128 bytes)."""
+    payload: _builtins.bytes
+    """Opaque payload (<= 64 KiB)."""
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
+    def __init__(
+        self,
+        *,
+        proof: Global___LinkProof | None = ...,
+        topic: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "proof", b"proof", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerNotifyRequest: _TypeAlias = PeerNotifyRequest  # noqa: Y015
+
+@_typing.final
+class PeerNotifyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerNotifyResponse: _TypeAlias = PeerNotifyResponse  # noqa: Y015

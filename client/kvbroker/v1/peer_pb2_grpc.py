@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class PeerStub:
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats.
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
     """
 
     def __init__(self, channel):
@@ -39,6 +43,11 @@ class PeerStub:
                 '/kvbroker.v1.Peer/Handshake',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.FromString,
+                _registered_method=True)
+        self.Authenticate = channel.unary_unary(
+                '/kvbroker.v1.Peer/Authenticate',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.AuthenticateResponse.FromString,
                 _registered_method=True)
         self.GetCacheInfo = channel.unary_unary(
                 '/kvbroker.v1.Peer/GetCacheInfo',
@@ -55,14 +64,31 @@ class PeerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkResponse.FromString,
                 _registered_method=True)
+        self.Notify = channel.unary_unary(
+                '/kvbroker.v1.Peer/Notify',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats.
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
     """
 
     def Handshake(self, request, context):
-        """First call of every link: versions, identities and data-plane endpoints.
+        """Link step 1: versions, cluster ids and the caller's nonce. The answer is the responder's nonce and its proof
+        of the deployment token; it reveals nothing about the responder to a caller that does not hold the token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Authenticate(self, request, context):
+        """Link step 2: the caller's proof of the token. Only then does the responder make a link and describe itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +115,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Notify(self, request, context):
+        """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +129,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.SerializeToString,
+            ),
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.AuthenticateRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.AuthenticateResponse.SerializeToString,
             ),
             'GetCacheInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCacheInfo,
@@ -112,6 +150,11 @@ def add_PeerServicer_to_server(servicer, server):
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkResponse.SerializeToString,
             ),
+            'Notify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Notify,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvbroker.v1.Peer', rpc_method_handlers)
@@ -121,7 +164,11 @@ def add_PeerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Peer:
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats.
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
     """
 
     @staticmethod
@@ -141,6 +188,33 @@ class Peer:
             '/kvbroker.v1.Peer/Handshake',
             kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Peer/Authenticate',
+            kvbroker_dot_v1_dot_peer__pb2.AuthenticateRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.AuthenticateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -222,6 +296,33 @@ class Peer:
             '/kvbroker.v1.Peer/Unlink',
             kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.PeerUnlinkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Notify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Peer/Notify',
+            kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,37 +27,64 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PeerStub:
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats."""
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]
-    """First call of every link: versions, identities and data-plane endpoints."""
+    """Link step 1: versions, cluster ids and the caller's nonce. The answer is the responder's nonce and its proof
+    of the deployment token; it reveals nothing about the responder to a caller that does not hold the token.
+    """
+    Authenticate: _grpc.UnaryUnaryMultiCallable[_peer_pb2.AuthenticateRequest, _peer_pb2.AuthenticateResponse]
+    """Link step 2: the caller's proof of the token. Only then does the responder make a link and describe itself."""
     GetCacheInfo: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetCacheInfoRequest, _peer_pb2.GetCacheInfoResponse]
     """Describes a cache so that a linked peer can validate and plan a transfer."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
     """Liveness check of a link; answers with the responder's epoch and whether it still knows the link."""
     Unlink: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerUnlinkRequest, _peer_pb2.PeerUnlinkResponse]
     """Tells the peer that the caller removed its side of a link."""
+    Notify: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]
+    """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats."""
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]  # type: ignore[assignment]
-    """First call of every link: versions, identities and data-plane endpoints."""
+    """Link step 1: versions, cluster ids and the caller's nonce. The answer is the responder's nonce and its proof
+    of the deployment token; it reveals nothing about the responder to a caller that does not hold the token.
+    """
+    Authenticate: _aio.UnaryUnaryMultiCallable[_peer_pb2.AuthenticateRequest, _peer_pb2.AuthenticateResponse]  # type: ignore[assignment]
+    """Link step 2: the caller's proof of the token. Only then does the responder make a link and describe itself."""
     GetCacheInfo: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetCacheInfoRequest, _peer_pb2.GetCacheInfoResponse]  # type: ignore[assignment]
     """Describes a cache so that a linked peer can validate and plan a transfer."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Liveness check of a link; answers with the responder's epoch and whether it still knows the link."""
     Unlink: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerUnlinkRequest, _peer_pb2.PeerUnlinkResponse]  # type: ignore[assignment]
     """Tells the peer that the caller removed its side of a link."""
+    Notify: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]  # type: ignore[assignment]
+    """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
-    """The peer API of a kvbrokerd daemon: link handshake, cache lookups, heartbeats."""
+    """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
+    notices and notifications, each proven with the link's secret (which never travels).
+
+    Limits (refused with INVALID_ARGUMENT): instance_epoch <= 64 bytes, nonces exactly 32 bytes, challenge_id
+    exactly 16 bytes, proofs exactly 32 bytes, notification topic <= 128 bytes and payload <= 64 KiB.
+    """
 
     @_abc_1.abstractmethod
     def Handshake(
@@ -65,7 +92,17 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.HandshakeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.HandshakeResponse, _abc.Awaitable[_peer_pb2.HandshakeResponse]]:
-        """First call of every link: versions, identities and data-plane endpoints."""
+        """Link step 1: versions, cluster ids and the caller's nonce. The answer is the responder's nonce and its proof
+        of the deployment token; it reveals nothing about the responder to a caller that does not hold the token.
+        """
+
+    @_abc_1.abstractmethod
+    def Authenticate(
+        self,
+        request: _peer_pb2.AuthenticateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.AuthenticateResponse, _abc.Awaitable[_peer_pb2.AuthenticateResponse]]:
+        """Link step 2: the caller's proof of the token. Only then does the responder make a link and describe itself."""
 
     @_abc_1.abstractmethod
     def GetCacheInfo(
@@ -90,5 +127,13 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.PeerUnlinkResponse, _abc.Awaitable[_peer_pb2.PeerUnlinkResponse]]:
         """Tells the peer that the caller removed its side of a link."""
+
+    @_abc_1.abstractmethod
+    def Notify(
+        self,
+        request: _peer_pb2.PeerNotifyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerNotifyResponse, _abc.Awaitable[_peer_pb2.PeerNotifyResponse]]:
+        """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -105,7 +105,9 @@ class CacheDesc(_message.Message):
     placement: Global___Placement.ValueType
     """Memory placement; unset means PLACEMENT_HOST."""
     layout_tag: _builtins.str
-    """Optional compatibility tag (model, dtype, layout, tp rank...); empty means untagged."""
+    """Optional compatibility tag (model, dtype, layout, tp rank...); empty means untagged. At most 256 UTF-8 bytes,
+    printable.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of every tensor, 1..32 dims; shape[0] is the number of blocks (or the batch size for cache ops)."""
@@ -225,20 +227,64 @@ class TensorLocation(_message.Message):
 
     SEGMENT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
     segment: _builtins.str
-    """Segment name as passed to shm_open, without the leading slash (e.g. "vllm-kv-0")."""
+    """Segment name as passed to shm_open, without the leading slash (e.g. "vllm-kv-0"): 1..200 characters of
+    [A-Za-z0-9._-]; empty for device memory.
+    """
     offset: _builtins.int
-    """Byte offset of the tensor's first element inside the segment."""
+    """Byte offset of the tensor's first element inside the segment (or inside the exported device allocation)."""
+    @_builtins.property
+    def device(self) -> Global___DeviceMemory:
+        """Set for a tensor in accelerator memory (a cache of PLACEMENT_DEVICE)."""
+
     def __init__(
         self,
         *,
         segment: _builtins.str = ...,
         offset: _builtins.int = ...,
+        device: Global___DeviceMemory | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "segment", b"segment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "offset", b"offset", "segment", b"segment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TensorLocation: _TypeAlias = TensorLocation  # noqa: Y015
+
+@_typing.final
+class DeviceMemory(_message.Message):
+    """Accelerator memory a model server exported by IPC handle. IPC handles cover whole allocations, so the tensor is
+    named by the allocation's handle plus its offset in it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    ALLOCATION_BYTES_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"cuda" or "npu"."""
+    device: _builtins.str
+    """The device: a GPU UUID ("GPU-..."), or an ordinal ("0"); at most 64 bytes."""
+    ipc_handle: _builtins.bytes
+    """The exporter's IPC handle: cudaIpcMemHandle_t (64 bytes) for cuda, the Ascend IPC export key (<= 256 bytes)."""
+    allocation_bytes: _builtins.int
+    """Size in bytes of the exported allocation: offset + the tensor's bytes must fit in it."""
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        device: _builtins.str = ...,
+        ipc_handle: _builtins.bytes = ...,
+        allocation_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_bytes", b"allocation_bytes", "device", b"device", "ipc_handle", b"ipc_handle", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeviceMemory: _TypeAlias = DeviceMemory  # noqa: Y015

@@ -1,18 +1,28 @@
-"""The data-plane interface every backend implements, and the remote-cache view backends read from."""
+"""The data-plane interface every backend implements, and the remote-cache view backends read from.
+
+A backend is one module that defines `BACKEND`, a subclass of `Backend` (and is named in backends/__init__.py). The
+daemon makes one instance per allowed backend (`--backends`), starts it, and puts what `advertise()` returns in the
+link handshake; a peer that finds the same backend name calls `connect()` with those bytes and gets the
+`PeerChannel` its transfers run on, or a reason why not. `describe_cache()` adds per-backend bytes to a cache's
+description for peers (e.g. a device engine's registration of its memory).
+"""
 
 from __future__ import annotations
 
 import abc
 import concurrent.futures
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from kvbroker._status import LlmError, LlmStatus
 from kvbroker._types import CacheDesc, TensorLocation
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry import CacheEntry, Registry
 
 
 _Part = TypeVar("_Part")
@@ -26,6 +36,8 @@ class RemoteCache:
     desc: CacheDesc
     tensors: tuple[TensorLocation, ...]
     shm_dir: str
+    backend_info: dict[str, bytes] = field(default_factory=dict)
+    """What each of the peer's backends added to the description (Backend.describe_cache), untrusted."""
     backend_state: dict[str, Any] = field(default_factory=dict)
     """Per-backend handles (e.g. the shm backend's mappings), released with `Backend.forget`."""
 
@@ -34,6 +46,94 @@ class RemoteCache:
 class Capabilities:
     same_host_only: bool
     one_sided_read: bool
+    memory_kinds: frozenset[str] = frozenset({"host"})
+    """Memory kinds this backend reads and writes ("host"; device kinds "cuda", "npu")."""
+
+
+MAX_ADVERTISEMENT_BYTES = 64 << 10
+"""Largest backend_info a peer may send per backend (a NIXL agent's metadata is a few KiB)."""
+
+
+class BackendUnusable(Exception):
+    """`connect` cannot reach the peer through this backend; the message says why (the link tries the next)."""
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    """What a backend may use of its daemon."""
+
+    cluster_id: int
+    registry: Registry
+    shm_dir: Path
+    peer_host: str
+    """Host of the peer listener: where served endpoints bind."""
+    parts_executor: concurrent.futures.Executor
+    secret_for: Callable[[bytes], bytes | None]
+    """Link secret by link id (any thread), for backends that authenticate their own connections."""
+    data_port: int = 0
+    data_server_tls: ssl.SSLContext | None = None
+    data_client_tls: ssl.SSLContext | None = None
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """The peer a link is being made to, as the authenticated handshake established it."""
+
+    cluster_id: int
+    peer_address: str
+    """host:port of its peer API (an advertised endpoint without a host means this host)."""
+    secret: bytes
+    """The link's secret (derived on both sides; never sent)."""
+
+
+class Backend(abc.ABC):
+    """One data-plane backend of one daemon."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    extra: ClassVar[str] = ""
+    """The pip extra that installs what this backend needs, when it needs more than the server's dependencies."""
+
+    def __init__(self, ctx: LocalContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run on this machine (a library is missing), or None."""
+        return None
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Starts what the backend serves (a listener, an engine); raises OSError when it cannot."""
+
+    @property
+    def serving(self) -> bool:
+        """False while what the backend serves is down (health reports NOT_SERVING)."""
+        return True
+
+    @abc.abstractmethod
+    def advertise(self) -> bytes:
+        """What a peer needs to reach us through this backend (opaque to the handshake; never pickled)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+        """A channel to `peer` from its advertisement `info` (untrusted bytes: parse defensively), or
+        BackendUnusable with the reason."""
+
+    def describe_cache(self, entry: CacheEntry) -> bytes:
+        """Per-backend bytes a peer needs to address `entry` (empty: the generic description suffices)."""
+        return b""
+
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
+        """Imports the IPC handles of a device cache (validated by devicemem.py) and registers it; backends that
+        declare a device memory kind implement it."""
+        raise LlmError(LlmStatus.LLM_FEATURE_NOT_ENABLED,
+                       f"the {self.name} backend cannot import {desc.placement.name} memory yet")
+
+    def forget_cache(self, entry: CacheEntry) -> None:  # noqa: B027 - optional hook
+        """`entry` is leaving the registry: drop what `describe_cache` set up for it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stops serving and releases everything; idempotent."""
 
 
 class PeerChannel(abc.ABC):

@@ -6,16 +6,26 @@ Wire format (little endian), one connection = one authenticated link, requests a
     HELLO   client -> server   magic "KVHI", u16 version, u16 reserved, 16-byte link id,
                                32-byte HMAC-SHA256(link secret, label || nonce || link id)   (see linkauth.py)
     READY   server -> client   magic "KVOK"                     (or the connection is closed: a stranger gets nothing)
-    READ    client -> server   magic "KVRQ", u32 run count, i64 cache id, then per run:
-                               u32 tensor, u32 reserved, u64 offset, u64 length
+    READ    client -> server   magic "KVRQ", u32 run count, i64 cache id, u32 deadline (ms from now), u32 reserved,
+                               then per run: u32 tensor, u32 reserved, u64 offset, u64 length
     REPLY   server -> client   magic "KVRS", u32 LLM status, u64 payload bytes,
                                then the payload (every run's bytes in request order) or, on error, the message
+    TRAILER server -> client   magic "KVEN", u32 LLM status, u64 leading payload bytes that are the source's
+                               (after the payload of every READ answered OK)
     WRITE   client -> server   magic "KVWR", then as READ (runs name the server's destination bytes)
             server -> client   REPLY with no payload (or the error), then, if it was OK:
             client -> server   the payload;  server -> client  REPLY again once every byte is in its cache
 
+Versions (HELLO): 1 = no deadline in requests, no TRAILER. 2 = both: the server bounds each request (and the pin
+on its cache) by the sender's deadline, and a source whose memory vanishes mid-READ fails that read (the server pads
+the payload with zeros and says so in the TRAILER) instead of the connection. Clients speak 2; servers accept both.
+
 The server validates a whole request against its registry before a byte moves, and pins the cache meanwhile;
-runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between the caches' memory.
+runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between the caches' memory. Nothing waits
+without a bound: a handshake has one total deadline and the oldest pending one gives way when MAX_HANDSHAKES are
+under way; a request's frame must arrive within REQUEST_TIMEOUT_S of its first byte; its payload moves within the
+sender's deadline (at most MAX_REQUEST_S), gives up after STALL_TIMEOUT_S without progress and, once its cache is
+being released, as soon as the other side stops taking bytes.
 """
 
 from __future__ import annotations
@@ -23,20 +33,36 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
+import itertools
+import json
 import logging
+import math
+import os
 import socket
 import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from kvbroker._status import LlmError
-from kvbrokerd import linkauth
-from kvbrokerd.backends.base import Capabilities, PeerChannel, RemoteCache, run_parts
+from kvbrokerd import blocklocks, linkauth
+from kvbrokerd.backends import sockio
+from kvbrokerd.backends.base import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    RemoteCache,
+    run_parts,
+)
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.planner import Progress, Run, split_runs
 
@@ -48,22 +74,40 @@ log = logging.getLogger(__name__)
 
 NAME = "tcp"
 CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=False)
-VERSION = 1
+VERSION = 2
+_SERVED_VERSIONS = (1, 2)
 HELLO = struct.Struct(f"<4sHH{linkauth.ID_BYTES}s{linkauth.MAC_BYTES}s")
-REQUEST = struct.Struct("<4sIq")
+REQUEST = struct.Struct("<4sIqII")
+_REQUEST_V1 = struct.Struct("<4sIq")
 REPLY = struct.Struct("<4sIQ")
+TRAILER = REPLY
 RUN = np.dtype([("tensor", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_RUNS_PER_REQUEST = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 128
 MAX_CONNECTIONS = 512
-# A writer that stops sending mid-payload must not pin our cache forever.
-WRITE_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 600.0
+"""An authenticated connection may wait this long for its next request (clients retire pooled ones sooner)."""
+REQUEST_TIMEOUT_S = 10.0
+MAX_REQUEST_S = 300.0
+"""Longest a request may run (and pin its cache), whatever deadline its sender announces; version 1 gets this."""
+STALL_TIMEOUT_S = 10.0
 SOCKET_BUFFER_BYTES = 4 << 20
 # Pulls smaller than this use one connection; larger ones are spread over the pool.
 _SPLIT_MIN_BYTES = 4 << 20
 # Pulls at most this big run on the event loop (see TcpChannel.runs_on_loop).
 _LOOP_MAX_BYTES = 1 << 20
 _LOOP_MAX_RUNS = 64
+# A client retires a pooled connection idle for longer than this (well before the server's IDLE_TIMEOUT_S).
+_POOL_IDLE_S = 60.0
+# The accept loop wakes this often to end handshakes past their deadline.
+_ACCEPT_POLL_S = 0.25
+_BACKOFF_MIN_S = 0.01
+_BACKOFF_MAX_S = 1.0
+# accept(2) errors that concern only the connection being accepted: the next accept is fine.
+_CONNECTION_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.ENOPROTOOPT,
+                                errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH,
+                                errno.EINTR, errno.EAGAIN})
 
 
 def _tune(sock: socket.socket) -> None:
@@ -73,198 +117,314 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    pos, end = 0, len(view)
-    while pos < end:
-        got = sock.recv_into(view[pos:], end - pos)
-        if got == 0:
-            raise ConnectionError("peer closed the data connection")
-        pos += got
+def _shut(sock: socket.socket) -> None:
+    """Wakes a thread blocked on `sock` (its call fails at once)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
-IOV_BATCH = 512
-"""Buffers per sendmsg/recvmsg_into call: one system call moves many small runs (Linux allows 1024)."""
-
-
-def _advance(views: list[memoryview], i: int, done: int) -> tuple[int, int, list[int]]:
-    """After `done` more bytes of views[i:], returns (new i, bytes into views[i], indices of views completed)."""
-    completed = []
-    while done and done >= len(views[i]):
-        done -= len(views[i])
-        completed.append(i)
-        i += 1
-    if done:
-        views[i] = views[i][done:]
-    return i, done, completed
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter/gather: one record stream, view by view
-        for v in views:
-            sock.sendall(v)
-        return
-    i = 0
-    while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_BATCH])
-        i, _, _ = _advance(views, i, sent)
-
-
-def _recv_views(sock: socket.socket, views: list[memoryview], on_complete: Callable[[int], None],
-                deadline: float) -> None:
-    """Fills `views` in order straight from the socket before `deadline`; calls on_complete(index) as each fills."""
-    if isinstance(sock, ssl.SSLSocket):
-        for k, v in enumerate(views):
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            _recv_exact(sock, v)
-            on_complete(k)
-        return
-    i = 0
-    while i < len(views):
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        got = sock.recvmsg_into(views[i : i + IOV_BATCH])[0]
-        if got == 0:
-            raise ConnectionError("peer closed the data connection")
-        i, _, completed = _advance(views, i, got)
-        for k in completed:
-            on_complete(k)
-
-
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
-    return bytes(buf)
+def _fds_available() -> bool:
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        return False
+    return True
 
 
 # -- serving side -------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Conn:
+    """A served connection; `sock` becomes the TLS socket once wrapped (shutting that down wakes its thread)."""
+
+    sock: socket.socket
+
+
 class DataServer:
-    """Accepts data connections from linked peers and serves reads of registered caches (thread per connection)."""
+    """Accepts data connections from linked peers and serves reads and writes of registered caches (a thread per
+    connection).
+
+    `serving` is False while the data port cannot take connections (e.g. the process ran out of file
+    descriptors); the accept loop backs off and goes on, and `on_serving_change(serving)` is called on each change,
+    from the accept thread (hand it to the event loop with `call_soon_threadsafe`), so that health can follow.
+    """
 
     def __init__(self, registry: Registry, secret_for: Callable[[bytes], bytes | None], host: str,
-                 port: int = 0, tls: ssl.SSLContext | None = None) -> None:
+                 port: int = 0, tls: ssl.SSLContext | None = None, *,
+                 block_locks: blocklocks.BlockLocks = blocklocks.DEFAULT,
+                 on_serving_change: Callable[[bool], None] | None = None) -> None:
         self._tls = tls
         self._registry = registry
         self._secret_for = secret_for
+        self._block_locks = block_locks
+        self.on_serving_change = on_serving_change
+        self.serving = False
         self._listener = socket.create_server((host, port), family=_family(host), backlog=128, reuse_port=False)
+        self._listener.settimeout(_ACCEPT_POLL_S)
         self.port: int = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._handshaking: dict[_Conn, float] = {}  # -> handshake deadline; insertion order = oldest first
+        self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
-        self._closed = False
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kvbroker-tcp-accept", daemon=True)
 
     def start(self) -> None:
+        self._set_serving(True)
         self._thread.start()
 
     def close(self) -> None:
-        self._closed = True
+        """Stops accepting and ends every connection. `serving` turns False without a callback: we are stopping."""
+        self._stop.set()
+        self.serving = False
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
         self._listener.close()
         with self._lock:
-            conns = list(self._conns)
+            conns = [*self._conns, *self._handshaking]
         for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=2)
+            _shut(c.sock)
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
+    def _set_serving(self, serving: bool) -> None:
+        if self.serving == serving:
+            return
+        self.serving = serving
+        if self.on_serving_change is not None:
             try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="kvbroker-tcp-serve", daemon=True).start()
+                self.on_serving_change(serving)
+            except Exception:
+                log.exception("the data plane's health callback failed")
 
-    def _serve(self, conn: socket.socket) -> None:
-        raw = conn
-        with self._lock:
-            if len(self._conns) >= MAX_CONNECTIONS:
-                conn.close()
-                log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
-                return
-            self._conns.add(raw)
+    # -- accepting ------------------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        """Runs until close(): no error ends it (a lack of file descriptors or memory is usually transient)."""
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                backoff = self._accept_one(backoff)
+            except Exception as e:  # a bug or an odd resource error: say so, keep the port alive
+                log.exception("the data port's accept loop failed")
+                backoff = self._back_off(OSError(errno.EIO, f"{type(e).__name__}: {e}"), backoff)
+
+    def _accept_one(self, backoff: float) -> float:
+        """Accepts one connection (or waits a poll interval); returns the back-off to use next."""
+        self._expire_handshakes()
         try:
-            _tune(conn)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            nonce = linkauth.new_nonce()
-            conn.sendall(b"KVCH" + nonce)
-            magic, version, _, lid, mac = HELLO.unpack(_recv_bytes(conn, HELLO.size))
-            secret = self._secret_for(lid) if magic == b"KVHI" and version == VERSION else None
-            if secret is None or not linkauth.verify(secret, nonce, lid, mac):
-                log.warning("refused a data connection from %s: no valid link proof", _peer_name(conn))
+            conn, _ = self._listener.accept()
+        except TimeoutError:
+            return self._recovered() if backoff and _fds_available() else backoff
+        except OSError as e:
+            if self._stop.is_set() or e.errno in _CONNECTION_ERRNOS:
+                return backoff
+            return self._back_off(e, backoff)
+        if backoff:
+            backoff = self._recovered()
+        if not self._start(conn):
+            return self._back_off(OSError(errno.EAGAIN, "cannot start a connection thread"), backoff)
+        return backoff
+
+    def _back_off(self, error: OSError, backoff: float) -> float:
+        if not backoff:  # once per episode
+            log.warning("the data port %d cannot accept connections (%s); retrying with back-off until it can",
+                        self.port, error)
+            self._set_serving(False)
+        backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_MIN_S, backoff * 2))
+        self._stop.wait(backoff)
+        return backoff
+
+    def _recovered(self) -> float:
+        log.warning("the data port %d accepts connections again", self.port)
+        self._set_serving(True)
+        return 0.0
+
+    def _start(self, sock: socket.socket) -> bool:
+        conn = _Conn(sock)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        with self._lock:
+            # A flood of slow or silent connections must not lock peers out: the oldest pending one gives way.
+            oldest = next(iter(self._handshaking)) if len(self._handshaking) >= MAX_HANDSHAKES else None
+            if oldest is not None:
+                del self._handshaking[oldest]
+            self._handshaking[conn] = deadline
+        if oldest is not None:
+            _shut(oldest.sock)
+        try:
+            threading.Thread(target=self._serve, args=(conn, deadline), name="kvbroker-tcp-serve",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had (a resource limit): shed this connection
+            with self._lock:
+                self._handshaking.pop(conn, None)
+            sock.close()
+            return False
+        return True
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            for conn, deadline in self._handshaking.items():
+                if deadline > now:
+                    break
+                expired.append(conn)
+            for conn in expired:
+                del self._handshaking[conn]
+        for conn in expired:
+            _shut(conn.sock)
+
+    # -- one connection -------------------------------------------------------------------------------------------
+    def _serve(self, conn: _Conn, deadline: float) -> None:
+        try:
+            version = self._handshake(conn, deadline)
+            if version is None:
                 return  # A stranger gets nothing, not even an error message.
-            conn.sendall(b"KVOK")
-            conn.settimeout(None)
-            while not self._closed:
-                self._serve_request(conn)
+            with self._lock:
+                if self._handshaking.pop(conn, None) is None:
+                    return  # it ran out of time, or gave way to newer connections
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+                    return
+                self._conns.add(conn)
+            sockio.send_all(conn.sock, b"KVOK", sockio.Watch(deadline))
+            while not self._stop.is_set() and self._serve_request(conn.sock, version):
+                pass
         except (ConnectionError, OSError, struct.error):
             pass
         except Exception:
             log.exception("data connection failed")
         finally:
             with self._lock:
-                self._conns.discard(raw)
-            conn.close()
+                self._handshaking.pop(conn, None)
+                self._conns.discard(conn)
+            conn.sock.close()
 
-    def _serve_request(self, conn: socket.socket) -> None:
-        magic, count, cache_id = REQUEST.unpack(_recv_bytes(conn, REQUEST.size))
+    def _handshake(self, conn: _Conn, deadline: float) -> int | None:
+        """The connection's protocol version once it proved its link, else None."""
+        watch = sockio.Watch(deadline)
+        _tune(conn.sock)
+        if self._tls is not None:
+            conn.sock.settimeout(watch.timeout(final=True))
+            conn.sock = self._tls.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+            conn.sock.do_handshake()
+        nonce = linkauth.new_nonce()
+        sockio.send_all(conn.sock, b"KVCH" + nonce, watch)
+        magic, version, _, lid, mac = HELLO.unpack(sockio.recv_bytes(conn.sock, HELLO.size, watch))
+        secret = self._secret_for(lid) if magic == b"KVHI" and version in _SERVED_VERSIONS else None
+        if secret is None or not linkauth.verify(secret, nonce, lid, mac):
+            log.warning("refused a data connection from %s: no valid link proof", _peer_name(conn.sock))
+            return None
+        return int(version)
+
+    def _read_request(self, conn: socket.socket, version: int) -> tuple[bytes, int, float, np.ndarray] | None:
+        """(magic, cache id, seconds the request may take, runs), or None when the peer closed or idled out."""
+        head = REQUEST if version >= 2 else _REQUEST_V1
+        buf = bytearray(head.size)
+        conn.settimeout(IDLE_TIMEOUT_S)
+        try:
+            got = conn.recv_into(buf)
+        except TimeoutError:
+            return None
+        if got == 0:
+            return None
+        watch = sockio.Watch(time.monotonic() + REQUEST_TIMEOUT_S)
+        sockio.recv_exact(conn, memoryview(buf)[got:], watch)
+        magic, count, cache_id, *rest = head.unpack(buf)
         if magic not in (b"KVRQ", b"KVWR") or not 0 < count <= MAX_RUNS_PER_REQUEST:
             raise ConnectionError("bad request frame")
-        runs = np.frombuffer(_recv_bytes(conn, count * RUN.itemsize), dtype=RUN)
+        runs = np.frombuffer(sockio.recv_bytes(conn, count * RUN.itemsize, watch), dtype=RUN)
+        budget = min(rest[0] / 1e3, MAX_REQUEST_S) if rest and rest[0] else MAX_REQUEST_S
+        return magic, cache_id, budget, runs
+
+    def _serve_request(self, conn: socket.socket, version: int) -> bool:
+        request = self._read_request(conn, version)
+        if request is None:
+            return False
+        magic, cache_id, budget, runs = request
+        deadline = time.monotonic() + budget
+        claim = None
         try:
+            _check_runs(runs, self._registry.get(cache_id))
+            if magic == b"KVWR":
+                # Taken before the pin: a write waiting for its turn must not hold up the cache's release.
+                claim = self._claim(self._registry.get(cache_id), runs, deadline)
             with self._registry.pinned(cache_id) as entry:
-                _check_runs(runs, entry)
-                views = [entry.views[t][off : off + n] for t, off, n in
-                         zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(), strict=True)]
-                total = int(runs["length"].sum())
-                conn.sendall(REPLY.pack(b"KVRS", 0, total))
+                _check_before_tls(conn, entry)
+                # The pin blocks the cache's release: a reader that stopped reading must not keep it for long.
+                watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry))
                 if magic == b"KVRQ":
-                    _send_views(conn, views)
+                    self._serve_read(conn, version, entry, runs, watch)
                 else:
-                    _recv_views(conn, views, lambda _: None, time.monotonic() + WRITE_TIMEOUT_S)
-                    conn.settimeout(None)
-                    conn.sendall(REPLY.pack(b"KVRS", 0, total))
-        except LlmError as e:
+                    self._serve_write(conn, entry, runs, watch)
+        except LlmError as e:  # raised only before the OK reply: the stream is still in step
             msg = e.message.encode()
-            conn.sendall(REPLY.pack(b"KVRS", int(e.status), len(msg)) + msg)
+            sockio.send_all(conn, REPLY.pack(b"KVRS", int(e.status), len(msg)) + msg, sockio.Watch(deadline))
+        finally:
+            if claim is not None:
+                self._block_locks.release(claim)
+        return True
 
+    def _claim(self, entry: CacheEntry, runs: np.ndarray, deadline: float) -> blocklocks.Claim:
+        """Waits (within the request's deadline) until no other write into `entry` covers these blocks."""
+        desc = entry.desc
+        cells = blocklocks.run_cells(runs["tensor"], runs["offset"], runs["length"], desc.block_nbytes,
+                                     desc.num_blocks)
+        return self._block_locks.claim(entry, desc.num_tensors, desc.num_blocks, cells, deadline,
+                                       f"write of a peer into cache {entry.cache_id}")
 
-_Op = Callable[[socket.socket, int, "CacheEntry", list[Run], Progress, float], None]
-
-
-def _request_frame(magic: bytes, cache_id: int, runs: list[tuple[int, int, int]]) -> bytes:
-    frame = np.zeros(len(runs), dtype=RUN)
-    frame["tensor"], frame["offset"], frame["length"] = zip(*runs, strict=True)
-    return REQUEST.pack(magic, len(runs), cache_id) + frame.tobytes()
-
-
-def _send_request(sock: socket.socket, magic: bytes, cache_id: int, runs: list[tuple[int, int, int]],
-                  deadline: float) -> None:
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(_request_frame(magic, cache_id, runs))
-
-
-async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    pos = 0
-    while pos < len(view):
-        got = await loop.sock_recv_into(sock, view[pos:])
-        if got == 0:
-            raise ConnectionError("peer closed the data connection")
-        pos += got
-
-
-def _expect_ok(sock: socket.socket, what: str) -> None:
-    magic, status, size = REPLY.unpack(_recv_bytes(sock, REPLY.size))
-    if magic != b"KVRS":
-        raise ConnectionError("bad reply frame")
-    if status != 0:
-        message = _recv_bytes(sock, min(size, 1 << 16)).decode(errors="replace")
+    def _serve_read(self, conn: socket.socket, version: int, entry: CacheEntry, runs: np.ndarray,
+                    watch: sockio.Watch) -> None:
+        views = _views(entry, runs)
+        total = int(runs["length"].sum())
+        sockio.send_all(conn, REPLY.pack(b"KVRS", 0, total), watch)
+        trailer = [memoryview(TRAILER.pack(b"KVEN", 0, total))] if version >= 2 else []
         try:
-            code = LlmStatus(status)
-        except ValueError:
-            code = LlmStatus.LLM_FAILED
-        fail(code, f"peer refused the {what}: {message}")
+            sockio.send_views(conn, views + trailer, watch)
+        except sockio.MemoryFault as fault:
+            log.warning("cache %d lost its memory while a peer read it (a segment shrank or vanished); the read "
+                        "fails, the link stays", entry.cache_id)
+            if not trailer:
+                raise ConnectionError("version 1 cannot report a failed read") from None
+            sockio.send_zeros(conn, total - fault.done, watch)
+            sockio.send_all(conn, TRAILER.pack(b"KVEN", int(LlmStatus.LLM_KV_CACHE_NOT_EXIST), fault.done), watch)
+
+    def _serve_write(self, conn: socket.socket, entry: CacheEntry, runs: np.ndarray, watch: sockio.Watch) -> None:
+        views = _views(entry, runs)
+        total = int(runs["length"].sum())
+        sockio.send_all(conn, REPLY.pack(b"KVRS", 0, total), watch)
+        try:
+            sockio.recv_views(conn, views, _ignore, watch)
+        except sockio.MemoryFault as fault:
+            log.warning("cache %d lost its memory while a peer wrote into it (a segment shrank or vanished); the "
+                        "write fails, the link stays", entry.cache_id)
+            sockio.drain(conn, total - fault.done, watch)
+            msg = _vanished(f"destination cache {entry.cache_id}", "the write").encode()
+            sockio.send_all(conn, REPLY.pack(b"KVRS", int(LlmStatus.LLM_KV_CACHE_NOT_EXIST), len(msg)) + msg, watch)
+            return
+        sockio.send_all(conn, REPLY.pack(b"KVRS", 0, total), watch)
+
+
+def _ignore(_: int) -> None:
+    pass
+
+
+def _check_before_tls(sock: socket.socket, entry: CacheEntry) -> None:
+    """TLS copies payloads in user space (OpenSSL), where a vanished page is SIGBUS, not EFAULT: re-check the
+    cache's segments under its pin first (plain sockets let the kernel turn the fault into EFAULT)."""
+    if isinstance(sock, ssl.SSLSocket) and not entry.daemon_owned:
+        entry.check_intact()
+
+
+def _being_released(entry: CacheEntry) -> str | None:
+    return f"cache {entry.cache_id} is being released" if entry.closing else None
+
+
+def _vanished(what: str, during: str) -> str:
+    return (f"{what} lost its memory during {during} (its shared-memory segment shrank or was removed by the model "
+            "server)")
+
+
+def _views(entry: CacheEntry, runs: np.ndarray) -> list[memoryview]:
+    return [entry.views[t][off : off + n] for t, off, n in
+            zip(runs["tensor"].tolist(), runs["offset"].tolist(), runs["length"].tolist(), strict=True)]
 
 
 def _check_runs(runs: np.ndarray, entry: CacheEntry) -> None:
@@ -288,6 +448,65 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 # -- pulling side -------------------------------------------------------------------------------------------------
+_Op = Callable[[socket.socket, int, "CacheEntry", list[Run], Progress, float], None]
+
+
+def _request_frame(magic: bytes, cache_id: int, runs: list[tuple[int, int, int]], deadline: float) -> bytes:
+    frame = np.zeros(len(runs), dtype=RUN)
+    frame["tensor"], frame["offset"], frame["length"] = zip(*runs, strict=True)
+    budget_ms = min(max(1, math.ceil((deadline - time.monotonic()) * 1e3)), 0xFFFFFFFF)
+    return REQUEST.pack(magic, len(runs), cache_id, budget_ms, 0) + frame.tobytes()
+
+
+def _refused(status: int, message: bytes | bytearray, what: str) -> NoReturn:
+    try:
+        code = LlmStatus(status)
+    except ValueError:
+        code = LlmStatus.LLM_FAILED
+    fail(code, f"peer refused the {what}: {message.decode(errors='replace')}")
+
+
+def _expect_ok(sock: socket.socket, what: str, watch: sockio.Watch) -> None:
+    magic, status, size = REPLY.unpack(sockio.recv_bytes(sock, REPLY.size, watch))
+    if magic != b"KVRS":
+        raise ConnectionError("bad reply frame")
+    if status != 0:
+        _refused(status, sockio.recv_bytes(sock, min(size, 1 << 16), watch), what)
+
+
+def _check_trailer(trailer: bytes | bytearray, runs: list[Run], progress: Progress, cache_id: int) -> None:
+    """After a READ's payload: did every byte come from the source? Runs that did not are taken back from
+    `progress` (the server padded them with zeros) and the read fails."""
+    magic, status, valid = TRAILER.unpack(trailer)
+    if magic != b"KVEN":
+        raise ConnectionError("bad trailer frame")
+    if status == 0:
+        return
+    for (idx, *_, n), end in zip(runs, itertools.accumulate(r[5] for r in runs), strict=True):
+        if end > valid:
+            progress.retract(idx, n)
+    try:
+        code = LlmStatus(status)
+    except ValueError:
+        code = LlmStatus.LLM_FAILED
+    fail(code, _vanished(f"the peer's cache {cache_id}", "the read") + f"; {valid} bytes of the payload were good",
+         cache_id=cache_id)
+
+
+def _local_memory_gone(entry: CacheEntry, during: str) -> NoReturn:
+    fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, _vanished(f"local cache {entry.cache_id}", during),
+         cache_id=entry.cache_id)
+
+
+async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        got = await loop.sock_recv_into(sock, view[pos:])
+        if got == 0:
+            raise ConnectionError("peer closed the data connection")
+        pos += got
+
+
 class TcpChannel(PeerChannel):
     """A pool of authenticated data connections to one peer."""
 
@@ -301,8 +520,9 @@ class TcpChannel(PeerChannel):
         self._link_id = linkauth.link_id(secret)
         self._executor = executor
         self._max = max_connections
-        self._idle: list[socket.socket] = []
-        self._loop_idle: list[socket.socket] = []  # non-blocking connections used from the event loop
+        # Idle connections with the time they were last used (the server ends idle ones after IDLE_TIMEOUT_S).
+        self._idle: list[tuple[socket.socket, float]] = []
+        self._loop_idle: list[tuple[socket.socket, float]] = []  # non-blocking ones, used from the event loop
         self._lock = threading.Lock()
         self._closed = False
 
@@ -316,20 +536,28 @@ class TcpChannel(PeerChannel):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                sock = self._loop_idle.pop() if self._loop_idle else await self._connect_on_loop(loop)
+                sock = _fresh(self._loop_idle) or await self._connect_on_loop(loop)
                 ok = False
                 try:
                     runs = plan.runs()
-                    frame = _request_frame(b"KVRQ", remote.cache_id, [(r[1], r[2], r[5]) for r in runs])
+                    frame = _request_frame(b"KVRQ", remote.cache_id, [(r[1], r[2], r[5]) for r in runs], deadline)
                     await loop.sock_sendall(sock, frame)
                     await self._expect_ok_on_loop(loop, sock)
                     for idx, _, _, dt, do, n in runs:
-                        await _recv_exact_on_loop(loop, sock, dst.views[dt][do : do + n])
+                        try:
+                            await _recv_exact_on_loop(loop, sock, dst.views[dt][do : do + n])
+                        except OSError as e:
+                            if e.errno == errno.EFAULT:
+                                _local_memory_gone(dst, "a pull")
+                            raise
                         progress.mark(idx, n)
+                    trailer = bytearray(TRAILER.size)
+                    await _recv_exact_on_loop(loop, sock, memoryview(trailer))
+                    _check_trailer(trailer, runs, progress, remote.cache_id)
                     ok = True
                 finally:
                     if ok and not self._closed and len(self._loop_idle) < self._max:
-                        self._loop_idle.append(sock)
+                        self._loop_idle.append((sock, time.monotonic()))
                     else:
                         sock.close()
         except TimeoutError:
@@ -368,17 +596,13 @@ class TcpChannel(PeerChannel):
         if status != 0:
             message = bytearray(min(size, 1 << 16))
             await _recv_exact_on_loop(loop, sock, memoryview(message))
-            try:
-                code = LlmStatus(status)
-            except ValueError:
-                code = LlmStatus.LLM_FAILED
-            fail(code, f"peer refused the read: {message.decode(errors='replace')}")
+            _refused(status, message, "read")
 
     # -- everything else on worker threads ----------------------------------------------------------------------------
     def _connect(self, deadline: float) -> socket.socket:
-        timeout = max(0.001, deadline - time.monotonic())
+        watch = sockio.Watch(deadline)
         try:
-            sock = socket.create_connection(self._addr, timeout=timeout)
+            sock = socket.create_connection(self._addr, timeout=watch.timeout())
         except TimeoutError:
             fail(LlmStatus.LLM_TIMEOUT, f"connecting to the peer's data port {self._addr} timed out")
         except OSError as e:
@@ -386,13 +610,14 @@ class TcpChannel(PeerChannel):
         try:
             _tune(sock)
             if self._tls is not None:
+                sock.settimeout(watch.timeout(final=True))
                 sock = self._tls.wrap_socket(sock, server_hostname=self._addr[0])
-            challenge = _recv_bytes(sock, 4 + linkauth.NONCE_BYTES)
+            challenge = sockio.recv_bytes(sock, 4 + linkauth.NONCE_BYTES, watch)
             if challenge[:4] != b"KVCH":
                 raise ConnectionError("unexpected data-port greeting")
             mac = linkauth.proof(self._secret, challenge[4:], self._link_id)
-            sock.sendall(HELLO.pack(b"KVHI", VERSION, 0, self._link_id, mac))
-            if _recv_bytes(sock, 4) != b"KVOK":
+            sockio.send_all(sock, HELLO.pack(b"KVHI", VERSION, 0, self._link_id, mac), watch)
+            if sockio.recv_bytes(sock, 4, watch) != b"KVOK":
                 raise ConnectionError("unexpected handshake answer")
         except TimeoutError:
             sock.close()
@@ -406,14 +631,13 @@ class TcpChannel(PeerChannel):
         with self._lock:
             if self._closed:
                 fail(LlmStatus.LLM_NOT_YET_LINK, "the link was closed")
-            if self._idle:
-                return self._idle.pop()
-        return self._connect(deadline)
+            sock = _fresh(self._idle)
+        return sock or self._connect(deadline)
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self._max:
-                self._idle.append(sock)
+                self._idle.append((sock, time.monotonic()))
                 return
         sock.close()
 
@@ -455,18 +679,38 @@ class TcpChannel(PeerChannel):
     def _read(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
               deadline: float) -> None:
         """READ: the peer sends the runs' source bytes; they land straight in the destination cache."""
-        _send_request(sock, b"KVRQ", cache_id, [(r[1], r[2], r[5]) for r in runs], deadline)
-        _expect_ok(sock, "read")
+        _check_before_tls(sock, dst)
+        watch = sockio.Watch(deadline)
+        sockio.send_all(sock, _request_frame(b"KVRQ", cache_id, [(r[1], r[2], r[5]) for r in runs], deadline),
+                        watch)
+        _expect_ok(sock, "read", watch)
         views = [dst.views[dt][do : do + n] for _, _, _, dt, do, n in runs]
-        _recv_views(sock, views, lambda k: progress.mark(runs[k][0], runs[k][5]), deadline)
+        trailer = bytearray(TRAILER.size)
+        last = len(runs)
+
+        def landed(k: int) -> None:
+            if k < last:
+                progress.mark(runs[k][0], runs[k][5])
+
+        try:
+            sockio.recv_views(sock, [*views, memoryview(trailer)], landed, watch)
+        except sockio.MemoryFault:
+            _local_memory_gone(dst, "a pull")
+        _check_trailer(trailer, runs, progress, cache_id)
 
     def _write(self, sock: socket.socket, cache_id: int, src: CacheEntry, runs: list[Run], progress: Progress,
                deadline: float) -> None:
         """WRITE: the peer checks the destination runs first, then receives the bytes into its cache and acks."""
-        _send_request(sock, b"KVWR", cache_id, [(r[3], r[4], r[5]) for r in runs], deadline)
-        _expect_ok(sock, "write")
-        _send_views(sock, [src.views[st][so : so + n] for _, st, so, _, _, n in runs])
-        _expect_ok(sock, "write")
+        _check_before_tls(sock, src)
+        watch = sockio.Watch(deadline)
+        sockio.send_all(sock, _request_frame(b"KVWR", cache_id, [(r[3], r[4], r[5]) for r in runs], deadline),
+                        watch)
+        _expect_ok(sock, "write", watch)
+        try:
+            sockio.send_views(sock, [src.views[st][so : so + n] for _, st, so, _, _, n in runs], watch)
+        except sockio.MemoryFault:
+            _local_memory_gone(src, "a push")  # the connection closes mid-payload: the peer drops what it got
+        _expect_ok(sock, "write", watch)
         for idx, *_, n in runs:
             progress.mark(idx, n)
 
@@ -474,6 +718,61 @@ class TcpChannel(PeerChannel):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for s in idle + self._loop_idle:
+        for s, _ in idle + self._loop_idle:
             s.close()
         self._loop_idle = []
+
+
+def _fresh(pool: list[tuple[socket.socket, float]]) -> socket.socket | None:
+    """The most recently used pooled connection that the server has not retired yet; closes older ones."""
+    while pool:
+        sock, used = pool.pop()
+        if time.monotonic() - used < _POOL_IDLE_S:
+            return sock
+        sock.close()
+    return None
+
+
+class TcpBackend(Backend):
+    """Serves this daemon's caches on its data port and advertises the port; peers dial the host they reached our
+    peer API on (an advertisement never names a host)."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx: LocalContext) -> None:
+        super().__init__(ctx)
+        self.server: DataServer | None = None
+
+    async def start(self) -> None:
+        self.server = DataServer(self.ctx.registry, self.ctx.secret_for, self.ctx.peer_host, self.ctx.data_port,
+                                 tls=self.ctx.data_server_tls)
+        self.server.start()
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None and self.server.serving
+
+    @property
+    def port(self) -> int:
+        return 0 if self.server is None else self.server.port
+
+    def advertise(self) -> bytes:
+        return json.dumps({"port": self.port}).encode()
+
+    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+        try:
+            port = json.loads(info)["port"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise BackendUnusable(f"unreadable tcp advertisement ({type(e).__name__})") from None
+        if type(port) is not int or not 0 < port < 65536:
+            raise BackendUnusable(f"invalid tcp data port {str(port)[:20]!r}")
+        host = peer.peer_address.rpartition(":")[0].strip("[]")
+        return TcpChannel(host, port, peer.secret, self.ctx.parts_executor, tls=self.ctx.data_client_tls)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+BACKEND = TcpBackend

@@ -42,6 +42,15 @@ def to_rpc_status(err: LlmError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
+def status_of(exc: Exception, rpc: str) -> grpc.Status:
+    """The status an RPC ends with: an LlmError's own; anything else is a bug of ours, LLM_FAILED (INTERNAL) with its
+    type and message, and logged with its traceback. Never gRPC's bare UNKNOWN."""
+    if isinstance(exc, LlmError):
+        return to_rpc_status(exc)
+    log.error("%s failed", rpc, exc_info=exc)
+    return to_rpc_status(LlmError(LlmStatus.LLM_FAILED, f"internal error: {type(exc).__name__}: {exc}"))
+
+
 def llm_errors(handler: Handler[_Req, _Resp]) -> Handler[_Req, _Resp]:
     """Ends the RPC with the rich status of an LlmError; unexpected exceptions become LLM_FAILED (logged)."""
 
@@ -49,12 +58,8 @@ def llm_errors(handler: Handler[_Req, _Resp]) -> Handler[_Req, _Resp]:
     async def wrapper(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
         try:
             return await handler(self, request, context)
-        except LlmError as err:
-            await context.abort_with_status(to_rpc_status(err))
         except Exception as exc:
-            log.exception("%s failed", handler.__name__)
-            internal = LlmError(LlmStatus.LLM_FAILED, f"internal error: {type(exc).__name__}: {exc}")
-            await context.abort_with_status(to_rpc_status(internal))
+            await context.abort_with_status(status_of(exc, handler.__name__))
         raise AssertionError("unreachable")  # abort_with_status raises
 
     return wrapper

@@ -10,16 +10,18 @@ import grpc.aio
 from google.protobuf.message import Message
 
 import kvbrokerd
-from kvbroker._convert import desc_to_pb, tensor_location_to_pb
+from kvbroker._convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
 from kvbroker._status import LlmStatus
-from kvbroker._types import TensorLocation, TransferResult
+from kvbroker._types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
+from kvbrokerd import devicemem, notifications
 from kvbrokerd.errors import LlmError, fail
+from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 from kvbrokerd.registry import CacheEntry, desc_from_wire
-from kvbrokerd.service.errors import llm_errors, time_remaining, to_rpc_status
+from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
 from kvbrokerd.transfers import BlocksRequest, CacheRequest, Direction
 
 MAX_CLUSTERS_PER_CALL = 16
@@ -40,6 +42,7 @@ def cache_info(entry: CacheEntry, shm_dir: str, lease_expires_unix: float = 0.0)
 
 
 def _desc(msg: types_pb2.CacheDesc) -> object:
+    check_text("desc.layout_tag", msg.layout_tag, MAX_LAYOUT_TAG_BYTES)
     return desc_from_wire(msg.num_tensors, msg.data_type, msg.shape, msg.placement, msg.layout_tag)
 
 
@@ -77,9 +80,16 @@ def _check_cluster_count(n: int) -> None:
         fail(LlmStatus.LLM_CLUSTER_NUM_EXCEED_LIMIT, f"{n} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}")
 
 
+def _checked_address(c: broker_pb2.ClusterInfo) -> str:
+    check_text("remote_address", c.remote_address, MAX_ADDRESS_BYTES)
+    return c.remote_address
+
+
 class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._listing_bytes: dict[int, int] = {}
+        """Size of each cache's entry in the ListCaches reply, by cache id (see MAX_CACHE_LISTING_BYTES)."""
 
     @property
     def _shm_dir(self) -> str:
@@ -104,8 +114,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                             ) -> broker_pb2.AllocateCacheResponse:
         if request.session_id:
             self.node.sessions.touch(request.session_id)
-        entry = self.node.registry.allocate(_desc(request.desc), owner=request.session_id)  # type: ignore[arg-type]
-        return broker_pb2.AllocateCacheResponse(cache=self._info(entry))
+        # Reserving the memory takes about a second per GiB on a loaded host: off the event loop.
+        entry = await asyncio.to_thread(self.node.registry.allocate, _desc(request.desc),  # type: ignore[arg-type]
+                                        request.session_id)
+        return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
 
     @llm_errors
     async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
@@ -116,12 +128,16 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     @llm_errors
     async def RegisterKvCache(self, request: broker_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext
                               ) -> broker_pb2.RegisterKvCacheResponse:
-        tensors = [TensorLocation(t.segment, t.offset) for t in request.tensors]
+        tensors = [tensor_location_from_pb(t) for t in request.tensors]
         if request.session_id:
             self.node.sessions.touch(request.session_id)
-        entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
-                                            owner=request.session_id)
-        return broker_pb2.RegisterKvCacheResponse(cache=self._info(entry))
+        if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
+            entry = devicemem.register(_desc(request.desc), tensors, self.node.links.backends,  # type: ignore[arg-type]
+                                       owner=request.session_id)
+        else:
+            entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
+                                                owner=request.session_id)
+        return broker_pb2.RegisterKvCacheResponse(cache=await self._admit(entry))
 
     @llm_errors
     async def UnregisterKvCache(self, request: broker_pb2.UnregisterKvCacheRequest,
@@ -145,13 +161,29 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         expires = self.node.sessions.expires_unix(entry.owner) if entry.owner else 0.0
         return cache_info(entry, self._shm_dir, expires)
 
+    async def _admit(self, entry: CacheEntry) -> broker_pb2.CacheInfo:
+        """The new cache's description, unless it would make the ListCaches reply too large for anyone to receive:
+        then the cache is removed again and the call refused."""
+        info = self._info(entry)
+        live = {e.cache_id for e in self.node.registry.list()}
+        sizes = {cache_id: n for cache_id, n in self._listing_bytes.items() if cache_id in live}
+        size = info.ByteSize() + 6  # + its tag and length prefix in the repeated field
+        if sum(sizes.values()) + size > MAX_CACHE_LISTING_BYTES:
+            await self.node.registry.remove(entry.cache_id, daemon_owned=None, wait_s=0.0)
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"the descriptions of all caches would exceed {MAX_CACHE_LISTING_BYTES} "
+                 f"bytes (the ListCaches limit); this one takes {size} (its tensors' segment names); release caches "
+                 "or register fewer, larger tensors")
+        sizes[entry.cache_id] = size
+        self._listing_bytes = sizes
+        return info
+
     @llm_errors
     async def LinkClusters(self, request: broker_pb2.LinkClustersRequest, context: grpc.aio.ServicerContext
                            ) -> broker_pb2.LinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
         results = await _per_cluster(request.clusters,
-                                     lambda c: self.node.links.link(c.remote_cluster_id, c.remote_address, timeout))
+                                     lambda c: self.node.links.link(c.remote_cluster_id, _checked_address(c), timeout))
         return broker_pb2.LinkClustersResponse(results=results)
 
     @llm_errors
@@ -159,8 +191,12 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                              ) -> broker_pb2.UnlinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-        results = await _per_cluster(request.clusters,
-                                     lambda c: self.node.links.unlink(c.remote_cluster_id, request.force, timeout))
+
+        async def unlink(c: broker_pb2.ClusterInfo) -> None:
+            _checked_address(c)  # unused (the cluster id names the link), but bounded like everywhere else
+            await self.node.links.unlink(c.remote_cluster_id, request.force, timeout)
+
+        results = await _per_cluster(request.clusters, unlink)
         return broker_pb2.UnlinkClustersResponse(results=results)
 
     @llm_errors
@@ -183,15 +219,22 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
 
     async def PullKvBlocksStream(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[broker_pb2.PullKvBlocksProgress]:
+        result: TransferResult | None = None
         try:
             async for item in self.node.transfers.pull_blocks_by_layer(_pull_blocks(request),
                                                                        time_remaining(context)):
                 if isinstance(item, TransferResult):
-                    yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, item))
+                    # Held back until the transfer has ended (and been counted DONE): a caller that closes the
+                    # stream as soon as it has the result must not turn a finished pull into a CANCELLED one.
+                    result = item
                 else:
                     yield broker_pb2.PullKvBlocksProgress(layer=item[0], layer_bytes=item[1])
-        except LlmError as err:
-            await context.abort_with_status(to_rpc_status(err))
+            if result is None:
+                fail(LlmStatus.LLM_FAILED, "the layer-wise pull ended without a result")
+        except Exception as exc:
+            await context.abort_with_status(status_of(exc, "PullKvBlocksStream"))
+            return
+        yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, result))
 
     @llm_errors
     async def PullKvCache(self, request: broker_pb2.PullKvCacheRequest, context: grpc.aio.ServicerContext
@@ -248,6 +291,27 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                                                         transfer_id=result.transfer_id, num_runs=result.num_runs,
                                                         backends=backends)
 
+    @llm_errors
+    async def SendNotification(self, request: broker_pb2.SendNotificationRequest,
+                               context: grpc.aio.ServicerContext) -> broker_pb2.SendNotificationResponse:
+        notifications.check(request.topic, request.payload)
+        link = self.node.links.get_ready(request.cluster_id)
+        remaining = time_remaining(context)
+        await link.notify(request.topic, bytes(request.payload), 10.0 if remaining is None else remaining)
+        return broker_pb2.SendNotificationResponse()
+
+    @llm_errors
+    async def FetchNotifications(self, request: broker_pb2.FetchNotificationsRequest,
+                                 context: grpc.aio.ServicerContext) -> broker_pb2.FetchNotificationsResponse:
+        wait_s = request.wait_ms / 1000
+        remaining = time_remaining(context)
+        if remaining is not None:
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))  # answer before the caller's deadline
+        got = await self.node.notifications.fetch(request.topic, request.max_count, wait_s)
+        return broker_pb2.FetchNotificationsResponse(notifications=[
+            broker_pb2.Notification(cluster_id=n.cluster_id, topic=n.topic, payload=n.payload,
+                                    received_unix=n.received_unix) for n in got])
+
 
 _Summary = TypeVar("_Summary", bound=Message)
 
@@ -293,3 +357,4 @@ def _wait(context: grpc.aio.ServicerContext) -> float:
     if remaining is None:
         return 10.0
     return max(0.0, min(10.0, remaining - min(0.1, remaining * 0.2)))
+

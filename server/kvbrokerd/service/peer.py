@@ -1,4 +1,5 @@
-"""`kvbroker.v1.Peer`: what linked daemons ask of us (handshake, cache lookups, heartbeats, unlink notices)."""
+"""`kvbroker.v1.Peer`: what linked daemons ask of us (handshake, cache lookups, heartbeats, unlink notices,
+notifications). Every call but the handshake's first step must carry a valid LinkProof."""
 
 from __future__ import annotations
 
@@ -19,38 +20,51 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     @llm_errors
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
                         ) -> peer_pb2.HandshakeResponse:
+        return self.node.links.inbound.hello(request)
+
+    @llm_errors
+    async def Authenticate(self, request: peer_pb2.AuthenticateRequest, context: grpc.aio.ServicerContext
+                           ) -> peer_pb2.AuthenticateResponse:
         n = self.node
-        token = n.links.accept(request)
-        return peer_pb2.HandshakeResponse(
-            protocol_version=PROTOCOL_VERSION, cluster_id=n.cluster_id, instance_epoch=n.epoch,
-            backends=list(n.backends), data_address=n.data_address, link_token=token,
-            shm_probe_path=str(n.registry.control_path or ""), shm_probe_nonce=n.registry.nonce,
-        )
+        n.links.inbound.authenticate(request)
+        return peer_pb2.AuthenticateResponse(
+            cluster_id=n.cluster_id, instance_epoch=n.epoch,
+            backend_info={name: b.advertise() for name, b in n.links.backends.items()})
 
     @llm_errors
     async def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.GetCacheInfoResponse:
-        self.node.links.authorize(request.link_token)
+        self.node.links.inbound.authorize("GetCacheInfo", request, request.proof)
         entry = self.node.registry.get(request.cache_id)
         return peer_pb2.GetCacheInfoResponse(
             cache_id=entry.cache_id, desc=desc_to_pb(entry.desc),
-            tensors=[tensor_location_to_pb(t) for t in entry.tensors],
-            shm_dir=str(self.node.registry.shm_dir), instance_epoch=self.node.epoch,
+            tensors=[tensor_location_to_pb(t) for t in entry.tensors], instance_epoch=self.node.epoch,
+            backend_info={name: info for name, b in self.node.links.backends.items()
+                          if (info := b.describe_cache(entry))},
         )
 
     @llm_errors
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> peer_pb2.HeartbeatResponse:
         try:
-            self.node.links.authorize(request.link_token)
-            known = True
+            self.node.links.inbound.authorize("Heartbeat", request, request.proof)
         except LlmError:
-            known = False
-        return peer_pb2.HeartbeatResponse(instance_epoch=self.node.epoch, link_known=known)
+            return peer_pb2.HeartbeatResponse(link_known=False)  # a stranger learns nothing, not even our epoch
+        return peer_pb2.HeartbeatResponse(instance_epoch=self.node.epoch, link_known=True)
 
     @llm_errors
     async def Unlink(self, request: peer_pb2.PeerUnlinkRequest, context: grpc.aio.ServicerContext
                      ) -> peer_pb2.PeerUnlinkResponse:
-        self.node.links.authorize(request.link_token)
-        self.node.links.drop_inbound(request.link_token)
+        link = self.node.links.inbound.authorize("Unlink", request, request.proof)
+        self.node.links.inbound.drop(link)
         return peer_pb2.PeerUnlinkResponse()
+
+    @llm_errors
+    async def Notify(self, request: peer_pb2.PeerNotifyRequest, context: grpc.aio.ServicerContext
+                     ) -> peer_pb2.PeerNotifyResponse:
+        link = self.node.links.inbound.authorize("Notify", request, request.proof)
+        self.node.notifications.put(link.remote_cluster_id, request.topic, bytes(request.payload))
+        return peer_pb2.PeerNotifyResponse()
+
+
+__all__ = ["PROTOCOL_VERSION", "PeerService"]

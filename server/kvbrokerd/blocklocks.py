@@ -1,0 +1,154 @@
+"""Serialises writes into the same destination blocks, so that no block ever mixes the bytes of two transfers.
+
+Two pulls (copies, inbound tcp WRITEs) into the same destination blocks used to interleave: split over several
+connections or copy threads, each wrote part of a block and the block ended up half one source, half the other.
+Now every write claims its destination cells (one cell = one block of one tensor) before its first byte moves and
+keeps them until its last byte has landed (or its worker has stopped); a later writer whose cells overlap waits,
+bounded by its own deadline, and then fails with LLM_TIMEOUT having written nothing. Writes to disjoint cells never
+wait on each other. A connector may legitimately pull the same blocks again: waiting, not refusing, keeps that
+working.
+
+Cheap by construction: a cache's busy cells are one numpy bool array, a claim is one array of slot indices. Caches
+with more cells than `MAX_SLOTS` fold cells onto slots (cell % slots); two cells sharing a slot only make writers
+wait that need not (never the reverse), and the memory per written cache stays bounded.
+
+Thread-safe: claims come from the event loop (transfers) and from the tcp data server's threads. The table holds
+caches weakly: a released cache's state goes with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import numpy as np
+
+from kvbrokerd.errors import LlmStatus, fail
+
+MAX_SLOTS = 1 << 20
+_FEW_RUNS = 16
+
+
+@dataclass(eq=False)
+class _CacheCells:
+    busy: np.ndarray
+    num_blocks: int
+    waiters: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Claim:
+    """Cells held by one writer until `BlockLocks.release`."""
+
+    cells: _CacheCells
+    slots: np.ndarray
+
+
+def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_nbytes: int,
+              num_blocks: int) -> np.ndarray:
+    """Cells (tensor * num_blocks + block) that byte runs touch: run i covers bytes [offset, offset + length) of
+    tensor `tensor[i]`. Runs must be non-empty (the planner and the data server check that first)."""
+    if len(tensor) <= _FEW_RUNS:  # plain ints beat a dozen numpy calls on tiny arrays (small pulls' latency)
+        few: list[int] = []
+        for t, off, n in zip(tensor.tolist(), offset.tolist(), length.tolist(), strict=True):
+            first = t * num_blocks + off // block_nbytes
+            few.extend(range(first, first + (off + n - 1) // block_nbytes - off // block_nbytes + 1))
+        return np.array(few, dtype=np.int64)
+    bpb = np.int64(block_nbytes)
+    first = offset.astype(np.int64) // bpb
+    last = (offset.astype(np.int64) + length.astype(np.int64) - 1) // bpb
+    base = tensor.astype(np.int64) * np.int64(num_blocks) + first
+    counts = last - first + 1
+    if not len(counts) or bool(np.all(counts == 1)):  # one block per run: the common, scattered-blocks case
+        return base
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    cells: np.ndarray = np.repeat(base, counts) + (np.arange(int(counts.sum()), dtype=np.int64) - starts)
+    return cells
+
+
+class BlockLocks:
+    """Per-cache busy cells; `key` is the cache's object (a registry entry, a remote cache), held weakly."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._caches: weakref.WeakKeyDictionary[object, _CacheCells] = weakref.WeakKeyDictionary()
+
+    def _try(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
+             wake: Callable[[], None] | None) -> Claim | None:
+        """Claims `cells` if none is busy; otherwise registers `wake` (if any) for the next release (atomically,
+        so that no release is missed) and returns None."""
+        with self._lock:
+            state = self._caches.get(key)
+            if state is None:
+                state = _CacheCells(np.zeros(max(1, min(num_tensors * num_blocks, MAX_SLOTS)), dtype=bool),
+                                    num_blocks)
+                self._caches[key] = state
+            slots = cells % len(state.busy) if len(state.busy) < num_tensors * num_blocks else cells
+            if state.busy[slots].any():
+                if wake is not None:
+                    state.waiters.append(wake)
+                return None
+            state.busy[slots] = True
+            return Claim(state, slots)
+
+    def release(self, claim: Claim) -> None:
+        state = claim.cells
+        with self._lock:
+            state.busy[claim.slots] = False
+            waiters, state.waiters = state.waiters, []
+        for wake in waiters:
+            wake()
+
+    def claim(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray, deadline: float,
+              what: str) -> Claim:
+        """Blocks (a data-server thread) until `cells` are free, at most until `deadline` (time.monotonic)."""
+        while True:
+            freed = threading.Event()
+            held = self._try(key, num_tensors, num_blocks, cells, freed.set)
+            if held is not None:
+                return held
+            if not freed.wait(max(0.0, deadline - time.monotonic())):
+                _busy_past_deadline(what)
+
+    async def claim_async(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
+                          deadline: float, what: str) -> Claim:
+        """`claim` for the event loop: waits without blocking the loop."""
+        held = self._try(key, num_tensors, num_blocks, cells, None)  # the common case: nobody else writes there
+        if held is not None:
+            return held
+        loop = asyncio.get_running_loop()
+        while True:
+            freed: asyncio.Future[None] = loop.create_future()
+
+            def wake(fut: asyncio.Future[None] = freed) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                    loop.call_soon_threadsafe(_resolve, fut)
+
+            held = self._try(key, num_tensors, num_blocks, cells, wake)
+            if held is not None:
+                return held
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await freed
+            except TimeoutError:
+                _busy_past_deadline(what)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _busy_past_deadline(what: str) -> NoReturn:
+    fail(LlmStatus.LLM_TIMEOUT, f"{what}: another transfer was still writing the same destination blocks when the "
+         "deadline passed (writes to the same blocks take turns); nothing was written")
+
+
+DEFAULT = BlockLocks()
+"""The daemon's table: transfers and the tcp data server must share one, so that their writes take turns."""

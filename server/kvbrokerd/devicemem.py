@@ -1,0 +1,69 @@
+"""Device caches: RegisterKvCache of tensors in accelerator memory, exported by IPC handle.
+
+The planner and the registry's shm path know nothing of device memory. A device registration is validated here
+(one kind per cache, handle sizes, each tensor inside its exported allocation) and then handed to the first of this
+daemon's backends that declares the memory kind (`Capabilities.memory_kinds`); that backend imports the handles
+(CUDA: cudaIpcOpenMemHandle; Ascend: the IPC export key) and owns the mapping. A daemon with no such backend
+refuses with LLM_FEATURE_NOT_ENABLED and says which backend would serve the kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvbroker._types import CacheDesc, Placement, TensorLocation
+from kvbrokerd.errors import LlmStatus, fail, param_invalid
+
+if TYPE_CHECKING:
+    from kvbrokerd.backends.base import Backend
+    from kvbrokerd.registry import CacheEntry
+
+KINDS = {"cuda": ("nixl", 64, 64), "npu": ("hccl", 1, 256)}
+"""kind -> (the backend that serves it, smallest and largest IPC handle in bytes)."""
+MAX_DEVICE_NAME = 64
+
+
+def is_device(tensors: Sequence[TensorLocation]) -> bool:
+    return any(t.device is not None for t in tensors)
+
+
+def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
+    """Checks a device registration before anything is imported; returns its memory kind."""
+    if len(tensors) != desc.num_tensors:
+        param_invalid(f"{len(tensors)} tensor locations for num_tensors={desc.num_tensors}")
+    if desc.placement not in (Placement.DEVICE, Placement.HOST) or any(t.device is None for t in tensors):
+        param_invalid("a device cache needs a device location for every tensor")
+    kinds = {t.device.kind for t in tensors if t.device is not None}
+    if len(kinds) != 1:
+        param_invalid(f"one memory kind per cache, got {sorted(kinds)}")
+    kind = kinds.pop()
+    if kind not in KINDS:
+        param_invalid(f"unknown device memory kind {kind!r} (known: {', '.join(KINDS)})")
+    _, smallest, largest = KINDS[kind]
+    for i, t in enumerate(tensors):
+        d = t.device
+        assert d is not None
+        if t.segment:
+            param_invalid(f"tensor {i}: a device tensor names no shm segment")
+        if not d.device or len(d.device.encode()) > MAX_DEVICE_NAME:
+            param_invalid(f"tensor {i}: device must be 1..{MAX_DEVICE_NAME} bytes (a UUID or an ordinal)")
+        if not smallest <= len(d.ipc_handle) <= largest:
+            param_invalid(f"tensor {i}: a {kind} IPC handle is {smallest}..{largest} bytes, got {len(d.ipc_handle)}")
+        if t.offset < 0 or t.offset + desc.tensor_nbytes > d.allocation_bytes:
+            param_invalid(f"tensor {i}: bytes [{t.offset}, {t.offset + desc.tensor_nbytes}) are outside the exported "
+                          f"allocation of {d.allocation_bytes} bytes")
+    return kind
+
+
+def register(desc: CacheDesc, tensors: Sequence[TensorLocation], backends: Mapping[str, Backend],
+             owner: str) -> CacheEntry:
+    """Validates, then hands the registration to the backend that serves its memory kind."""
+    kind = validate(desc, tensors)
+    for backend in backends.values():
+        if kind in backend.capabilities.memory_kinds:
+            return backend.import_device_cache(desc, tensors, owner)
+    serving = KINDS[kind][0]
+    fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, f"no backend of this daemon moves {kind} memory (it runs "
+         f"{', '.join(backends) or 'none'}); start it with --backends {serving},... where the {serving} backend "
+         "can run")

@@ -1,0 +1,128 @@
+"""A hostile-peer kit: speaks the Peer protocol by hand, as a stranger (no token) or as a compromised peer (holding
+the deployment token), so tests can send what no honest daemon would."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import Message
+
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbrokerd import linkauth
+from kvbrokerd.inbound import PROTOCOL_VERSION, sign
+
+
+def token_of(workdir: Path) -> bytes:
+    return linkauth.load_token(Path(workdir) / "peer.token")
+
+
+@dataclass
+class FakePeerLink:
+    """A link a test made to a real daemon through its Peer API."""
+
+    secret: bytes
+    description: peer_pb2.AuthenticateResponse
+    channel: grpc.Channel
+    _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def stub(self) -> peer_pb2_grpc.PeerStub:
+        return peer_pb2_grpc.PeerStub(self.channel)
+
+    @property
+    def link_id(self) -> bytes:
+        return linkauth.link_id(self.secret)
+
+    @property
+    def data_port(self) -> int:
+        return int(json.loads(self.description.backend_info["tcp"])["port"])
+
+    def signed(self, method: str, request: Message, seq: int | None = None) -> Message:
+        sign(request, method, self.secret, self.link_id, next(self._seq) if seq is None else seq)
+        return request
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def hello(cluster_id: int, expected: int, epoch: str = "fake-epoch") -> peer_pb2.HandshakeRequest:
+    return peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=cluster_id, instance_epoch=epoch,
+                                     expected_cluster_id=expected, caller_nonce=linkauth.new_nonce())
+
+
+def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, epoch: str = "fake-epoch"
+            ) -> FakePeerLink:
+    """Runs both handshake steps against `address` with `token` (None: as a peer of an --insecure-peers daemon).
+    Raises grpc.RpcError where the daemon refuses."""
+    key = linkauth.token_key(token)
+    channel = grpc.insecure_channel(address)
+    stub = peer_pb2_grpc.PeerStub(channel)
+    req = hello(cluster_id, expected, epoch)
+    challenge = stub.Handshake(req, timeout=5)
+    bound = linkauth.binding(cluster_id, expected, epoch, req.caller_nonce, challenge.responder_nonce,
+                             PROTOCOL_VERSION)
+    resp = stub.Authenticate(peer_pb2.AuthenticateRequest(
+        challenge_id=challenge.challenge_id, caller_proof=linkauth.handshake_proof(key, b"caller", bound)), timeout=5)
+    return FakePeerLink(linkauth.derive_link_secret(key, bound), resp, channel)
+
+
+class FakePeer(peer_pb2_grpc.PeerServicer):
+    """A compromised peer: holds the deployment token (so it links), then answers whatever the test set in
+    `description` and `caches` (by cache id)."""
+
+    def __init__(self, cluster_id: int, token: bytes | None, description: peer_pb2.AuthenticateResponse) -> None:
+        from kvbrokerd.inbound import InboundTable
+
+        self.cluster_id = cluster_id
+        self.description = description
+        self.caches: dict[int, peer_pb2.GetCacheInfoResponse] = {}
+        self._inbound = InboundTable(cluster_id, linkauth.token_key(token), max_links=16)
+        self._server: grpc.Server | None = None
+        self.address = ""
+
+    def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.ServicerContext
+                  ) -> peer_pb2.HandshakeResponse:
+        return self._inbound.hello(request)
+
+    def Authenticate(self, request: peer_pb2.AuthenticateRequest, context: grpc.ServicerContext
+                     ) -> peer_pb2.AuthenticateResponse:
+        self._inbound.authenticate(request)
+        return self.description
+
+    def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.ServicerContext
+                     ) -> peer_pb2.GetCacheInfoResponse:
+        answer = self.caches.get(request.cache_id)
+        if answer is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such cache")
+        assert answer is not None
+        return answer
+
+    def Unlink(self, request: peer_pb2.PeerUnlinkRequest, context: grpc.ServicerContext
+               ) -> peer_pb2.PeerUnlinkResponse:
+        return peer_pb2.PeerUnlinkResponse()
+
+    def Notify(self, request: peer_pb2.PeerNotifyRequest, context: grpc.ServicerContext
+               ) -> peer_pb2.PeerNotifyResponse:
+        return peer_pb2.PeerNotifyResponse()
+
+    def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> peer_pb2.HeartbeatResponse:
+        return peer_pb2.HeartbeatResponse(instance_epoch=self.description.instance_epoch, link_known=True)
+
+    def __enter__(self) -> FakePeer:
+        from concurrent import futures
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(4))
+        peer_pb2_grpc.add_PeerServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.stop(0)

@@ -1,0 +1,134 @@
+"""Destination-block claims (kvbrokerd.blocklocks): overlapping writers take turns, disjoint ones never wait."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbroker import LlmError, LlmStatus
+from kvbrokerd import blocklocks
+from kvbrokerd.blocklocks import BlockLocks, run_cells
+
+BLOCK = 64
+TENSORS, BLOCKS = 4, 32
+
+
+class _Cache:
+    """Stands in for a registry entry: the table keys caches by object identity, weakly."""
+
+
+def _cells(blocks: list[int], tensors: range = range(TENSORS)) -> np.ndarray:
+    t = np.repeat(np.asarray(list(tensors), dtype=np.uint32), len(blocks))
+    off = np.tile(np.asarray(blocks, dtype=np.uint64) * np.uint64(BLOCK), len(tensors))
+    return run_cells(t, off, np.full(len(t), BLOCK, dtype=np.uint64), BLOCK, BLOCKS)
+
+
+@given(st.lists(st.tuples(st.integers(0, TENSORS - 1), st.integers(0, BLOCKS * BLOCK - 1),
+                          st.integers(1, 4 * BLOCK)), min_size=1, max_size=20))
+def test_run_cells_are_the_blocks_each_run_touches(runs: list[tuple[int, int, int]]) -> None:
+    runs = [(t, off, min(n, BLOCKS * BLOCK - off)) for t, off, n in runs]
+    expected = {t * BLOCKS + b for t, off, n in runs for b in range(off // BLOCK, (off + n - 1) // BLOCK + 1)}
+    t, off, n = (np.asarray(c, dtype=np.uint64) for c in zip(*runs, strict=True))
+    got = run_cells(t, off, n, BLOCK, BLOCKS)
+    assert set(got.tolist()) == expected
+    assert len(got) == sum((off + n - 1) // BLOCK - off // BLOCK + 1 for _, off, n in runs)
+
+
+def test_disjoint_claims_never_wait() -> None:
+    locks, cache = BlockLocks(), _Cache()
+    a = locks.claim(cache, TENSORS, BLOCKS, _cells([0, 1, 2]), time.monotonic(), "a")
+    b = locks.claim(cache, TENSORS, BLOCKS, _cells([3, 4]), time.monotonic(), "b")
+    c = locks.claim(_Cache(), TENSORS, BLOCKS, _cells([0, 1, 2]), time.monotonic(), "another cache")
+    d = locks.claim(cache, TENSORS, BLOCKS, _cells([0], range(0)), time.monotonic(), "no tensor")
+    for claim in (a, b, c, d):
+        locks.release(claim)
+
+
+def test_an_overlapping_claim_waits_for_the_release() -> None:
+    locks, cache = BlockLocks(), _Cache()
+    first = locks.claim(cache, TENSORS, BLOCKS, _cells([5, 6]), time.monotonic(), "first")
+    threading.Timer(0.3, locks.release, args=(first,)).start()
+    started = time.monotonic()
+    second = locks.claim(cache, TENSORS, BLOCKS, _cells([6, 7], range(1, 2)), started + 10, "second")
+    assert time.monotonic() - started >= 0.25
+    locks.release(second)
+
+
+def test_an_overlapping_claim_gives_up_at_its_deadline_having_claimed_nothing() -> None:
+    locks, cache = BlockLocks(), _Cache()
+    first = locks.claim(cache, TENSORS, BLOCKS, _cells([5]), time.monotonic(), "first")
+    with pytest.raises(LlmError) as info:
+        locks.claim(cache, TENSORS, BLOCKS, _cells([4, 5]), time.monotonic() + 0.2, "transfer x")
+    assert info.value.status == LlmStatus.LLM_TIMEOUT and "transfer x" in info.value.message
+    # Block 4 was not taken by the failed claim.
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([4]), time.monotonic(), "third"))
+    locks.release(first)
+
+
+async def test_async_claims_wait_without_blocking_the_loop() -> None:
+    locks, cache = BlockLocks(), _Cache()
+    first = locks.claim(cache, TENSORS, BLOCKS, _cells([1]), time.monotonic(), "first")
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.ensure_future(tick())
+    threading.Timer(0.3, locks.release, args=(first,)).start()  # released from another thread
+    second = await locks.claim_async(cache, TENSORS, BLOCKS, _cells([1]), time.monotonic() + 10, "second")
+    ticker.cancel()
+    assert ticks >= 10  # the loop kept running while the claim waited
+    locks.release(second)
+    held = locks.claim(cache, TENSORS, BLOCKS, _cells([2]), time.monotonic(), "held")
+    with pytest.raises(LlmError):
+        await locks.claim_async(cache, TENSORS, BLOCKS, _cells([2]), time.monotonic() + 0.1, "late")
+    locks.release(held)
+
+
+def test_folded_slots_stay_exclusive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache with more cells than MAX_SLOTS shares slots between cells: more waiting, never a missed overlap."""
+    monkeypatch.setattr(blocklocks, "MAX_SLOTS", 7)
+    locks, cache = BlockLocks(), _Cache()
+    first = locks.claim(cache, TENSORS, BLOCKS, _cells([9], range(1)), time.monotonic(), "first")  # slot 9 % 7
+    with pytest.raises(LlmError):  # cell 16 is another block, but it shares slot 2 with cell 9
+        locks.claim(cache, TENSORS, BLOCKS, _cells([16], range(1)), time.monotonic() + 0.05, "same slot")
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([10], range(1)), time.monotonic(), "other slot"))
+    locks.release(first)
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([16], range(1)), time.monotonic(), "after"))
+
+
+def test_concurrent_writers_never_tear_a_block() -> None:
+    """Eight threads each write their id into the same blocks, a piece at a time, under claims: every block
+    ends up one writer's, whole."""
+    locks, cache = BlockLocks(), _Cache()
+    memory = np.zeros((BLOCKS, BLOCK), dtype=np.uint8)
+    blocks = list(range(0, BLOCKS, 3))
+
+    def writer(me: int) -> None:
+        for _ in range(5):
+            claim = locks.claim(cache, 1, BLOCKS, _cells(blocks, range(1)), time.monotonic() + 30, f"w{me}")
+            try:
+                for b in blocks:
+                    memory[b, : BLOCK // 2] = me
+                    time.sleep(0.0005)
+                    memory[b, BLOCK // 2 :] = me
+            finally:
+                locks.release(claim)
+
+    threads = [threading.Thread(target=writer, args=(i + 1,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b in blocks:
+        assert len(set(memory[b].tolist())) == 1, f"block {b} mixes writers: {set(memory[b].tolist())}"
+    assert len({int(memory[b, 0]) for b in blocks}) == 1  # one claim covers all the blocks: one writer won all
