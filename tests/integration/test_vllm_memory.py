@@ -112,7 +112,7 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
         worker.register({f"layer{i}": t for i, t in enumerate(layers)})
         try:
             for attempt in range(2):  # the second prefill daemon is the first one restarted, on another port
-                with LocalDaemon(tmp_path / f"p{attempt}", 1) as p_daemon, p_daemon.client() as p:
+                with LocalDaemon(tmp_path, 1) as p_daemon, p_daemon.client() as p:
                     src = p.allocate_cache(LAYOUT.desc())
                     src.tensors[0][3] = 7.0 + attempt
                     assert _finish(worker, worker_pull(worker, p_daemon, src.cache_id, attempt)) == set()

@@ -101,7 +101,7 @@ def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: st
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
+    return params is not None and bool(params.get("do_remote_prefill"))
 
 
 def parse_remote(params: Mapping[str, Any]) -> RemoteKv:

@@ -263,7 +263,7 @@ class WorkerSide:
         """Tells the prefill node it may free the request's blocks. Best effort: its timeout covers a lost one."""
         topic = release_topic(remote.engine_id, self.rank)
         try:
-            self.client.send_notification(  # type: ignore[attr-defined]  # API lands on main with notifications
+            self.client.send_notification(
                 remote.cluster_id, topic, release_payload(remote.request_id, outcome),
                 timeout=self.config.link_timeout_s)
         except LlmError as e:
@@ -276,7 +276,7 @@ class WorkerSide:
         failing_since = 0.0
         while not self._stop.is_set():
             try:
-                notes = self.client.fetch_notifications(  # type: ignore[attr-defined]  # lands with notifications
+                notes = self.client.fetch_notifications(
                     topic, wait=_POLL_WAIT_S, timeout=_POLL_WAIT_S + 10.0)
                 failing_since = 0.0
             except LlmError as e:
