@@ -44,7 +44,7 @@ class TransferLog:
             out, self._requests = self._requests, {}
         return out
 
-    def record_outcome(self, ok: bool, seconds: float) -> None:
+    def record_outcome(self, ok: bool) -> None:
         with self._lock:
             self._data["num_pulls"] += 1
             if not ok:

@@ -160,7 +160,6 @@ class WorkerSide:
     # -- decode: pulls --------------------------------------------------------------------------------------------
     def _pull_and_release(self, spec: PullSpec) -> None:
         failed: frozenset[int] = frozenset()
-        started = time.monotonic()
         try:
             failed = self._pull(spec)
         except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
@@ -169,7 +168,7 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pulled.append(PullOutcome(spec.request_id, failed))
-        self.transfers.record_outcome(ok=not failed, seconds=time.monotonic() - started)
+        self.transfers.record_outcome(ok=not failed)
         self._release(spec.remote, "failed" if failed else "pulled", spec.request_id)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
@@ -194,10 +193,10 @@ class WorkerSide:
                       "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
             return everything
         src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[self.rank])
-        started = time.monotonic()
         for attempt in (1, 2):
             try:
                 self._ensure_link(remote)
+                started = time.monotonic()  # the pull alone: linking on first use is not transfer time
                 result = self.client.pull_kv_blocks(src, self.cache.cache_id, spec.remote_blocks, spec.local_blocks,
                                                     _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
             except NotYetLinkError:
