@@ -235,6 +235,13 @@ def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> N
     assert not side._transfers
 
 
+def test_ranks_of_one_engine_must_share_a_daemon() -> None:
+    side = SchedulerSide(ConnectorConfig(), "engine-p", BS)
+    with pytest.raises(ValueError, match="all ranks of an engine must share one daemon"):
+        side.set_endpoints({0: WorkerEndpoint(0, 1, "10.0.0.1:7100", 5, "t"), 1: WorkerEndpoint(1, 2, "10.0.0.2:7100",
+                                                                                               6, "t")})
+
+
 def test_malformed_params_mean_local_compute() -> None:
     side = _decode_side()
     req = FakeRequest("d-req", 40, {"do_remote_prefill": True, "remote_block_ids": [1]})

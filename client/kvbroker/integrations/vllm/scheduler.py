@@ -52,6 +52,12 @@ class SchedulerSide:
         self._transfers: dict[str, RequestTransfer] = {}
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
+        clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
+        if len(clusters) != 1:
+            # The request protocol names one prefill daemon (per-rank caches on it); ranks on several nodes would
+            # need one per rank.
+            raise ValueError(f"KvBrokerConnector: this engine's TP ranks use different kvbrokerd daemons {clusters}; "
+                             "all ranks of an engine must share one daemon")
         self.endpoints = dict(endpoints)
         first = self.endpoints[min(self.endpoints)]
         log.info("kvbroker connector: engine %s, cluster %d, peer address %s, caches %s, layout %r", self.engine_id,
