@@ -136,6 +136,10 @@ def pd(request: pytest.FixtureRequest, model: str, workdir: Path, baseline: Engi
     root = workdir / backend
     p_daemon = LocalDaemon(root, first, backends=(backend,)).start()
     d_daemon = LocalDaemon(root, first + 1, backends=(backend,)).start()
+    instances = []
+    for daemon in (p_daemon, d_daemon):
+        with daemon.client() as c:
+            instances.append(c.get_cluster_info().instance_epoch)
     prefill = Engine(f"prefill-{backend}", EngineSpec(
         model, p_daemon.target, {"kvbroker_release_timeout_s": RELEASE_TIMEOUT_S},
         log_path=str(root / "prefill.log"))).start()
@@ -152,9 +156,9 @@ def pd(request: pytest.FixtureRequest, model: str, workdir: Path, baseline: Engi
         for daemon in (p_daemon, d_daemon):
             daemon.signal(signal.SIGCONT)
             assert daemon.stop() == 0, daemon.log_tail()
-        leaked = [p.name for p in Path("/dev/shm").iterdir()
-                  if any(p.name.startswith(f"kvbroker-{d.proc.pid}-") for d in (p_daemon, d_daemon) if d.proc)]
-        assert not leaked, leaked
+        # Segments are named after their daemon's instance: none of these daemons' may outlive them.
+        leaked = [p.name for p in Path("/dev/shm").iterdir() if any(i in p.name for i in instances)]
+        assert all(instances) and not leaked, leaked
 
 
 def test_decode_gives_the_single_engine_tokens(pd: PD) -> None:
