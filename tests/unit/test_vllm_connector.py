@@ -298,3 +298,19 @@ def test_engine_start_fails_clearly_without_a_daemon() -> None:
                        ), worker.allocation_context():
         torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8)
     worker.shutdown()
+
+
+def test_transfer_stats_sum_over_workers_and_intervals() -> None:
+    from kvbroker.integrations.vllm.stats import TransferLog, merge, summarize
+
+    log = TransferLog()
+    assert log.take() is None
+    log.record("a", 1_000_000, 0.010, "shm")
+    log.record_outcome(ok=True)
+    log.record_outcome(ok=False)
+    first = log.take()
+    assert first is not None and log.take() is None
+    assert set(log.take_requests()) == {"a"} and log.take_requests() == {}
+    other = {"num_pulls": 1, "num_failed": 0, "transfer_bytes": [3_000_000], "transfer_s": [0.030]}
+    assert summarize(merge(first, other)) == {"num_pulls": 3, "num_failed": 1, "bytes_MB": 4.0, "avg_transfer_ms": 20.0,
+                                              "p90_transfer_ms": 30.0, "throughput_GBps": 0.1}
