@@ -69,7 +69,6 @@ class WorkerSide:
         self._allocation: DaemonKvAllocation | None = None
         self._lock = threading.Lock()
         self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
-        self._in_flight: set[str] = set()
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
         self._links: dict[int, str] = {}
@@ -120,8 +119,6 @@ class WorkerSide:
         with self._lock:
             self._held.update(holds)
         for spec in pulls:
-            with self._lock:
-                self._in_flight.add(spec.request_id)
             self._pulls.submit(self._pull_and_release, spec)
         for rel in releases:
             self._pulls.submit(self._release, rel.remote, rel.reason)
@@ -133,7 +130,6 @@ class WorkerSide:
         with self._lock:
             pulled, self._pulled = self._pulled, []
             for outcome in pulled:
-                self._in_flight.discard(outcome.request_id)
                 self._load_errors |= outcome.failed_blocks
             sending = set()
             for req_id, deadline in list(self._held.items()):
