@@ -1,0 +1,66 @@
+"""vLLM KV connector: disaggregated prefill/decode through the node's kvbrokerd sidecars.
+
+    KVTransferConfig(kv_connector="KvBrokerConnector", kv_connector_module_path="kvbroker.integrations.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"kvbroker_target": "unix:///run/kvbroker/kvbroker.sock"})
+
+OpenAI server (`python -m vllm.entrypoints.openai.api_server ...`):
+
+    --kv-transfer-config '{"kv_connector": "KvBrokerConnector",
+                           "kv_connector_module_path": "kvbroker.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kvbroker_target": "unix:///run/kvbroker/kvbroker.sock"}}'
+
+Pinned to vLLM 0.32 (its connector API is experimental). The request protocol is NixlConnector's: send the prefill
+request with `kv_transfer_params={"do_remote_decode": True}` (and usually `max_tokens=1`), then send the decode request
+with the prefill output's `kv_transfer_params`, unchanged (offline: `SamplingParams(extra_args={"kv_transfer_params":
+...})`; OpenAI API: the body's `kv_transfer_params`). `kvbroker.integrations.vllm.params` shows every key.
+
+What it does:
+- The engine's paged KV buffer is allocated by the daemon (shared memory owned by the engine's lease: freed when the
+  engine exits, or `kvbroker_lease_ttl_s` after it dies) and used by vLLM in place; transfers never copy through the
+  engine. One kvbroker cache per TP rank, one tensor per layer.
+- The decode engine links its daemon to the prefill node's daemon on first use (then reuses the link) and pulls
+  asynchronously: it keeps serving other requests while a pull runs.
+- A failed or partial pull reports the blocks that did not land; with `kv_load_failure_policy="recompute"` vLLM
+  recomputes them (with vLLM's default, "fail", the request fails): never wrong tokens.
+- The prefill engine keeps a finished request's blocks until the decode node says it has them (a notification through
+  the daemons), or `kvbroker_release_timeout_s`.
+- Engines refuse each other's KV (and compute locally, with a log line saying why) unless model, dtype, block size,
+  head layout, layer count and TP size match (the cache's layout tag, also enforced by kvbrokerd).
+- Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report the request's pull:
+  `kvbroker_transfer_ms`, `kvbroker_transfer_bytes`, `kvbroker_backend`; vLLM's KV connector stats ("KV Transfer
+  metrics" log line) sum pulls, failures, bytes and transfer times per interval; `kvbroker_log_transfers` adds an
+  INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over BACKEND (X GB/s)").
+- Loads are asynchronous (vLLM schedules a request once its whole pull has landed), so layer-by-layer loading would
+  overlap nothing: the decode step after a pull computes one token. The pull itself runs as one transfer.
+
+Settings (`kv_connector_extra_config`; all optional):
+    kvbroker_target             local API of this node's kvbrokerd (default $KVBROKER_TARGET, else
+                                unix:///run/kvbroker/kvbroker.sock)
+    kvbroker_peer_address       address decode nodes dial for this node's daemon (default: the daemon's own)
+    kvbroker_pull_timeout_s     deadline of one request's pull (default 30)
+    kvbroker_link_timeout_s     deadline of linking to a prefill node's daemon (default 5)
+    kvbroker_release_timeout_s  how long a prefill node holds blocks for a decode node that never comes (default 120)
+    kvbroker_lease_ttl_s        how long after an engine dies its KV memory is freed (default 30)
+    kvbroker_max_concurrent_pulls  pulls in flight per worker (default 4)
+    kvbroker_model_id           model identity compared between engines (default: hash of the model's config)
+    kvbroker_log_transfers      log every pull at INFO (default false)
+
+Importing `kvbroker` does not import vLLM; this package imports it when `KvBrokerConnector` (or another of the names
+below) is first used, so its vLLM-free parts (`config`, `params`, `layout`, `scheduler`, `worker`) load without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvBrokerConnector", "KvBrokerHandshake", "KvBrokerMetadata", "KvBrokerStats"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvbroker.integrations.vllm import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

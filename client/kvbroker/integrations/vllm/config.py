@@ -1,0 +1,102 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config` (keys are listed in the package docstring).
+
+Validated when the engine starts, with messages that name the key, so that a typo fails the engine at start-up
+instead of silently running with a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TARGET = "unix:///run/kvbroker/kvbroker.sock"
+KEY_PREFIX = "kvbroker_"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    target: str = DEFAULT_TARGET
+    """Local API of this node's kvbrokerd (`kvbroker_target`; else $KVBROKER_TARGET; else the default socket)."""
+    peer_address: str = ""
+    """Address decode nodes dial to reach this node's daemon (`kvbroker_peer_address`); default: the daemon's own
+    advertised peer address."""
+    pull_timeout_s: float = 30.0
+    """Deadline of one request's pull (`kvbroker_pull_timeout_s`); past it the blocks are recomputed locally."""
+    link_timeout_s: float = 5.0
+    """Deadline of linking to a prefill node's daemon on first use (`kvbroker_link_timeout_s`)."""
+    release_timeout_s: float = 120.0
+    """How long a prefill node keeps a finished request's blocks for a decode node that never says it has them
+    (`kvbroker_release_timeout_s`); then they are freed and a warning is logged."""
+    lease_ttl_s: float = 30.0
+    """The KV memory belongs to the engine's kvbroker session; if the engine dies without cleaning up, the daemon
+    frees it this long after the last renewal (`kvbroker_lease_ttl_s`)."""
+    max_concurrent_pulls: int = 4
+    """Pulls in flight at once per worker (`kvbroker_max_concurrent_pulls`)."""
+    model_id: str = ""
+    """Model identity compared between prefill and decode (`kvbroker_model_id`); default: a hash of the model's
+    architecture config, so that two engines serving different models never exchange KV."""
+    log_transfers: bool = False
+    """Log every pull (request, blocks, bytes, time, backend) at INFO (`kvbroker_log_transfers`)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            if not key.startswith(KEY_PREFIX):
+                continue  # other connectors' keys (e.g. under MultiConnector) are not ours to judge
+            name = key[len(KEY_PREFIX):]
+            field = fields.get(name)
+            if field is None:
+                known = ", ".join(sorted(KEY_PREFIX + n for n in fields))
+                raise ValueError(f"kv_connector_extra_config: unknown key {key!r} (known: {known})")
+            values[name] = _coerce(key, field.type, raw)
+        if "target" not in values and os.environ.get("KVBROKER_TARGET"):
+            values["target"] = os.environ["KVBROKER_TARGET"]
+        config = cls(**values)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        for name in ("pull_timeout_s", "link_timeout_s", "release_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}{name} must be > 0 seconds")
+        if self.lease_ttl_s < 1.0:
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}lease_ttl_s must be >= 1 second")
+        if not 1 <= self.max_concurrent_pulls <= 256:
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}max_concurrent_pulls must be in [1, 256]")
+        if len(self.model_id) > 64 or any(not c.isprintable() or c.isspace() for c in self.model_id):
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}model_id must be at most 64 printable "
+                             "characters without spaces")
+        if not self.target:
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}target must name the kvbrokerd local API")
+
+
+def _coerce(key: str, type_name: Any, raw: Any) -> Any:
+    # JSON configs (`--kv-transfer-config '{...}'`) deliver numbers and booleans typed, but environment-driven
+    # launchers often deliver strings; accept both, refuse anything ambiguous.
+    type_name = str(type_name)
+    try:
+        if type_name == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return raw.lower() in ("true", "1", "yes")
+            raise ValueError
+        if type_name == "int":
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if type_name == "float":
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if not isinstance(raw, str):
+            raise ValueError
+        return raw
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config: {key} must be a {type_name}, got {raw!r}") from None

@@ -1,0 +1,191 @@
+"""`KvBrokerConnector`: vLLM's KV connector interface (v1, as of vllm 0.32) bound to the scheduler and worker sides.
+
+vLLM builds one instance with role SCHEDULER (engine core) and one per worker with role WORKER; each delegates to
+`SchedulerSide` or `WorkerSide`, which hold the logic and do not depend on vLLM's classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
+
+from kvbroker.integrations.vllm import stats as stats_mod
+from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
+from kvbroker.integrations.vllm.params import PullSpec, ReleaseSpec, WorkerEndpoint
+from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.integrations.vllm.worker import WorkerSide
+
+_FINISHED_NORMALLY = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclasses.dataclass
+class KvBrokerHandshake(KVConnectorHandshakeMetadata):
+    """One worker's kvbroker cache, sent once to the scheduler side."""
+
+    endpoint: WorkerEndpoint
+
+
+@dataclasses.dataclass
+class KvBrokerMetadata(KVConnectorMetadata):
+    """One step's work for the workers."""
+
+    pulls: list[PullSpec] = dataclasses.field(default_factory=list)
+    releases: list[ReleaseSpec] = dataclasses.field(default_factory=list)
+    holds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class KvBrokerWorkerMetadata(KVConnectorWorkerMetadata):
+    """Pulls the workers finished this step (request id -> time, bytes, backend), for the requests' outputs."""
+
+    transfers: dict[str, stats_mod.RequestTransfer] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvBrokerWorkerMetadata:
+        if isinstance(other, KvBrokerWorkerMetadata):
+            for req_id, transfer in other.transfers.items():
+                mine = self.transfers.get(req_id)
+                self.transfers[req_id] = transfer if mine is None else mine.combine(transfer)
+        return self
+
+
+@dataclasses.dataclass
+class KvBrokerStats(KVConnectorStats):
+    """Pulls, failures, bytes and per-request transfer times of the last interval, summed over workers."""
+
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = stats_mod.empty()
+
+    def reset(self) -> None:
+        self.data = stats_mod.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KvBrokerStats:
+        if not other.is_empty():
+            self.data = stats_mod.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats_mod.summarize(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data.get("num_pulls")
+
+
+class KvBrokerConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode through the node's kvbrokerd (see the package docstring for the settings)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        self.engine_id: str = transfer_config.engine_id
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, self.engine_id, vllm_config.cache_config.block_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            model_id = self.config.model_id or model_identity(vllm_config.model_config.hf_config)
+            layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size)
+            self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "called on the worker-side connector"
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "called on the scheduler-side connector"
+        return self._worker
+
+    # -- worker side ----------------------------------------------------------------------------------------------
+    def get_mem_pool_context(self) -> Any:
+        return self.worker_side.allocation_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KvBrokerHandshake | None:
+        endpoint = self.worker_side.endpoint
+        return None if endpoint is None else KvBrokerHandshake(endpoint)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvBrokerMetadata)
+        self.worker_side.start(meta.pulls, meta.releases, meta.holds)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only once its whole pull has landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # nothing to save: the KV already lives in memory the daemon serves
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker_side.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KvBrokerStats | None:
+        if self._worker is None:
+            return None  # vLLM also asks the scheduler side; only workers transfer
+        data = self._worker.transfers.take()
+        return None if data is None else KvBrokerStats(data=data)
+
+    def build_connector_worker_meta(self) -> KvBrokerWorkerMetadata | None:
+        transfers = self.worker_side.transfers.take_requests()
+        return KvBrokerWorkerMetadata(transfers) if transfers else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvBrokerStats:
+        return KvBrokerStats(data=data or stats_mod.empty())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side -------------------------------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        endpoints = {rank: m.endpoint for rank, m in metadata.items() if isinstance(m, KvBrokerHandshake)}
+        if endpoints:
+            self.scheduler_side.set_endpoints(endpoints)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvBrokerWorkerMetadata):
+            self.scheduler_side.on_transfers(meta.transfers)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        all_blocks = blocks.get_block_ids()[0] if blocks.blocks else []
+        new_blocks = blocks.get_unhashed_block_ids() if blocks.blocks else []
+        self.scheduler_side.after_alloc(request, all_blocks, new_blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
+        plan = self.scheduler_side.take_plan()
+        return KvBrokerMetadata(pulls=plan.pulls, releases=plan.releases, holds=plan.holds)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids, request.status in _FINISHED_NORMALLY)

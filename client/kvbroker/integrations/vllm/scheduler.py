@@ -1,0 +1,161 @@
+"""Scheduler side of the connector: decides which requests pull, which hold their blocks, and tells the workers.
+
+It runs in vLLM's engine-core process and never talks to the daemon: the workers do. Everything it needs from them
+(cluster id, peer address, cache id and layout tag per TP rank) arrives once through vLLM's handshake metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.layout import explain_mismatch
+from kvbroker.integrations.vllm.params import (
+    BadTransferParams,
+    PullSpec,
+    ReleaseSpec,
+    RemoteKv,
+    WorkerEndpoint,
+    parse_remote,
+    prefill_output_params,
+    wants_remote_prefill,
+)
+from kvbroker.integrations.vllm.stats import RequestTransfer
+
+# Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass
+class StepPlan:
+    """What the workers do this step (becomes the connector metadata)."""
+
+    pulls: list[PullSpec] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
+    holds: dict[str, float] = field(default_factory=dict)
+    """Prefill requests whose blocks are held for a decode node: request id -> time.monotonic() deadline."""
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.endpoints: dict[int, WorkerEndpoint] = {}
+        self._plan = StepPlan()
+        self._pulling: set[str] = set()
+        self._transfers: dict[str, RequestTransfer] = {}
+
+    def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
+        clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
+        if len(clusters) != 1:
+            # The request protocol names one prefill daemon (per-rank caches on it); ranks on several nodes would
+            # need one per rank.
+            raise ValueError(f"KvBrokerConnector: this engine's TP ranks use different kvbrokerd daemons {clusters}; "
+                             "all ranks of an engine must share one daemon")
+        self.endpoints = dict(endpoints)
+        first = self.endpoints[min(self.endpoints)]
+        log.info("kvbroker connector: engine %s, cluster %d, peer address %s, caches %s, layout %r", self.engine_id,
+                 first.cluster_id, first.peer_address, [e.cache_id for e in self.endpoints.values()],
+                 first.layout_tag)
+
+    # -- decode side ---------------------------------------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        try:
+            remote = parse_remote(params)
+        except BadTransferParams as e:
+            log.error("request %s: remote KV ignored, computing locally: %s", request.request_id, e)
+            return 0, False
+        if self._refusal(remote):
+            return 0, False  # said once, in after_alloc, where the prefill node is also told to free its blocks
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, all_blocks: Sequence[int], new_blocks: Sequence[int],
+                    num_external_tokens: int) -> None:
+        """`all_blocks`: the request's block ids; `new_blocks`: those not filled from the local prefix cache."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if it is preempted and rescheduled
+        try:
+            remote = parse_remote(params)
+        except BadTransferParams:
+            return  # logged by num_new_matched_tokens; without addressing nobody can be told anything
+        refusal = self._refusal(remote)
+        if refusal:
+            log.error("request %s: refusing KV of prefill engine %s, computing locally: %s", request.request_id,
+                      remote.engine_id, refusal)
+            self._plan.releases.append(ReleaseSpec(request.request_id, remote, "incompatible"))
+            return
+        if num_external_tokens <= 0:
+            self._plan.releases.append(ReleaseSpec(request.request_id, remote, "cached locally"))
+            return
+        # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's blocks.
+        num_local_hits = len(all_blocks) - len(new_blocks)
+        num_remote = -(-min(remote.num_tokens, request.num_prompt_tokens) // self.block_size)
+        needed = num_remote - num_local_hits
+        local = tuple(new_blocks[:needed])
+        src = remote.block_ids[num_local_hits:num_remote]
+        refused = ""
+        if needed <= 0 or len(local) != needed or len(src) != needed:
+            refused = (f"block counts do not line up (remote {len(remote.block_ids)} blocks for {remote.num_tokens} "
+                       f"tokens, {num_local_hits} cached locally, {len(new_blocks)} allocated)")
+            local = tuple(new_blocks)
+        self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, refused))
+        self._pulling.add(request.request_id)
+
+    def on_transfers(self, transfers: Mapping[str, RequestTransfer]) -> None:
+        """The workers' finished pulls: reported in the request's output (`kv_transfer_params`) when it finishes."""
+        for req_id, transfer in transfers.items():
+            if req_id in self._pulling:  # not for requests that finished (aborted) while their pull ran
+                self._transfers[req_id] = transfer
+
+    def _refusal(self, remote: RemoteKv) -> str:
+        if not self.endpoints:
+            return "this engine's workers have not reported their kvbroker caches"
+        ours = self.endpoints[min(self.endpoints)].layout_tag
+        if len(remote.cache_ids) != len(self.endpoints):
+            return (f"tensor-parallel sizes differ (prefill {len(remote.cache_ids)}, decode {len(self.endpoints)}); "
+                    "kvbroker pulls rank to rank")
+        mismatch = explain_mismatch(ours, remote.layout_tag)
+        return f"incompatible KV layouts ({mismatch})" if mismatch else ""
+
+    # -- both sides ----------------------------------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        self._pulling.discard(request.request_id)
+        transfer = self._transfers.pop(request.request_id, None)
+        if transfer is not None:
+            return False, transfer.params()
+        if not params:
+            return False, None
+        if wants_remote_prefill(params):
+            # Finished (aborted) before it was ever scheduled: free the prefill node's blocks now, not at its timeout.
+            params["do_remote_prefill"] = False
+            with contextlib.suppress(BadTransferParams):  # logged when it arrived
+                self._plan.releases.append(ReleaseSpec(request.request_id, parse_remote(params), "aborted"))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if not finished_normally or not block_ids or not self.endpoints:
+            return False, None
+        num_tokens = request.num_computed_tokens
+        blocks = list(block_ids)[: -(-num_tokens // self.block_size)]
+        self._plan.holds[request.request_id] = time.monotonic() + self.config.release_timeout_s
+        expires = time.time() + self.config.release_timeout_s
+        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, blocks, num_tokens,
+                                           expires)
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan

