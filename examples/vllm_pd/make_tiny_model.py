@@ -35,7 +35,14 @@ _SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistan
 
 def build_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     """Trains and saves the tokenizer; returns the special tokens' ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # Installed with transformers; typed, but absent where only the daemon is installed.
+    from tokenizers import (  # type: ignore[import-not-found,unused-ignore]
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -53,7 +60,10 @@ def build_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     )
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(out)
-    return {"bos_token_id": tokenizer.token_to_id("<s>"), "eos_token_id": tokenizer.token_to_id("</s>")}
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    if bos is None or eos is None:
+        raise RuntimeError("the trained tokenizer lost its special tokens")
+    return {"bos_token_id": bos, "eos_token_id": eos}
 
 
 def build(
