@@ -72,6 +72,9 @@ class Point:
     tokens_match: bool
     remote_tokens: int
     """The fewest prompt tokens the decode engine took from the prefill engine in one request of this point."""
+    connector_ms: float | None
+    """The pull alone, as the connector reports it in the decode output (KvBrokerConnector: `kvbroker_transfer_ms`;
+    NixlConnector reports none per request)."""
 
 
 def engine_env(subject: str, role: str, side_channel_port: int) -> dict[str, str]:
@@ -181,7 +184,8 @@ def engine_main(
             kv_ms = (received_at[0] - started) * 1e3 if received_at else float("nan")
             conn.send(("ok", {"token": token, "kv_transfer_params": output.kv_transfer_params,
                               "ms": (finished - started) * 1e3, "kv_ms": kv_ms,
-                              "remote_tokens": max(matched, default=0)}))
+                              "remote_tokens": max(matched, default=0),
+                              "connector_ms": (output.kv_transfer_params or {}).get("kvbroker_transfer_ms")}))
         except Exception as exc:
             conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
     conn.send(("stopped", None))
@@ -268,14 +272,15 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
             prefill.wait_ready()
             decode.wait_ready()
 
-            def one(n: int) -> tuple[float, float, bool, int]:
+            def one(n: int) -> tuple[float, float, bool, int, float | None]:
                 prompt = [rng.randrange(8, 500) for _ in range(n)]
                 first = prefill.request(prompt, {"do_remote_decode": True})
                 params = first["kv_transfer_params"]
                 if not params:
                     raise RuntimeError(f"{subject}: the prefill engine returned no kv_transfer_params")
                 second = decode.request(prompt, params)
-                return second["kv_ms"], second["ms"], second["token"] == first["token"], second["remote_tokens"]
+                return (second["kv_ms"], second["ms"], second["token"] == first["token"], second["remote_tokens"],
+                        second["connector_ms"])
 
             one(min(sizes))  # the handshake and first-use costs: not counted
             points = []
@@ -284,8 +289,9 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
                 kv, ttft = [r[0] for r in runs], [r[1] for r in runs]
                 point = Point(subject, n, n * shape.kv_bytes_per_token, statistics.median(kv),
                               statistics.median(ttft), tuple(kv), tuple(ttft), all(r[2] for r in runs),
-                              min(r[3] for r in runs))
-                print(f"  {subject:14} {n:5} tokens: kv {point.kv_ms:7.1f} ms, ttft {point.ttft_ms:7.1f} ms, "
+                              min(r[3] for r in runs), _median_or_none([r[4] for r in runs]))
+                pull = "" if point.connector_ms is None else f" (pull {point.connector_ms:.1f} ms)"
+                print(f"  {subject:14} {n:5} tokens: kv {point.kv_ms:7.1f} ms{pull}, ttft {point.ttft_ms:7.1f} ms, "
                       f"{point.remote_tokens} tokens from the prefill engine{_flags(point)}", flush=True)
                 points.append(point)
             return points
@@ -314,6 +320,11 @@ def table(points: list[Point], subjects: list[str], sizes: list[int]) -> str:
         kv_bytes = next((p.kv_bytes for p in points if p.prompt_tokens == n), 0)
         lines.append(f"| {n} | {kv_bytes / 2**20:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _flags(p: Point) -> str:
