@@ -180,7 +180,10 @@ def engine_main(
             started = time.perf_counter()
             (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
             finished = time.perf_counter()
-            token = output.outputs[0].token_ids[0]
+            completion = output.outputs[0]
+            if not completion.token_ids:
+                raise RuntimeError(f"no token (finish_reason {completion.finish_reason!r}): see the engine's log")
+            token = completion.token_ids[0]
             kv_ms = (received_at[0] - started) * 1e3 if received_at else float("nan")
             conn.send(("ok", {"token": token, "kv_transfer_params": output.kv_transfer_params,
                               "ms": (finished - started) * 1e3, "kv_ms": kv_ms,
