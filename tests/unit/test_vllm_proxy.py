@@ -351,6 +351,18 @@ def test_bad_client_requests_are_refused_without_asking_any_server(serve: Any) -
     assert p.requests == [] and d.requests == []
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_read(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    config = ProxyConfig((Upstream.parse("prefill", p.url),), (Upstream.parse("decode", d.url),), max_body_bytes=100)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        big = {"model": "m", "prompt": "x" * 200}
+        status, answer = post(proxy, "/v1/completions", big)
+        assert status == 413
+        assert answer["error"]["message"] == f"body of {len(json.dumps(big))} bytes; at most 100"
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "x" * 10})[0] == 200
+    assert len(p.requests) == len(d.requests) == 1
+
+
 def test_health_answers_without_the_servers() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with proxy_for(dead, dead) as proxy:

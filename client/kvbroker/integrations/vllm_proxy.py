@@ -456,9 +456,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a server")
     parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill server may take")
     parser.add_argument("--decode-timeout", type=float, default=300.0, help="seconds the decode server may stay silent")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body accepted (default 32 MiB)"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    for name in ("connect_timeout", "prefill_timeout", "decode_timeout"):
+    for name in ("connect_timeout", "prefill_timeout", "decode_timeout", "max_body_bytes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     try:
@@ -468,6 +471,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
             connect_timeout=args.connect_timeout,
             prefill_timeout=args.prefill_timeout,
             decode_timeout=args.decode_timeout,
+            max_body_bytes=args.max_body_bytes,
         )
     except ValueError as exc:
         parser.error(str(exc))
