@@ -332,6 +332,29 @@ def test_a_decode_stream_that_stalls_ends_with_an_error_event(serve: Any) -> Non
     assert error["message"] == f"decode server {d.url} stopped streaming for 0.5 s"
 
 
+def test_a_client_that_leaves_mid_stream_drops_the_decode_request(serve: Any) -> None:
+    dropped = threading.Event()
+
+    def endless(handler: _FakeHandler, body: dict[str, Any]) -> None:
+        handler.start_stream()
+        try:
+            for _ in range(500):  # vLLM aborts a request whose connection closes: so must the proxy make it close
+                handler.chunk(b'data: {"choices": [{"text": "a"}]}\n\n')
+                time.sleep(0.01)
+        except OSError:
+            dropped.set()
+
+    p, d = serve(prefill_ok), serve(endless)
+    with proxy_for(p.url, d.url) as proxy:
+        host, port = proxy.address
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "m", "prompt": "hi", "stream": True}))
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        conn.close()
+        assert dropped.wait(4), "the decode server kept streaming to a proxy whose client had left"
+
+
 def test_bad_client_requests_are_refused_without_asking_any_server(serve: Any) -> None:
     p, d = serve(prefill_ok), serve(decode_json)
     with proxy_for(p.url, d.url) as proxy:
