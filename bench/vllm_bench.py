@@ -72,6 +72,9 @@ class Point:
     tokens_match: bool
     remote_tokens: int
     """The fewest prompt tokens the decode engine took from the prefill engine in one request of this point."""
+    load_start_ms: float
+    """Until the decode engine's first step handed the load to the connector (`start_load_kv`): vLLM's share of
+    kv_ms."""
     connector_ms: float | None
     """The pull alone, as the connector reports it in the decode output (KvBrokerConnector: `kvbroker_transfer_ms`;
     NixlConnector reports none per request)."""
@@ -149,6 +152,18 @@ def engine_main(
 
         connector.get_transfer_results = timed_transfer_results  # type: ignore[method-assign]
 
+        # The first step that runs for a request hands its load to the connector (`start_load_kv`): the time until
+        # then is vLLM's (scheduling, the step itself), the rest the connector's.
+        load_started_at: list[float] = []
+        start_load_kv = connector.start_load_kv
+
+        def timed_start_load_kv(*args: Any, **kwargs: Any) -> Any:
+            if not load_started_at:
+                load_started_at.append(time.perf_counter())
+            return start_load_kv(*args, **kwargs)
+
+        connector.start_load_kv = timed_start_load_kv  # type: ignore[method-assign]
+
         # How many prompt tokens the scheduler-side connector said it would load: proof that the decode engine used
         # the prefill engine's KV rather than computing the prompt again (both would give the same token).
         matched: list[int] = []
@@ -176,6 +191,7 @@ def engine_main(
             extra = {"kv_transfer_params": params}
             sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
             received_at.clear()
+            load_started_at.clear()
             matched.clear()
             started = time.perf_counter()
             (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
@@ -185,10 +201,12 @@ def engine_main(
                 raise RuntimeError(f"no token (finish_reason {completion.finish_reason!r}): see the engine's log")
             token = completion.token_ids[0]
             kv_ms = (received_at[0] - started) * 1e3 if received_at else float("nan")
+            load_start_ms = (load_started_at[0] - started) * 1e3 if load_started_at else float("nan")
             conn.send(("ok", {"token": token, "kv_transfer_params": output.kv_transfer_params,
                               "ms": (finished - started) * 1e3, "kv_ms": kv_ms,
                               "remote_tokens": max(matched, default=0),
-                              "connector_ms": (output.kv_transfer_params or {}).get("kvbroker_transfer_ms")}))
+                              "connector_ms": (output.kv_transfer_params or {}).get("kvbroker_transfer_ms"),
+                              "load_start_ms": load_start_ms}))
         except Exception as exc:
             conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
     conn.send(("stopped", None))
@@ -275,7 +293,7 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
             prefill.wait_ready()
             decode.wait_ready()
 
-            def one(n: int) -> tuple[float, float, bool, int, float | None]:
+            def one(n: int) -> tuple[float, float, bool, int, float | None, float]:
                 prompt = [rng.randrange(8, 500) for _ in range(n)]
                 first = prefill.request(prompt, {"do_remote_decode": True})
                 params = first["kv_transfer_params"]
@@ -283,7 +301,7 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
                     raise RuntimeError(f"{subject}: the prefill engine returned no kv_transfer_params")
                 second = decode.request(prompt, params)
                 return (second["kv_ms"], second["ms"], second["token"] == first["token"], second["remote_tokens"],
-                        second["connector_ms"])
+                        second["connector_ms"], second["load_start_ms"])
 
             one(min(sizes))  # the handshake and first-use costs: not counted
             points = []
@@ -292,9 +310,11 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
                 kv, ttft = [r[0] for r in runs], [r[1] for r in runs]
                 point = Point(subject, n, n * shape.kv_bytes_per_token, statistics.median(kv),
                               statistics.median(ttft), tuple(kv), tuple(ttft), all(r[2] for r in runs),
-                              min(r[3] for r in runs), _median_or_none([r[4] for r in runs]))
+                              min(r[3] for r in runs), statistics.median(r[5] for r in runs),
+                              _median_or_none([r[4] for r in runs]))
                 pull = "" if point.connector_ms is None else f" (pull {point.connector_ms:.1f} ms)"
-                print(f"  {subject:14} {n:5} tokens: kv {point.kv_ms:7.1f} ms{pull}, ttft {point.ttft_ms:7.1f} ms, "
+                print(f"  {subject:14} {n:5} tokens: load handed over {point.load_start_ms:5.1f} ms, "
+                      f"kv {point.kv_ms:7.1f} ms{pull}, ttft {point.ttft_ms:7.1f} ms, "
                       f"{point.remote_tokens} tokens from the prefill engine{_flags(point)}", flush=True)
                 points.append(point)
             return points
