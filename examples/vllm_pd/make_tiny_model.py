@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 # Deterministic training text for the tokenizer: only its merges depend on it, and they only need to be stable.
 _CORPUS = (
@@ -55,7 +56,8 @@ def build_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    make_fast: Any = PreTrainedTokenizerFast  # untyped in some transformers releases
+    fast = make_fast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     )
     fast.chat_template = _CHAT_TEMPLATE
@@ -90,7 +92,9 @@ def build(
         raise ValueError(f"head size {hidden_size // heads} < 32: vLLM's CPU attention needs at least 32")
     out.mkdir(parents=True, exist_ok=True)
     special_ids = build_tokenizer(out, vocab_size)
-    config = LlamaConfig(
+    # Built as a plain dict: the keyword set differs between the transformers of the vLLM venv (< 5.20, which
+    # wants torch_dtype) and the one the type checker sees.
+    settings: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -105,6 +109,7 @@ def build(
         torch_dtype=dtype,
         **special_ids,
     )
+    config = LlamaConfig(**settings)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     model.save_pretrained(out)
