@@ -3,8 +3,8 @@ descriptors; no NIXL needed (the daemon-level tests are in tests/integration/tes
 
 from __future__ import annotations
 
-import logging
 import struct
+import subprocess
 import sys
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,7 +24,7 @@ from kvbrokerd.backends.nixl import (
     _chunks,
     _regions,
 )
-from kvbrokerd.backends.nixlagent import agent_name_of, llm_error, load_api
+from kvbrokerd.backends.nixlagent import agent_name_of, llm_error
 from kvbrokerd.planner import LayerSelection, block_array, plan_blocks
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)
@@ -139,8 +139,23 @@ def test_without_nixl_the_backend_says_what_to_install(monkeypatch: pytest.Monke
 
 @pytest.mark.skipif(unavailable("nixl") is not None, reason="NIXL is not installed")
 def test_nixl_logs_through_the_daemons_handlers() -> None:
-    """NIXL's own logging set-up (a stdout handler in its own format; raiseExceptions off) is undone on import."""
-    load_api()
-    nixl_log = logging.getLogger("nixl")
-    assert nixl_log.handlers == [] and nixl_log.propagate and nixl_log.level == logging.WARNING
-    assert logging.raiseExceptions
+    """NIXL's own logging set-up (a stdout handler in its own format; raiseExceptions off) is undone on import.
+    In a child process: NIXL's native libraries must not be loaded into the test process (they crash a later import
+    of grpc_tools there), and checking that they are not is the next test's job."""
+    check = (
+        "import logging\n"
+        "from kvbrokerd.backends.nixlagent import load_api\n"
+        "load_api()\n"
+        "log = logging.getLogger('nixl')\n"
+        "assert log.handlers == [] and log.propagate and log.level == logging.WARNING, log\n"
+        "assert logging.raiseExceptions\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_asking_whether_nixl_is_there_loads_nothing_native() -> None:
+    out = subprocess.run([sys.executable, "-c", "import sys\nfrom kvbrokerd.backends import unavailable\n"
+                          "unavailable('nixl')\nassert not [m for m in sys.modules if m.startswith('nixl')]"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -48,7 +48,15 @@ from kvbrokerd.backends.base import (
     PeerInfo,
     RemoteCache,
 )
-from kvbrokerd.backends.nixlagent import AgentThread, agent_name_of, is_nixl_error, llm_error, load_api
+from kvbrokerd.backends.nixlagent import (
+    IMPLEMENTATIONS,
+    AgentThread,
+    agent_name_of,
+    api_installed,
+    is_nixl_error,
+    llm_error,
+    load_api,
+)
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 
 if TYPE_CHECKING:
@@ -418,11 +426,12 @@ class NixlBackend(Backend):
 
     @classmethod
     def unavailable(cls) -> str | None:
-        try:
-            load_api()
-        except ImportError as e:
-            return (f"the nixl backend needs NIXL ({e}); install it with: {INSTALL} (nixl-cu13 on CUDA 13; "
-                    "--no-deps because the wheel declares torch, which host memory does not need)")
+        # Presence only: loading NIXL's native libraries is for the daemon that runs the backend (start() reports a
+        # library that is installed but cannot load).
+        if api_installed() is None:
+            return (f"the nixl backend needs NIXL ({' or '.join(IMPLEMENTATIONS)} not installed); install it with: "
+                    f"{INSTALL} (nixl-cu13 on CUDA 13; --no-deps because the wheel declares torch, which host "
+                    "memory does not need)")
         return None
 
     async def start(self) -> None:

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import gc
 import importlib
+import importlib.util
 import logging
 import queue
 import struct
@@ -52,6 +53,17 @@ _STATUS_BY_ERROR = {
 }
 """NIXL's exceptions (nixl._bindings) by name; anything else NIXL raises (NotAllowed, RepostActive, NotPosted: misuse
 of the API) is LLM_FAILED."""
+
+
+def api_installed() -> str | None:
+    """The name of an installed NIXL implementation, found without loading it: its native libraries (UCX and
+    friends) must only ever be loaded by a daemon that runs the backend (loaded into a process that later imports
+    grpc_tools, they crash it)."""
+    for name in IMPLEMENTATIONS:
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(name) is not None:
+                return name
+    return None
 
 
 def load_api() -> ModuleType:
