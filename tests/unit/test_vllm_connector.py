@@ -319,6 +319,28 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
     worker.shutdown()
 
 
+def test_a_slow_release_never_holds_up_the_next_pull() -> None:
+    from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
+
+    worker = _worker(max_concurrent_pulls=1)
+    prefill_answers = threading.Event()
+    worker._pull = lambda spec: frozenset()
+
+    def stuck_release(remote: RemoteKv, outcome: str, request_id: str = "") -> None:
+        prefill_answers.wait(10)  # an unreachable prefill daemon: the notification waits out its timeout
+
+    worker._release = stuck_release
+    remote = parse_remote(_remote_params([1, 2], 40))
+    worker.start([PullSpec("first", (7, 8), (1, 2), remote), PullSpec("second", (9, 10), (1, 2), remote)], [], {})
+    done: set[str] = set()
+    deadline = time.monotonic() + 5
+    while done != {"first", "second"}:
+        assert time.monotonic() < deadline, f"only {done} finished: the second pull waited behind a release"
+        done |= worker.finished(0.1)[1]
+    prefill_answers.set()
+    worker.shutdown()
+
+
 def test_engine_start_fails_clearly_without_a_daemon() -> None:
     import torch
 

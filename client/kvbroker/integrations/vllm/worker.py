@@ -71,6 +71,9 @@ class WorkerSide:
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
         self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
+        # Releases go out on their own thread: a slow or unreachable prefill daemon (up to `link_timeout_s` per
+        # notification) must not hold a pull slot while other requests wait for their KV.
+        self._notifier = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-notify")
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
         self._links: dict[int, str] = {}
@@ -125,7 +128,7 @@ class WorkerSide:
         for spec in pulls:
             self._pulls.submit(self._pull_and_release, spec)
         for rel in releases:
-            self._pulls.submit(self._release, rel.remote, rel.reason)
+            self._notifier.submit(self._release, rel.remote, rel.reason)
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose pull ended); the pulls' failed blocks are
@@ -174,7 +177,7 @@ class WorkerSide:
                 self._in_flight -= 1
                 self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
-        self._release(spec.remote, "failed" if failed else "pulled", spec.request_id)
+        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
         """Returns the local blocks that did not land."""
@@ -309,6 +312,7 @@ class WorkerSide:
         """Stops the threads and gives the KV memory back to the daemon; idempotent."""
         self._stop.set()
         self._pulls.shutdown(wait=True, cancel_futures=True)
+        self._notifier.shutdown(wait=True)  # after the pulls, which queue releases; each is bounded by its timeout
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
