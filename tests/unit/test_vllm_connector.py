@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -62,6 +63,7 @@ def test_config_defaults_and_coercion(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"kvbroker_max_concurrent_pulls": 0}, r"kvbroker_max_concurrent_pulls must be in \[1, 256\]"),
     ({"kvbroker_log_transfers": "maybe"}, "kvbroker_log_transfers must be a bool"),
     ({"kvbroker_lease_ttl_s": 0.5}, "kvbroker_lease_ttl_s must be >= 1"),
+    ({"kvbroker_idle_wait_s": 2}, r"kvbroker_idle_wait_s must be in \[0, 1\]"),
     ({"kvbroker_model_id": "llama 3"}, "kvbroker_model_id must be at most 64 printable characters"),
 ])
 def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
@@ -287,6 +289,55 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
         time.sleep(0.01)
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> None:
+    from kvbroker.integrations.vllm.params import PullSpec
+
+    worker = _worker(link_timeout_s=0.5)
+    landed = threading.Event()
+
+    def slow_pull(spec: PullSpec) -> frozenset[int]:
+        landed.wait(10)
+        return frozenset()
+
+    worker._pull = slow_pull
+    started = time.monotonic()
+    assert worker.finished(5.0) == (set(), set())  # nothing in flight: nothing to wait for
+    assert time.monotonic() - started < 1.0
+    remote = parse_remote(_remote_params([1, 2], 40))
+    worker.start([PullSpec("d-req", (7, 8), (1, 2), remote)], [], {})
+    started = time.monotonic()
+    assert worker.finished(0.05) == (set(), set())  # the pull outlasts the bound: the step goes on without it
+    assert time.monotonic() - started >= 0.05
+    threading.Timer(0.05, landed.set).start()
+    started = time.monotonic()
+    assert worker.finished(5.0) == (set(), {"d-req"})  # reported in the step during which it ended
+    assert time.monotonic() - started < 2.0
+    assert worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+def test_a_slow_release_never_holds_up_the_next_pull() -> None:
+    from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
+
+    worker = _worker(max_concurrent_pulls=1)
+    prefill_answers = threading.Event()
+    worker._pull = lambda spec: frozenset()
+
+    def stuck_release(remote: RemoteKv, outcome: str, request_id: str = "") -> None:
+        prefill_answers.wait(10)  # an unreachable prefill daemon: the notification waits out its timeout
+
+    worker._release = stuck_release
+    remote = parse_remote(_remote_params([1, 2], 40))
+    worker.start([PullSpec("first", (7, 8), (1, 2), remote), PullSpec("second", (9, 10), (1, 2), remote)], [], {})
+    done: set[str] = set()
+    deadline = time.monotonic() + 5
+    while done != {"first", "second"}:
+        assert time.monotonic() < deadline, f"only {done} finished: the second pull waited behind a release"
+        done |= worker.finished(0.1)[1]
+    prefill_answers.set()
     worker.shutdown()
 
 

@@ -38,6 +38,11 @@ class ConnectorConfig:
     model_id: str = ""
     """Model identity compared between prefill and decode (`kvbroker_model_id`); default: a hash of the model's
     architecture config, so that two engines serving different models never exchange KV."""
+    idle_wait_s: float = 0.01
+    """On a step that computes nothing while pulls are in flight, `get_finished` waits up to this long for one to end
+    (`kvbroker_idle_wait_s`; 0 turns it off). Otherwise vLLM spins through empty steps holding the GIL: the pull
+    thread gets it only once per switch interval (5 ms) each time it needs it, and the engine learns of the finished
+    pull a step late. On an engine with nothing to compute, new requests and aborts wait at most this long."""
     log_transfers: bool = False
     """Log every pull (request, blocks, bytes, time, backend) at INFO (`kvbroker_log_transfers`)."""
 
@@ -65,6 +70,8 @@ class ConnectorConfig:
         for name in ("pull_timeout_s", "link_timeout_s", "release_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}{name} must be > 0 seconds")
+        if not 0.0 <= self.idle_wait_s <= 1.0:
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}idle_wait_s must be in [0, 1] seconds")
         if self.lease_ttl_s < 1.0:
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}lease_ttl_s must be >= 1 second")
         if not 1 <= self.max_concurrent_pulls <= 256:

@@ -44,6 +44,8 @@ class KvBrokerMetadata(KVConnectorMetadata):
     pulls: list[PullSpec] = dataclasses.field(default_factory=list)
     releases: list[ReleaseSpec] = dataclasses.field(default_factory=list)
     holds: dict[str, float] = dataclasses.field(default_factory=dict)
+    idle: bool = False
+    """The step computes no token: its `get_finished` may wait for a pull to end (`ConnectorConfig.idle_wait_s`)."""
 
 
 @dataclasses.dataclass
@@ -140,7 +142,9 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self.worker_side.finished()
+        meta = self._connector_metadata
+        idle = isinstance(meta, KvBrokerMetadata) and meta.idle
+        sending, recving = self.worker_side.finished(self.config.idle_wait_s if idle else 0.0)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -185,7 +189,8 @@ class KvBrokerConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
         plan = self.scheduler_side.take_plan()
-        return KvBrokerMetadata(pulls=plan.pulls, releases=plan.releases, holds=plan.holds)
+        return KvBrokerMetadata(pulls=plan.pulls, releases=plan.releases, holds=plan.holds,
+                                idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids, request.status in _FINISHED_NORMALLY)

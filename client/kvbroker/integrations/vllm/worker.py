@@ -68,7 +68,12 @@ class WorkerSide:
         self.transfers = TransferLog()
         self._allocation: DaemonKvAllocation | None = None
         self._lock = threading.Lock()
+        self._pull_ended = threading.Condition(self._lock)
+        self._in_flight = 0
         self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
+        # Releases go out on their own thread: a slow or unreachable prefill daemon (up to `link_timeout_s` per
+        # notification) must not hold a pull slot while other requests wait for their KV.
+        self._notifier = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-notify")
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
         self._links: dict[int, str] = {}
@@ -116,18 +121,23 @@ class WorkerSide:
 
     # -- per step -------------------------------------------------------------------------------------------------
     def start(self, pulls: Iterable[PullSpec], releases: Iterable[ReleaseSpec], holds: dict[str, float]) -> None:
+        pulls = list(pulls)
         with self._lock:
             self._held.update(holds)
+            self._in_flight += len(pulls)
         for spec in pulls:
             self._pulls.submit(self._pull_and_release, spec)
         for rel in releases:
-            self._pulls.submit(self._release, rel.remote, rel.reason)
+            self._notifier.submit(self._release, rel.remote, rel.reason)
 
-    def finished(self) -> tuple[set[str], set[str]]:
+    def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose pull ended); the pulls' failed blocks are
-        moved to `take_load_errors` in the same call."""
-        now = time.monotonic()
+        moved to `take_load_errors` in the same call. With `wait_s`, and pulls in flight but none ended yet, first
+        waits up to that long for one to end (for a step that computed nothing: see `ConnectorConfig.idle_wait_s`)."""
         with self._lock:
+            if wait_s > 0:
+                self._pull_ended.wait_for(lambda: self._pulled or not self._in_flight, timeout=wait_s)
+            now = time.monotonic()
             pulled, self._pulled = self._pulled, []
             for outcome in pulled:
                 self._load_errors |= outcome.failed_blocks
@@ -164,8 +174,10 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pulled.append(PullOutcome(spec.request_id, failed))
+                self._in_flight -= 1
+                self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
-        self._release(spec.remote, "failed" if failed else "pulled", spec.request_id)
+        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
         """Returns the local blocks that did not land."""
@@ -300,6 +312,7 @@ class WorkerSide:
         """Stops the threads and gives the KV memory back to the daemon; idempotent."""
         self._stop.set()
         self._pulls.shutdown(wait=True, cancel_futures=True)
+        self._notifier.shutdown(wait=True)  # after the pulls, which queue releases; each is bounded by its timeout
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
