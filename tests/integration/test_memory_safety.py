@@ -234,14 +234,17 @@ def test_the_daemon_keeps_answering_while_allocate_reserves_memory(tmp_path: Pat
 
         thread = threading.Thread(target=allocate)
         thread.start()
-        slowest = 0.0
+        slowest, answered = 0.0, 0
         while not took and thread.is_alive():
             started = time.monotonic()
             pinger.ping()
             slowest = max(slowest, time.monotonic() - started)
+            answered += 1
         thread.join()
         assert took, "the allocation failed"
-        assert slowest < max(0.25, took[0] / 4), f"a ping waited {slowest:.2f} s for a {took[0]:.2f} s allocation"
+        # Counted, not timed (the host may be loaded): a stalled loop answers one ping, late, for the whole reservation.
+        assert answered >= 3 and slowest < 0.9 * took[0], \
+            f"{answered} pings answered (slowest {slowest:.2f} s) during a {took[0]:.2f} s allocation"
 
 
 def test_control_page_is_private(tmp_path: Path, shm_dir: Path) -> None:
