@@ -189,3 +189,20 @@ def test_peer_killed_mid_pull_gives_link_failed_and_the_daemon_stays_healthy(tmp
     finally:
         src_d.stop()
         dst_d.stop()
+
+
+def test_an_idle_nixl_daemon_does_not_spin(tmp_path: Path) -> None:
+    """NIXL's Python wrapper runs its progress thread without a pause: an idle daemon burned a whole core. CPU time,
+    not wall time, is measured, so a loaded host does not make this flaky."""
+    with LocalDaemon(tmp_path, 1, backends=("nixl",)) as d:
+        assert d.proc is not None
+        usage = Path(f"/proc/{d.proc.pid}/stat")
+
+        def cpu_s() -> float:
+            fields = usage.read_text().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        time.sleep(1.0)  # start-up done
+        before = cpu_s()
+        time.sleep(3.0)
+        assert cpu_s() - before < 0.5, "an idle daemon with the nixl backend keeps a core busy"

@@ -34,6 +34,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -450,7 +451,8 @@ class NixlBackend(Backend):
         self._live = np.frombuffer(self._control.mmap, np.uint64, slots, self._control.size - 8 * slots)
 
         def make_agent() -> Any:
-            agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
+            with _progress_delay(api, PROGRESS_DELAY_US):
+                agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
             agent.create_backend("UCX", agent.get_plugin_params("UCX"))  # its default error mode is "peer"
             return agent
 
@@ -599,3 +601,27 @@ class NixlBackend(Backend):
 
 BACKEND = NixlBackend
 """The `nixl` backend class (backends/__init__.py)."""
+
+
+PROGRESS_DELAY_US = 500
+"""Pause of NIXL's progress thread between rounds. NIXL's Python wrapper hard-codes 0, and its progress thread then
+spins a whole core for as long as the daemon runs, idle or not. It is needed for what a peer does to us (UCX
+transports that emulate one-sided reads need the target's progress); initiators poll their own transfers."""
+
+
+@contextlib.contextmanager
+def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """Makes the nixl_agent constructed inside use `delay_us` for its progress thread's pause (the wrapper sets the
+    C++ config field to 0 and offers no parameter): the config class is swapped for one that keeps our value."""
+    bind = api.nixlBind
+    original = bind.nixlAgentConfig
+
+    class _Config(original):  # type: ignore[misc,valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, delay_us if name == "pthrDelay" else value)
+
+    bind.nixlAgentConfig = _Config
+    try:
+        yield
+    finally:
+        bind.nixlAgentConfig = original
