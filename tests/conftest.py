@@ -12,6 +12,7 @@ from hypothesis import settings
 from kvbroker import ClusterInfo
 from kvbroker._local import LocalDaemon
 from kvbrokerd import backends
+from tests.helpers import private_shm_dir, remove_dir
 
 # The suite is a gate: it must give the same answer on every run, so hypothesis explores a fixed set of examples.
 # `HYPOTHESIS_PROFILE=explore pytest ...` searches new ones (and reports any failure with a reproducible seed).
@@ -57,3 +58,13 @@ def linked_pair(request: pytest.FixtureRequest, daemon_dir: Path) -> Iterator[tu
     """(source daemon, destination daemon) linked dst -> src, both allowing only the parametrised backend."""
     first = PAIR_BACKENDS[request.param]
     yield from _pair(daemon_dir / request.param, (request.param,), first)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private shm directory for one test (removed with whatever is left in it)."""
+    path = private_shm_dir()
+    try:
+        yield path
+    finally:
+        remove_dir(path)

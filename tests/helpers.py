@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -52,3 +54,16 @@ def assert_bytes_equal(actual: list[np.ndarray], expected: list[np.ndarray]) -> 
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
         assert np.array_equal(a.view(np.uint8), e.view(np.uint8)), f"tensor {i} differs"
+
+
+def private_shm_dir() -> Path:
+    """A fresh directory on /dev/shm's tmpfs, private to this user: a test's own shm dir (`--shm-dir`)."""
+    path = Path("/dev/shm") / f"kvtest-{uuid.uuid4().hex[:12]}"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def remove_dir(path: Path) -> None:
+    for entry in path.iterdir():
+        entry.unlink()
+    path.rmdir()

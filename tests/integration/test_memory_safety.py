@@ -48,27 +48,6 @@ BLOCKS = list(range(8))
 PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
-def _private_shm_dir() -> Path:
-    path = Path("/dev/shm") / f"kvtest-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o700)
-    return path
-
-
-def _remove_dir(path: Path) -> None:
-    for entry in path.iterdir():
-        entry.unlink()
-    path.rmdir()
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = _private_shm_dir()
-    try:
-        yield path
-    finally:
-        _remove_dir(path)
-
-
 def _daemon(workdir: Path, cluster_id: int, shm_dir: Path, wrapper: list[str] | None = None) -> LocalDaemon:
     return LocalDaemon(workdir, cluster_id, backends=("shm",), extra_args=["--shm-dir", str(shm_dir)],
                        wrapper=wrapper or [])

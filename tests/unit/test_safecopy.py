@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +52,6 @@ def segment(path, size, filled=False):
 def fault(e):
     return {"side": e.side, "copied": e.copied, "size": e.size, "signal": e.signal, "address": e.address}
 """
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"kvtest-safecopy-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o700)
-    try:
-        yield path
-    finally:
-        for entry in path.iterdir():
-            entry.unlink()
-        path.rmdir()
 
 
 def _child(code: str, *args: str, python_args: tuple[str, ...] = (),

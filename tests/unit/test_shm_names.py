@@ -7,8 +7,6 @@ import fcntl
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,18 +19,6 @@ from kvbrokerd.errors import LlmError, LlmStatus
 from kvbrokerd.registry import NONCE_BYTES
 
 NOBODY = 65534
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"kvtest-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o700)
-    try:
-        yield path
-    finally:
-        for entry in path.iterdir():
-            entry.unlink()
-        path.rmdir()
 
 
 def _file(path: Path, size: int, data: bytes = b"") -> Path:
