@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvbrokerd.errors import param_invalid
+from kvbrokerd.errors import LlmStatus, fail, param_invalid
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,8 @@ MAX_TOPIC_BYTES = 128
 MAX_PAYLOAD_BYTES = 64 << 10
 MAX_QUEUED_PER_TOPIC = 65536
 MAX_TOPICS = 1024
+MAX_QUEUED_BYTES = 64 << 20
+"""Payload bytes waiting over all topics: what linked peers can make us hold."""
 MAX_AGE_S = 600.0
 MAX_FETCH = 65536
 DEFAULT_FETCH = 1024
@@ -51,20 +53,25 @@ class NotificationBox:
         self._arrived: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
         self.dropped = 0
+        self.queued_bytes = 0
 
     def put(self, cluster_id: int, topic: str, payload: bytes) -> None:
         check(topic, payload)
         self._expire()
+        if self.queued_bytes + len(payload) > MAX_QUEUED_BYTES:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{MAX_QUEUED_BYTES} bytes of notifications wait to be fetched here; "
+                 "try again once the receiving clients have fetched them")
         queue = self._queues.get(topic)
         if queue is None:
             if len(self._queues) >= MAX_TOPICS:
                 param_invalid(f"more than {MAX_TOPICS} topics hold undelivered notifications")
             queue = self._queues[topic] = deque()
         if len(queue) >= MAX_QUEUED_PER_TOPIC:
-            queue.popleft()
+            self._forget(queue.popleft())
             self.dropped += 1
             log.warning("topic %r: %d notifications waiting; dropped the oldest", topic, MAX_QUEUED_PER_TOPIC)
         queue.append(Notification(cluster_id, topic, payload, time.time(), time.monotonic()))
+        self.queued_bytes += len(payload)
         event = self._arrived.get(topic)
         if event is not None:
             event.set()
@@ -91,6 +98,8 @@ class NotificationBox:
         if not queue:
             return []
         out = [queue.popleft() for _ in range(min(max_count, len(queue)))]
+        for n in out:
+            self._forget(n)
         if not queue:
             del self._queues[topic]
         return out
@@ -100,7 +109,10 @@ class NotificationBox:
         for topic in list(self._queues):
             queue = self._queues[topic]
             while queue and queue[0].received < cutoff:
-                queue.popleft()
+                self._forget(queue.popleft())
                 self.dropped += 1
             if not queue:
                 del self._queues[topic]
+
+    def _forget(self, n: Notification) -> None:
+        self.queued_bytes -= len(n.payload)
