@@ -8,7 +8,8 @@
  * on that same thread. Every other fault goes to whichever handler was installed before this module was imported
  * (faulthandler's, or the default action), so a real crash still crashes, with its traceback.
  *
- * Bounded on purpose: one function, no dependencies, the GIL released for the copy only. See
+ * Bounded on purpose: two functions (one run; many runs with the GIL released once), no dependencies, the GIL
+ * released for the copy only. See
  * tests/unit/test_safecopy.py and BENCHMARKS.md ("which native helper and why").
  */
 #define PY_SSIZE_T_CLEAN
@@ -216,6 +217,118 @@ static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* One run of copy_runs() under the guard; returns 0, or 1 after a fault (guard says where). */
+static int guarded_run(struct guard *guard, uintptr_t dst, uintptr_t src, size_t n, volatile size_t *copied) {
+    const uintptr_t page = page_size;
+    guard->src_lo = page_down(src, page);
+    guard->src_hi = page_up(src + n, page);
+    guard->dst_lo = page_down(dst, page);
+    guard->dst_hi = page_up(dst + n, page);
+    *copied = 0;
+    if (sigsetjmp(guard->env, 0) == 0) {
+        current_guard = guard;
+        atomic_signal_fence(memory_order_seq_cst);
+        memmove((void *)dst, (const void *)src, n);
+        atomic_signal_fence(memory_order_seq_cst);
+        current_guard = NULL;
+        *copied = n;
+        return 0;
+    }
+    sigset_t caught;
+    sigemptyset(&caught);
+    sigaddset(&caught, guard->fault_signal);
+    pthread_sigmask(SIG_UNBLOCK, &caught, NULL);
+    return 1;
+}
+
+static int u64_buffer(PyObject *arg, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(arg, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != 8 || view->format == NULL || (strcmp(view->format, "Q") != 0 &&
+                                                        strcmp(view->format, "L") != 0 &&
+                                                        strcmp(view->format, "<Q") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of uint64", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_runs_doc,
+"copy_runs(dst, src, n, /) -> None\n--\n\n"
+"copy(dst[i], src[i], n[i]) for every i, in order, with the GIL released once for all of them; dst, src and n\n"
+"are equally long contiguous uint64 buffers (numpy arrays). Runs must not overlap each other or themselves. A page\n"
+"that vanishes raises FaultError as copy() does, with `run`: the index of the run that faulted (every run before\n"
+"it landed).");
+
+static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "copy_runs() takes 3 arguments (dst, src, n), got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer dv, sv, nv;
+    if (u64_buffer(args[0], &dv, "dst") < 0)
+        return NULL;
+    if (u64_buffer(args[1], &sv, "src") < 0) {
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    if (u64_buffer(args[2], &nv, "n") < 0) {
+        PyBuffer_Release(&dv);
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t count = nv.len / 8;
+    const uint64_t *dst = dv.buf, *src = sv.buf, *len = nv.buf;
+    if (dv.len != nv.len || sv.len != nv.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_runs(): dst, src and n differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (len[i] == 0)
+            continue;
+        if (dst[i] == 0 || src[i] == 0 || dst[i] > UINTPTR_MAX - len[i] || src[i] > UINTPTR_MAX - len[i] ||
+            (dst[i] < src[i] + len[i] && src[i] < dst[i] + len[i])) {
+            PyErr_Format(PyExc_ValueError, "copy_runs(): run %zd has a null address, overlaps itself or passes the "
+                         "end of the address space", i);
+            goto done;
+        }
+    }
+    struct guard guard;
+    guard.fault_address = 0;
+    guard.fault_signal = 0;
+    volatile size_t copied = 0;
+    Py_ssize_t faulted_at = -1;
+    PyThreadState *const released = PyEval_SaveThread();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (len[i] != 0 && guarded_run(&guard, (uintptr_t)dst[i], (uintptr_t)src[i], (size_t)len[i], &copied)) {
+            faulted_at = i;
+            break;
+        }
+    }
+    PyEval_RestoreThread(released);
+    if (faulted_at >= 0) {
+        raise_fault(&guard, 0, (size_t)len[faulted_at]);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *run = PyLong_FromSsize_t(faulted_at);
+        if (value != NULL && run != NULL)
+            PyObject_SetAttrString(value, "run", run);
+        Py_XDECREF(run);
+        PyErr_Restore(type, value, tb);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&dv);
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&nv);
+    return result;
+}
+
 PyDoc_STRVAR(handler_in_place_doc,
 "handler_in_place()\n--\n\n"
 "True while this module's fault handler is the one installed for SIGBUS and SIGSEGV. If something installed its\n"
@@ -233,6 +346,7 @@ static PyObject *safecopy_handler_in_place(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))safecopy_copy, METH_FASTCALL, copy_doc},
+    {"copy_runs", (PyCFunction)(void (*)(void))safecopy_copy_runs, METH_FASTCALL, copy_runs_doc},
     {"handler_in_place", safecopy_handler_in_place, METH_NOARGS, handler_in_place_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -408,3 +408,73 @@ def test_daemon_owned_memory_truncated_under_two_copy_threads(shm_dir: Path, sid
     assert f"the {side}: its memory" in got["message"], got
     # Tensor 0 and blocks 0-39 of tensor 1 are still there; what failed is at least the rest of tensor 1.
     assert set(range(40, 64)) <= set(got["failed"]), got
+
+
+# -- many runs in one call ------------------------------------------------------------------------------------------
+
+def _runs(*triples: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    dst, src, n = zip(*triples, strict=True)
+    return (np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64), np.asarray(n, dtype=np.uint64))
+
+
+@needs_extension
+def test_copy_runs_copies_every_run_and_nothing_between() -> None:
+    assert _safecopy is not None
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    runs = [(d + 100, s + 5000, 70000), (d + 80000, s + 10, 1), (d + 90000, s + 900000, 0), (d + 500000, s, 300000)]
+    _safecopy.copy_runs(*_runs(*runs))
+    expected = np.zeros_like(dst)
+    for to, frm, n in runs:
+        expected[to - d : to - d + n] = src[frm - s : frm - s + n]
+    assert np.array_equal(dst, expected)
+
+
+@needs_extension
+def test_copy_runs_refuses_bad_runs_before_any_byte_moves() -> None:
+    assert _safecopy is not None
+    buf = np.zeros(64, dtype=np.uint8)
+    a = buf.ctypes.data
+    bad = [_runs((a, a + 8, 16)),  # overlaps itself
+           _runs((a, a + 32, 8), (0, a, 8)),  # a null address after a good run: refused before the good one moves
+           _runs((a, 2**64 - 4, 16))]
+    buf[32:40] = 7
+    for args in bad:
+        with pytest.raises(ValueError):
+            _safecopy.copy_runs(*args)
+    assert not buf[:8].any(), "a run before the refused one was copied"
+    dst, src, n = _runs((a, a + 32, 8))
+    with pytest.raises(ValueError):
+        _safecopy.copy_runs(dst, src, np.concatenate([n, n]))  # lengths differ
+    with pytest.raises(TypeError):
+        _safecopy.copy_runs(dst, src, n.astype(np.int64))  # not uint64: never reinterpreted
+    with pytest.raises((TypeError, BufferError, ValueError)):  # a strided view: never read as if contiguous
+        two_dst, two_src, two_n = _runs((a, a + 32, 4), (a + 8, a + 40, 4))
+        _safecopy.copy_runs(np.repeat(two_dst, 2)[::2], two_src, two_n)
+
+
+TRUNCATED_RUNS = """
+shm = sys.argv[1]
+size, keep = 8 << 20, 5 << 20
+sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", size)
+os.ftruncate(sfd, keep)
+run = 1 << 20
+starts = np.arange(0, size, run, dtype=np.uint64)  # runs 0-4 are inside what is left, 5-7 are not
+try:
+    sc.copy_runs(dst_at + starts, src_at + starts, np.full(len(starts), run, dtype=np.uint64))
+    print(json.dumps(None))
+except sc.FaultError as e:
+    landed = bool((dst[: e.run * run] == pattern(size)[: e.run * run]).all())
+    print(json.dumps({**fault(e), "run": e.run, "landed": landed}))
+"""
+
+
+@needs_extension
+def test_copy_runs_says_which_run_faulted_and_the_runs_before_it_landed(shm_dir: Path) -> None:
+    got = _result(_child(TRUNCATED_RUNS, str(shm_dir)))
+    assert got is not None, "copied from a truncated file without a fault"
+    assert got["run"] == 5 and got["side"] == "source" and got["signal"] == signal.SIGBUS, got
+    assert got["landed"], "a run reported as landed holds other bytes than the source's"

@@ -36,16 +36,19 @@ from typing import NoReturn
 import numpy as np
 
 from kvbrokerd.backends.base import run_parts
-from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Plan, Progress, Run, split_runs
+from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.planner import Plan, Progress
 
 # Below this many bytes a second copying thread costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20
 # A copy this small (tens of microseconds) is cheaper on the event loop than a hand-off to a worker thread; the
 # run limit keeps a plan of many tiny runs (a Python loop) from stalling the loop.
 INLINE_MAX_BYTES = 512 << 10
-INLINE_MAX_RUNS = 64
-_DEADLINE_CHECK_EVERY = 256
+INLINE_MAX_RUNS = 1024
+# A copy checks its deadline and cancellation between chunks of at most this many bytes or runs (a chunk is one
+# call that releases the GIL once; a run larger than a chunk is one chunk).
+CHUNK_BYTES = 16 << 20
+CHUNK_RUNS = 4096
 
 SAFECOPY_ENV = "KVBROKER_SAFECOPY"
 _SLOW_PATH = "memory copies: memmove between daemon-owned segments, the kernel (pread, about 3x slower) for others"
@@ -119,51 +122,131 @@ def base_address(buffer: mmap.mmap) -> int:
 
 def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, deadline: float,
               executor: concurrent.futures.Executor, threads: int = 2,
-              mark: Callable[[int, int], None] | None = None) -> int:
-    """Copies every run of `plan`; `mark(run, bytes)` (default `progress.mark`) records each run that landed."""
+              mark: Callable[[np.ndarray, np.ndarray], None] | None = None) -> int:
+    """Copies every run of `plan`; `mark(runs, nbytes)` (default `progress.mark_runs`) records what landed, a chunk
+    of runs (or pieces of runs) at a time."""
     src.check()
     dst.check()
-    runs = plan.runs()
-    record = progress.mark if mark is None else mark
-    if _safecopy is not None and src.addresses and dst.addresses:
-        move = _safe_move
-    elif src.stable and dst.stable:
-        move = _memmove
+    record = progress.mark_runs if mark is None else mark
+    pieces = Pieces.of(plan)
+    if threads < 2 or plan.total_bytes < PARALLEL_MIN_BYTES:
+        _copy_pieces(src, dst, pieces, progress, deadline, record)
     else:
-        move = _kernel_copy
-
-    def copy(chunk: list[Run]) -> None:
-        for i, (idx, st, so, dt, do, n) in enumerate(chunk):
-            if i % _DEADLINE_CHECK_EVERY == 0:
-                if time.monotonic() > deadline:
-                    fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
-                if progress.cancelled:
-                    fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
-            move(src, st, so, dst, dt, do, n)
-            record(idx, n)
-
-    if threads < 2 or plan.total_bytes < PARALLEL_MIN_BYTES or len(runs) < 2:
-        copy(runs)
-        return plan.total_bytes
-    run_parts(executor, copy, split_runs(runs, threads))
+        run_parts(executor, lambda part: _copy_pieces(src, dst, part, progress, deadline, record),
+                  pieces.split(threads))
     return plan.total_bytes
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A plan's runs as arrays, possibly cut into pieces (a piece keeps its run's index in `run`)."""
+
+    run: np.ndarray
+    src_tensor: np.ndarray
+    src_offset: np.ndarray
+    dst_tensor: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+
+    @classmethod
+    def of(cls, plan: Plan) -> Pieces:
+        return cls(np.arange(plan.num_runs), plan.src_tensor, plan.src_offset, plan.dst_tensor, plan.dst_offset,
+                   plan.length)
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def take(self, index: slice) -> Pieces:
+        return Pieces(self.run[index], self.src_tensor[index], self.src_offset[index], self.dst_tensor[index],
+                      self.dst_offset[index], self.length[index])
+
+    def split(self, parts: int) -> list[Pieces]:
+        """`parts` lists of about equal bytes, in order; a run that straddles a boundary is cut there."""
+        ends = np.cumsum(self.length, dtype=np.uint64)
+        starts = ends - self.length
+        total = int(ends[-1])
+        cuts = np.unique((np.arange(1, parts, dtype=np.uint64) * np.uint64(total)) // np.uint64(parts))
+        cuts = cuts[(cuts > 0) & (cuts < total)]
+        piece_starts = np.union1d(starts, cuts)
+        run = np.searchsorted(ends, piece_starts, side="right")
+        lengths = np.diff(np.append(piece_starts, np.uint64(total)))
+        pieces = Pieces(self.run[run], self.src_tensor[run], self.src_offset[run] + (piece_starts - starts[run]),
+                        self.dst_tensor[run], self.dst_offset[run] + (piece_starts - starts[run]), lengths)
+        bounds = np.searchsorted(piece_starts, cuts).tolist()
+        return [p for a, b in zip([0, *bounds], [*bounds, len(pieces)], strict=True)
+                if len(p := pieces.take(slice(a, b)))]
+
+
+def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progress, deadline: float,
+                 record: Callable[[np.ndarray, np.ndarray], None]) -> None:
+    """Copies chunk by chunk (deadline and cancellation are checked between chunks) and records each chunk."""
+    move = _mover(src, dst, pieces)
+    first, total = 0, len(pieces)
+    one_chunk = total <= CHUNK_RUNS and int(pieces.length.sum()) <= CHUNK_BYTES
+    ends = None if one_chunk else np.cumsum(pieces.length, dtype=np.uint64)
+    while first < total:
+        if time.monotonic() > deadline:
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
+        if progress.cancelled:
+            fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
+        if ends is None:
+            last = total
+        else:
+            reach = (int(ends[first - 1]) if first else 0) + CHUNK_BYTES
+            last = min(max(int(np.searchsorted(ends, reach, side="right")), first + 1), first + CHUNK_RUNS, total)
+        chunk = slice(first, last)
+        try:
+            move(chunk)
+        except _Landed as e:  # a fault: the pieces before it landed, then the error
+            done = slice(first, first + e.pieces)
+            record(pieces.run[done], pieces.length[done])
+            raise e.error from None
+        record(pieces.run[chunk], pieces.length[chunk])
+        first = last
+
+
+def _mover(src: Endpoint, dst: Endpoint, pieces: Pieces) -> Callable[[slice], None]:
+    """How a chunk of pieces is copied: the fault-safe copy in one call where it can, else run by run."""
+    if _safecopy is not None and src.addresses and dst.addresses:
+        src_at = np.asarray(src.addresses, dtype=np.uint64)[pieces.src_tensor] + pieces.src_offset
+        dst_at = np.asarray(dst.addresses, dtype=np.uint64)[pieces.dst_tensor] + pieces.dst_offset
+        return lambda c: _safe_copy_runs(src, dst, src_at[c], dst_at[c], pieces.length[c])
+    one = _memmove if src.stable and dst.stable else _kernel_copy
+    runs = list(zip(pieces.src_tensor.tolist(), pieces.src_offset.tolist(), pieces.dst_tensor.tolist(),
+                    pieces.dst_offset.tolist(), pieces.length.tolist(), strict=True))
+
+    def move(c: slice) -> None:
+        for k, (st, so, dt, do, n) in enumerate(runs[c]):
+            try:
+                one(src, st, so, dst, dt, do, n)
+            except LlmError as err:
+                raise _Landed(k, err) from None
+
+    return move
+
+
+class _Landed(Exception):
+    """A chunk's copy stopped at a fault after `pieces` of its pieces had landed."""
+
+    def __init__(self, pieces: int, error: LlmError) -> None:
+        self.pieces, self.error = pieces, error
+
+
+def _safe_copy_runs(src: Endpoint, dst: Endpoint, src_at: np.ndarray, dst_at: np.ndarray, n: np.ndarray) -> None:
+    assert _safecopy is not None
+    try:
+        _safecopy.copy_runs(dst_at, src_at, n)
+        return
+    except _safecopy.FaultError as e:
+        side, run = e.side, e.run
+    try:
+        (_source_shrank if side == "source" else _destination_vanished)(src if side == "source" else dst)
+    except LlmError as err:
+        raise _Landed(run, err) from None
 
 
 def _memmove(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:
     ctypes.memmove(dst.addresses[dt] + do, src.addresses[st] + so, n)
-
-
-def _safe_move(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:
-    assert _safecopy is not None
-    try:
-        _safecopy.copy(dst.addresses[dt] + do, src.addresses[st] + so, n)
-        return
-    except _safecopy.FaultError as e:
-        side = e.side
-    # Outside the except block: the LlmError carries no FaultError context into logs.
-    if side == "source":
-        _source_shrank(src)
-    _destination_vanished(dst)
 
 
 def _source_shrank(src: Endpoint) -> NoReturn:

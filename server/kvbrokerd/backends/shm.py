@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvbrokerd import shmseg
 from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
@@ -208,18 +210,18 @@ class ShmChannel(PeerChannel):
                   endpoints: Callable[[], tuple[memcopy.Endpoint, memcopy.Endpoint]]) -> int:
         self._check_peer(remote)
         src, dst = endpoints()
-        landed: list[tuple[int, int]] = []
+        landed: list[tuple[np.ndarray, np.ndarray]] = []
         error: LlmError | None = None
         try:
             memcopy.copy_plan(src, dst, plan, progress, deadline, self._executor, self._copy_threads,
-                              mark=lambda run, nbytes: landed.append((run, nbytes)))
+                              mark=lambda runs, nbytes: landed.append((runs, nbytes)))
         except LlmError as e:
             error = e
         # What was copied counts only if the peer still holds the cache: otherwise it was read from, or written
         # into, memory that no longer belongs to it, and every block of the plan is reported as failed.
         self._check_peer(remote)
-        for run, nbytes in landed:
-            progress.mark(run, nbytes)
+        for runs, nbytes in landed:
+            progress.mark_runs(runs, nbytes)
         if error is not None:
             raise error
         return plan.total_bytes

@@ -1,0 +1,77 @@
+"""memcopy's vectorised plan handling: pieces cover every run exactly once, parts stay balanced, and a copy
+moves exactly the plan's bytes whichever way it is cut (two threads, chunks)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbroker._types import CacheDesc, DataType
+from kvbrokerd.backends import memcopy
+from kvbrokerd.planner import LayerSelection, Plan, Progress, plan_blocks
+
+
+def _plan(lengths: list[int]) -> Plan:
+    n = np.asarray(lengths, dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.uint64)
+    zeros = np.zeros(len(n), dtype=np.uint32)
+    return Plan(zeros, offsets, zeros, offsets[::-1].copy(), n, np.arange(len(n), dtype=np.uint64), 1)
+
+
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=60), st.integers(1, 8))
+def test_split_covers_every_byte_of_every_run_once_in_balanced_parts(lengths: list[int], parts: int) -> None:
+    plan = _plan(lengths)
+    pieces = memcopy.Pieces.of(plan)
+    split = pieces.split(parts)
+    assert 1 <= len(split) <= parts
+    total = sum(lengths)
+    for part in split:  # balanced: no part is more than a fair share plus less than one byte
+        assert int(part.length.sum()) <= -(-total // parts) + 1
+    for run, n in enumerate(lengths):
+        got = [(int(p.src_offset[i]) - int(plan.src_offset[run]), int(p.dst_offset[i]) - int(plan.dst_offset[run]),
+                int(p.length[i])) for p in split for i in np.flatnonzero(p.run == run)]
+        got.sort()
+        assert all(src == dst for src, dst, _ in got), "a piece's source and destination moved apart"
+        assert [g[0] for g in got] == list(np.cumsum([0] + [g[2] for g in got])[:-1]), "gaps or overlaps"
+        assert sum(g[2] for g in got) == n
+
+
+def _endpoint(buf: np.ndarray, desc: CacheDesc, label: str) -> memcopy.Endpoint:
+    base = buf.ctypes.data
+    return memcopy.Endpoint(label, [base + i * desc.tensor_nbytes for i in range(desc.num_tensors)], [], [], True,
+                            lambda: None)
+
+
+@given(st.lists(st.integers(0, 63), min_size=1, max_size=64, unique=True), st.integers(1, 3),
+       st.sampled_from([1 << 10, 1 << 20]))
+def test_a_copy_moves_exactly_the_plans_bytes_however_it_is_cut(blocks: list[int], threads: int,
+                                                                 chunk: int) -> None:
+    desc = CacheDesc(num_tensors=2, shape=(64, 4096), data_type=DataType.UINT8)
+    rng = np.random.default_rng(len(blocks))
+    src = rng.integers(0, 256, desc.num_tensors * desc.tensor_nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_blocks = np.asarray(blocks, dtype=np.uint64)
+    dst_blocks = np.asarray(sorted(blocks), dtype=np.uint64)
+    plan = plan_blocks(desc, desc, src_blocks, dst_blocks, LayerSelection())
+    progress = Progress(plan)
+    old = memcopy.CHUNK_BYTES, memcopy.PARALLEL_MIN_BYTES
+    memcopy.CHUNK_BYTES, memcopy.PARALLEL_MIN_BYTES = chunk, 1  # many chunks, and parts even for small plans
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            memcopy.copy_plan(_endpoint(src, desc, "src"), _endpoint(dst, desc, "dst"), plan, progress,
+                              time.monotonic() + 30, pool, threads=threads)
+    finally:
+        memcopy.CHUNK_BYTES, memcopy.PARALLEL_MIN_BYTES = old
+    expected = np.zeros_like(src)
+    bpb = desc.block_nbytes
+    for t in range(desc.num_tensors):
+        for s, d in zip(src_blocks.tolist(), dst_blocks.tolist(), strict=True):
+            at = t * desc.tensor_nbytes
+            expected[at + d * bpb : at + (d + 1) * bpb] = src[at + s * bpb : at + (s + 1) * bpb]
+    assert np.array_equal(dst, expected)
+    assert progress.bytes_moved == plan.total_bytes
+    assert len(progress.failed_dst_blocks()) == 0
