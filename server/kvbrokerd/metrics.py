@@ -20,6 +20,7 @@ from kvbrokerd.listen import ListenError, in_use
 
 log = logging.getLogger(__name__)
 
+_MAX_CHILDREN = 4096
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -50,14 +51,27 @@ class Metrics:
         self.seconds = Histogram("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, "
                                  "planning), wire (data movement) and total", ["op", "backend", "stage"],
                                  buckets=_BUCKETS, registry=self.registry)
+        # Each transfer's five label look-ups cost more than its bookkeeping (prometheus_client validates and
+        # hashes the labels every time): the children are kept per label set. Bounded: ops, backends and outcomes
+        # are few, peers at most --max-links (plus those of unlinked clusters, which one daemon sees few of).
+        self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
 
     def observe(self, op: str, backend: str, peer: str, outcome: str, moved: int, queue_s: float,
                 wire_s: float) -> None:
-        self.bytes.labels(op, backend, peer, outcome).inc(moved)
-        self.transfers.labels(op, backend, peer, outcome).inc()
-        self.seconds.labels(op, backend, "queue").observe(queue_s)
-        self.seconds.labels(op, backend, "wire").observe(wire_s)
-        self.seconds.labels(op, backend, "total").observe(queue_s + wire_s)
+        key = (op, backend, peer, outcome)
+        children = self._children.get(key)
+        if children is None:
+            if len(self._children) >= _MAX_CHILDREN:
+                self._children.clear()
+            children = self._children[key] = (
+                self.bytes.labels(*key), self.transfers.labels(*key), self.seconds.labels(op, backend, "queue"),
+                self.seconds.labels(op, backend, "wire"), self.seconds.labels(op, backend, "total"))
+        moved_bytes, count, queue, wire, total = children
+        moved_bytes.inc(moved)
+        count.inc()
+        queue.observe(queue_s)
+        wire.observe(wire_s)
+        total.observe(queue_s + wire_s)
 
     def watch(self, read_state: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(read_state))

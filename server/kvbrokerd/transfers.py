@@ -13,9 +13,11 @@ import concurrent.futures
 import contextlib
 import contextvars
 import enum
+import itertools
 import logging
+import secrets
 import time
-import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ from kvbroker._types import TransferResult
 from kvbroker.v1 import errors_pb2
 from kvbrokerd import blocklocks
 from kvbrokerd.backends import memcopy
-from kvbrokerd.backends.base import RemoteCache
+from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links import Link, LinkTable
 from kvbrokerd.logs import LOG_CONTEXT
@@ -122,6 +124,7 @@ class TransferManager:
         # bytes over several threads or connections); the rest wait their turn in FIFO order. On a machine with few
         # cores, dozens of transfers copying at once only thrash: the same bytes take longer.
         self._gate = asyncio.Semaphore(parallel_transfers)
+        self._channel_gates: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self.metrics = metrics
         self._registry = registry
         self._links = links
@@ -196,9 +199,10 @@ class TransferManager:
                   channel is not None and channel.runs_inline(plan))
         if on_loop or inline:
             return await self._run(job, deadline, transfer_id, plan, on_loop, inline)
+        gate = self._gate_of(channel)
         try:
             async with asyncio.timeout(deadline.remaining()):
-                await self._gate.acquire()
+                await gate.acquire()
         except TimeoutError:
             err = LlmError(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} waited for its turn past its deadline")
             self._on_failure(job, err, transfer_id, Progress(plan))
@@ -206,7 +210,17 @@ class TransferManager:
         try:
             return await self._run(job, deadline, transfer_id, plan, False, False)
         finally:
-            self._gate.release()
+            gate.release()
+
+    def _gate_of(self, channel: PeerChannel | None) -> asyncio.Semaphore:
+        """The turn a transfer waits for: its link's own when its backend says how many keep it busy, else the
+        daemon-wide one."""
+        if channel is None or channel.parallel_transfers is None:
+            return self._gate
+        gate = self._channel_gates.get(channel)
+        if gate is None:
+            gate = self._channel_gates[channel] = asyncio.Semaphore(channel.parallel_transfers)
+        return gate
 
     async def _run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan, on_loop: bool,
                    inline: bool) -> int:
@@ -422,12 +436,18 @@ class TransferManager:
         return result, [j.backend for j in jobs]
 
 
+# Transfer ids: 12 hex digits, a random per-process prefix and a counter (cheaper than a uuid per request, and
+# unique across daemons and restarts as far as logs need).
+_ID_PREFIX = secrets.token_hex(3)
+_ID_COUNTER = itertools.count(1)
+
+
 class Tracked:
     """One transfer request from arrival to its terminal state: its id and log context (every log line of the
     transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
 
     def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
-        self.id = uuid.uuid4().hex[:12]
+        self.id = f"{_ID_PREFIX}{next(_ID_COUNTER) & 0xFFFFFF:06x}"
         self.op, self.peer, self.deadline = op, peer, deadline
         self.backend = "none"
         self.moved = 0

@@ -140,6 +140,10 @@ class PeerChannel(abc.ABC):
     """A backend's per-link state: how to reach one peer's memory."""
 
     name: str
+    parallel_transfers: int | None = None
+    """How many of this link's transfers may move data at once. None: they share the daemon-wide turn
+    (`--parallel-transfers`), right for copies that compete for this host's CPUs; a backend that mostly waits on its
+    peer (tcp: one transfer per pooled connection) says how many keep it busy."""
 
     @abc.abstractmethod
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:

@@ -374,11 +374,16 @@ class DataServer:
                     watch: sockio.Watch) -> None:
         views = _views(entry, runs)
         total = int(runs["length"].sum())
-        sockio.send_all(conn, REPLY.pack(b"KVRS", 0, total), watch)
+        reply = memoryview(REPLY.pack(b"KVRS", 0, total))
         trailer = [memoryview(TRAILER.pack(b"KVEN", 0, total))] if version >= 2 else []
         try:
-            sockio.send_views(conn, views + trailer, watch)
+            # The reply, the bytes and the trailer in one gather: a small read reaches the reader in one segment
+            # and wakes it once.
+            sockio.send_views(conn, [reply, *views, *trailer], watch)
         except sockio.MemoryFault as fault:
+            if fault.done < len(reply):  # the reply is our memory and goes first: a fault leaves at most part of it
+                sockio.send_all(conn, reply[fault.done :], watch)
+            fault.done = max(0, fault.done - len(reply))
             log.warning("cache %d lost its memory while a peer read it (a segment shrank or vanished); the read "
                         "fails, the link stays", entry.cache_id)
             if not trailer:
@@ -520,6 +525,8 @@ class TcpChannel(PeerChannel):
         self._link_id = linkauth.link_id(secret)
         self._executor = executor
         self._max = max_connections
+        self.parallel_transfers = max_connections
+        self._reserved = 0  # connections that running transfers have claimed (under _lock)
         # Idle connections with the time they were last used (the server ends idle ones after IDLE_TIMEOUT_S).
         self._idle: list[tuple[socket.socket, float]] = []
         self._loop_idle: list[tuple[socket.socket, float]] = []  # non-blocking ones, used from the event loop
@@ -648,10 +655,19 @@ class TcpChannel(PeerChannel):
         return self._run(self._write, remote.cache_id, src, plan, progress, deadline)
 
     def _run(self, op: _Op, cache_id: int, local: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
-        """Spreads the plan over the pool's connections (large plans only) and waits for every part."""
-        parts = 1 if plan.total_bytes < _SPLIT_MIN_BYTES else min(self._max, plan.num_runs)
-        run_parts(self._executor, lambda runs: self._on_connection(op, cache_id, local, runs, progress, deadline),
-                  split_runs(plan.runs(), parts))
+        """Spreads a large plan over the pool's free connections and waits for every part. Concurrent transfers
+        take one connection each rather than all of them: more connections than the pool holds would each cost a
+        new connection and handshake, and add no bandwidth."""
+        with self._lock:
+            free = self._max - self._reserved
+            parts = 1 if plan.total_bytes < _SPLIT_MIN_BYTES else max(1, min(free, plan.num_runs))
+            self._reserved += parts
+        try:
+            run_parts(self._executor, lambda runs: self._on_connection(op, cache_id, local, runs, progress, deadline),
+                      split_runs(plan.runs(), parts))
+        finally:
+            with self._lock:
+                self._reserved -= parts
         return plan.total_bytes
 
     def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,
