@@ -17,11 +17,11 @@ from typing import Any, Generic, TypeVar
 import grpc
 import grpc.aio
 
-from kvbroker import _convert as cv
+from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc
-from kvbroker._shm import Cache
-from kvbroker._status import ClusterNumExceedLimitError, LlmError, LlmStatus, ParamInvalidError
-from kvbroker._types import (
+from kvbroker.shm import Cache
+from kvbroker.status import ClusterNumExceedLimitError, LlmError, LlmStatus, ParamInvalidError
+from kvbroker.types import (
     CacheDesc,
     CacheIndex,
     CacheRecord,

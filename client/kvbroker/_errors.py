@@ -7,7 +7,7 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from kvbroker._status import ERROR_DOMAIN, LlmError, LlmStatus, make_error, status_for_grpc_code
+from kvbroker.status import ERROR_DOMAIN, LlmError, LlmStatus, make_error, status_for_grpc_code
 from kvbroker.v1 import errors_pb2
 
 _DETAILS_KEY = "grpc-status-details-bin"

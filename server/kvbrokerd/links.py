@@ -24,8 +24,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from kvbroker._convert import desc_from_pb
-from kvbroker._types import LinkState, TensorLocation
+from kvbroker.convert import desc_from_pb
+from kvbroker.types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
 from kvbrokerd.backends.base import (

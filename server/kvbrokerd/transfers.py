@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker._types import TransferResult
+from kvbroker.types import TransferResult
 from kvbroker.v1 import errors_pb2
 from kvbrokerd import blocklocks
 from kvbrokerd.backends import memcopy

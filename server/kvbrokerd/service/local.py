@@ -10,9 +10,9 @@ import grpc.aio
 from google.protobuf.message import Message
 
 import kvbrokerd
-from kvbroker._convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
-from kvbroker._status import LlmStatus
-from kvbroker._types import TransferResult
+from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
+from kvbroker.status import LlmStatus
+from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd import devicemem, notifications
 from kvbrokerd.errors import LlmError, fail

@@ -1,5 +1,8 @@
 """LLM-DataDist status codes, their gRPC codes, and the exception tree raised by the client.
 
+Shared with the daemon (`kvbrokerd`), whose domain errors are these exceptions, so that both ends agree on every
+status and its gRPC code by construction.
+
 Exception tree::
 
     LlmError                      any non-success status (.status, .message, .details)

@@ -1,11 +1,14 @@
-"""Conversions between the public value types and their protobuf messages (shared with the daemon)."""
+"""Conversions between the public value types (`kvbroker.types`) and their protobuf messages (`kvbroker.v1`).
+
+Shared with the daemon (`kvbrokerd`), so that both ends of the wire convert the same way.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvbroker._status import LlmStatus
-from kvbroker._types import (
+from kvbroker.status import LlmStatus
+from kvbroker.types import (
     CacheDesc,
     CacheIndex,
     CacheRecord,
