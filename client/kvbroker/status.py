@@ -87,6 +87,10 @@ _FROM_GRPC_CODE: Mapping[grpc.StatusCode, LlmStatus] = {
 }
 
 ERROR_DOMAIN = "kvbroker"
+# Request header: how many bytes of error details (google.rpc.Status in trailing metadata) the caller accepts. gRPC
+# refuses trailing metadata over its receive limit (8 KiB by default) and the caller then gets RESOURCE_EXHAUSTED
+# instead of the LLM status, so the daemon leaves out block lists that would not fit.
+ACCEPT_DETAILS_HEADER = "kvbroker-accept-details-bytes"
 
 
 def grpc_code_for(status: LlmStatus) -> grpc.StatusCode:
@@ -111,10 +115,14 @@ class LlmError(Exception):
     @property
     def failed_dst_blocks(self) -> list[int] | None:
         """For a failed transfer: destination blocks that did not (completely) land; every other requested block
-        holds the source's bytes. None when the error says nothing about blocks (e.g. a refused request, for
-        which no byte was written at all)."""
+        holds the source's bytes. None when the error says nothing about blocks: a refused request, for which no
+        byte was written at all, or a report whose lists the daemon left out because they exceeded what the caller
+        accepts (`details["transfer_report"].block_lists_omitted`; then no requested block can be trusted).
+        kvbroker's client accepts the largest report a request can cause."""
         report = self.details.get("transfer_report")
-        return None if report is None else [int(b) for b in report.failed_dst_blocks]
+        if report is None or report.block_lists_omitted:
+            return None
+        return [int(b) for b in report.failed_dst_blocks]
 
 
 class ParamInvalidError(LlmError):

@@ -113,6 +113,9 @@ class _FakeContext:
     def time_remaining(self) -> float | None:
         return 5.0
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
     async def abort_with_status(self, status: grpc.Status) -> None:
         self.status = status
         raise _Aborted

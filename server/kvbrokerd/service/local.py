@@ -232,7 +232,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             if result is None:
                 fail(LlmStatus.LLM_FAILED, "the layer-wise pull ended without a result")
         except Exception as exc:
-            await context.abort_with_status(status_of(exc, "PullKvBlocksStream"))
+            await context.abort_with_status(status_of(exc, "PullKvBlocksStream", context))
             return
         yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, result))
 
