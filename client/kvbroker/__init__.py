@@ -1,8 +1,8 @@
 """kvbroker: the Python client of the kvbrokerd KV-cache transfer daemon (LLM-DataDist semantics over gRPC)."""
 
 from kvbroker._client import AsyncClient, Client
-from kvbroker._shm import Cache
-from kvbroker._status import (
+from kvbroker.shm import Cache
+from kvbroker.status import (
     AlreadyLinkError,
     ClusterNumExceedLimitError,
     FeatureNotEnabledError,
@@ -15,7 +15,7 @@ from kvbroker._status import (
     OutOfMemoryError,
     ParamInvalidError,
 )
-from kvbroker._types import (
+from kvbroker.types import (
     CacheDesc,
     CacheIndex,
     CacheRecord,

@@ -32,8 +32,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvbroker._client import Client
-from kvbroker._status import LlmError, LlmStatus
-from kvbroker._types import CacheDesc, CacheIndex, ClusterInfo, ClusterResult, DataType, KvCacheExtParam
+from kvbroker.status import LlmError, LlmStatus
+from kvbroker.types import CacheDesc, CacheIndex, ClusterInfo, ClusterResult, DataType, KvCacheExtParam
 
 DEFAULT_TARGET = "unix:///run/kvbroker/kvbroker.sock"
 KNOWN_BACKENDS = ("shm", "tcp")

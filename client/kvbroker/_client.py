@@ -17,11 +17,17 @@ from typing import Any, Generic, TypeVar
 import grpc
 import grpc.aio
 
-from kvbroker import _convert as cv
+from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc
-from kvbroker._shm import Cache
-from kvbroker._status import ClusterNumExceedLimitError, LlmError, LlmStatus, ParamInvalidError
-from kvbroker._types import (
+from kvbroker.shm import Cache
+from kvbroker.status import (
+    ACCEPT_DETAILS_HEADER,
+    ClusterNumExceedLimitError,
+    LlmError,
+    LlmStatus,
+    ParamInvalidError,
+)
+from kvbroker.types import (
     CacheDesc,
     CacheIndex,
     CacheRecord,
@@ -58,10 +64,17 @@ _SERVICE_CONFIG = json.dumps({"methodConfig": [{
 }]})
 
 
+# Every call says how large an error's details may be: a failed transfer's report lists its failed blocks, and no
+# report is larger than the request that caused it. The channel accepts that much trailing metadata, plus headroom
+# for the other trailers (gRPC's default, 8 KiB, would turn such an error into RESOURCE_EXHAUSTED).
+_CALL_METADATA = ((ACCEPT_DETAILS_HEADER, str(MAX_MESSAGE_BYTES)),)
+
+
 def _channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_metadata_size", MAX_MESSAGE_BYTES + (1 << 20)),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _SERVICE_CONFIG),
         # Reconnect quickly after a daemon restart instead of waiting out gRPC's default backoff (up to 120 s).
@@ -253,7 +266,7 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return getattr(self._stub, method)(request, timeout=self._deadline(timeout))
+            return getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
@@ -426,7 +439,8 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
 
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
         self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
-        return getattr(self._stub, method)(request, timeout=self._deadline(timeout))  # type: ignore[no-any-return]
+        return getattr(self._stub, method)(  # type: ignore[no-any-return]
+            request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
 
 
 class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
@@ -443,7 +457,7 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
             self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return await getattr(self._stub, method)(request, timeout=self._deadline(timeout))
+            return await getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
@@ -570,7 +584,8 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         what landed."""
         req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         await self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel in this loop
-        call = self._stub.PullKvBlocksStream(req, timeout=self._deadline(timeout))  # type: ignore[union-attr]
+        call = self._stub.PullKvBlocksStream(  # type: ignore[union-attr]
+            req, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         try:
             async for msg in call:
                 yield _Calls.progress(msg)

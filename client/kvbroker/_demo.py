@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbroker._local import LocalDaemon
-from kvbroker._types import CacheDesc, CacheIndex, ClusterInfo, DataType, KvCacheExtParam
+from kvbroker.types import CacheDesc, CacheIndex, ClusterInfo, DataType, KvCacheExtParam
 
 
 def fill_pattern(tensors: list[np.ndarray], seed: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from kvbroker._client import DEFAULT_LEASE_TTL_S, Client
-from kvbroker._status import LlmError
+from kvbroker.status import LlmError
 
 READY_TIMEOUT_S = 30.0
 

@@ -17,7 +17,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvbroker._types import LinkState
+from kvbroker.types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd import backends, linkauth
 from kvbrokerd.backends import memcopy

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvbroker._types import CacheDesc, Placement, TensorLocation
+from kvbroker.types import CacheDesc, Placement, TensorLocation
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 
 if TYPE_CHECKING:

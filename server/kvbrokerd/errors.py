@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from kvbroker._status import LlmError, LlmStatus, make_error
+from kvbroker.status import LlmError, LlmStatus, make_error
 
 __all__ = ["LlmError", "LlmStatus", "fail", "param_invalid"]
 

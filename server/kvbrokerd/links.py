@@ -24,8 +24,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from kvbroker._convert import desc_from_pb
-from kvbroker._types import LinkState, TensorLocation
+from kvbroker.convert import desc_from_pb
+from kvbroker.status import make_error, read_failure
+from kvbroker.types import LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
 from kvbrokerd.backends.base import (
@@ -78,7 +79,7 @@ class Link:
         try:
             await self.stub.Notify(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            _peer_call_failed(e, self.remote_cluster_id, "the notification")
+            raise peer_error(e, self.remote_cluster_id, "the notification") from None
 
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
         """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon)."""
@@ -90,10 +91,7 @@ class Link:
         try:
             resp = await self.stub.GetCacheInfo(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST,
-                     f"remote cache {cache_id} does not exist on cluster {self.remote_cluster_id}")
-            _peer_call_failed(e, self.remote_cluster_id, f"the lookup of cache {cache_id}")
+            raise peer_error(e, self.remote_cluster_id, f"the lookup of cache {cache_id}") from None
         if resp.instance_epoch != self.remote_epoch:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
@@ -146,14 +144,34 @@ class Link:
             await self.grpc_channel.close()
 
 
-def _peer_call_failed(e: grpc.aio.AioRpcError, cluster_id: int, what: str) -> None:
-    """One decoder for a failed peer call."""
-    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        fail(LlmStatus.LLM_TIMEOUT, f"cluster {cluster_id} did not answer {what} in time")
-    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-        fail(LlmStatus.LLM_LINK_FAILED, f"cluster {cluster_id} no longer knows this link ({what}); unlink and "
-             "link again")
-    fail(LlmStatus.LLM_LINK_FAILED, f"{what} on cluster {cluster_id} failed: {e.code().name} {e.details()}")
+PEER_FORGOT_LINK = "peer_forgot_link"
+"""Set (to "true") in the details of a `peer_error` whose peer no longer knows the link it was called on."""
+
+
+def peer_error(e: grpc.aio.AioRpcError, cluster_id: int, what: str, *, linking: bool = False) -> LlmError:
+    """The one decoder for a failed call to a peer's daemon: what the peer answered (code, message, LLM status),
+    as the error this daemon reports for `what`. The peer's answer is untrusted: it can fail this call (with the
+    peer's status in details["peer_status"]), never pass its status off as ours.
+
+    While `linking`, every failure is LLM_LINK_FAILED (the link could not be made). Otherwise: no answer in time is
+    LLM_TIMEOUT; an unknown cache (NOT_FOUND) is LLM_KV_CACHE_NOT_EXIST; a link the peer no longer knows
+    (FAILED_PRECONDITION) is LLM_LINK_FAILED with details[PEER_FORGOT_LINK]; anything else is LLM_LINK_FAILED."""
+    answer = read_failure(e)
+    details = {"cluster_id": str(cluster_id), "peer_grpc_code": answer.code.name}
+    if answer.status is not None:
+        details["peer_status"] = answer.status.name
+    if linking:
+        return make_error(LlmStatus.LLM_LINK_FAILED, f"{what} refused: {answer.text or answer.code.name}", details)
+    if answer.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return make_error(LlmStatus.LLM_TIMEOUT, f"cluster {cluster_id} did not answer {what} in time", details)
+    if answer.code == grpc.StatusCode.NOT_FOUND:
+        return make_error(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{what} on cluster {cluster_id}: {answer.message}",
+                          details)
+    if answer.code == grpc.StatusCode.FAILED_PRECONDITION:
+        return make_error(LlmStatus.LLM_LINK_FAILED, f"cluster {cluster_id} no longer knows this link ({what}); "
+                          "unlink and link again", {**details, PEER_FORGOT_LINK: "true"})
+    return make_error(LlmStatus.LLM_LINK_FAILED, f"{what} on cluster {cluster_id} failed: {answer.code.name} "
+                      f"{answer.text}", details)
 
 
 class LinkTable:
@@ -233,7 +251,7 @@ class LinkTable:
         try:
             challenge = await link.stub.Handshake(hello, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            fail(LlmStatus.LLM_LINK_FAILED, f"{where} refused: {e.details() or e.code().name}")
+            raise peer_error(e, link.remote_cluster_id, where, linking=True) from None
         if challenge.protocol_version != PROTOCOL_VERSION:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where} speaks peer protocol {challenge.protocol_version}, we speak "
                  f"{PROTOCOL_VERSION}; run the same kvbroker release on both sides")
@@ -249,7 +267,7 @@ class LinkTable:
         try:
             resp = await link.stub.Authenticate(auth, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            fail(LlmStatus.LLM_LINK_FAILED, f"{where} refused: {e.details() or e.code().name}")
+            raise peer_error(e, link.remote_cluster_id, where, linking=True) from None
         if resp.cluster_id != link.remote_cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, f"{link.remote_address} is cluster {resp.cluster_id}, not "
                  f"{link.remote_cluster_id}")
@@ -297,10 +315,11 @@ class LinkTable:
             assert link.stub is not None
             await link.stub.Unlink(link.signed("Unlink", peer_pb2.PeerUnlinkRequest()), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            notified = e.code() == grpc.StatusCode.FAILED_PRECONDITION  # The peer had already forgotten us.
+            err = peer_error(e, cluster_id, "the unlink notice")
+            notified = PEER_FORGOT_LINK in err.details  # the peer had already forgotten us
             if not notified and not force:
-                fail(LlmStatus.LLM_UNLINK_FAILED, f"cannot tell cluster {cluster_id}: {e.code().name}; use force "
-                     "to remove our side anyway")
+                fail(LlmStatus.LLM_UNLINK_FAILED, f"cannot tell cluster {cluster_id}: {err.details['peer_grpc_code']}; "
+                     "use force to remove our side anyway")
         del self.links[cluster_id]
         await link.close()
         log.info("unlinked cluster %d%s", cluster_id, "" if notified else " (forced; peer not told)")
@@ -316,7 +335,8 @@ class LinkTable:
             except grpc.aio.AioRpcError as e:
                 misses += 1
                 if misses >= HEARTBEAT_MISSES:
-                    link.mark_broken(f"no heartbeat answer {misses} times ({e.code().name})")
+                    last = peer_error(e, link.remote_cluster_id, "the heartbeat")
+                    link.mark_broken(f"no heartbeat answer {misses} times ({last.details['peer_grpc_code']})")
                 continue
             misses = 0
             link.last_seen = time.time()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker._types import CacheDesc
+from kvbroker.types import CacheDesc
 from kvbrokerd.errors import param_invalid
 
 DEFAULT_TENSOR_NUM_PER_LAYER = 2

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbroker._types import CacheDesc, DataType, Placement, TensorLocation
+from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
 from kvbrokerd import shmseg
 from kvbrokerd.backends.memcopy import Endpoint
 from kvbrokerd.errors import LlmStatus, fail, param_invalid

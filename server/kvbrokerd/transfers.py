@@ -19,12 +19,11 @@ import secrets
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvbroker._types import TransferResult
-from kvbroker.v1 import errors_pb2
+from kvbroker.types import TransferResult
 from kvbrokerd import blocklocks
 from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
@@ -43,6 +42,7 @@ from kvbrokerd.planner import (
     plan_cache,
 )
 from kvbrokerd.registry import CacheEntry, Registry
+from kvbrokerd.reports import GroupReport, TransferReport
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +334,9 @@ class TransferManager:
                 job.link.mark_broken(e.message)
             e.details["cluster_id"] = str(job.link.remote_cluster_id)
         e.details.update(transfer_id=transfer_id, backend=job.backend, stage="transfer")
-        e.details["transfer_report"] = errors_pb2.TransferReport(
+        e.details["transfer_report"] = TransferReport(
             transfer_id=transfer_id, backend=job.backend, stage="transfer",
-            failed_dst_blocks=progress.failed_dst_blocks().tolist(), bytes_moved=progress.bytes_moved)
+            failed_dst_blocks=progress.failed_dst_blocks(), bytes_moved=progress.bytes_moved)
         log.warning("transfer %s (%s via %s) failed: %s", transfer_id, job.direction.value, job.backend, e)
 
     def track(self, op: str, peer: int | str, timeout: float | None) -> Tracked:
@@ -378,14 +378,13 @@ class TransferManager:
                     report = e.details.get("transfer_report")
                     refused = report is None  # a limit refused this layer before any of its bytes moved
                     if report is None:
-                        report = e.details["transfer_report"] = errors_pb2.TransferReport(
-                            transfer_id=t.id, backend=job.backend, stage="transfer")
+                        report = TransferReport(transfer_id=t.id, backend=job.backend, stage="transfer")
                     if k < len(layers) - 1 or refused:
                         # Later layers never started: every requested block misses those layers' bytes.
-                        report.ClearField("failed_dst_blocks")
-                        report.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
-                    report.completed_layers.extend(completed)
-                    report.bytes_moved += t.moved
+                        report = replace(report, failed_dst_blocks=job.plan.dst_blocks)
+                    e.details["transfer_report"] = replace(
+                        report, completed_layers=(*report.completed_layers, *completed),
+                        bytes_moved=report.bytes_moved + t.moved)
                     raise
                 completed.append(layer)
                 yield layer, sub.total_bytes
@@ -417,17 +416,19 @@ class TransferManager:
         if failures:
             first = failures[0][1]
             err = first if isinstance(first, LlmError) else LlmError(LlmStatus.LLM_FAILED, str(first))
-            report = errors_pb2.TransferReport(transfer_id=t.id, stage="transfer")
+            reports, moved = [], 0
             for i, (job, outcome) in enumerate(zip(jobs, outcomes, strict=True)):
-                group = report.groups.add(index=i, done=not isinstance(outcome, BaseException))
-                if isinstance(outcome, LlmError) and "transfer_report" in outcome.details:
-                    group.failed_dst_blocks.extend(outcome.details["transfer_report"].failed_dst_blocks)
-                    report.bytes_moved += outcome.details["transfer_report"].bytes_moved
+                report = outcome.details.get("transfer_report") if isinstance(outcome, LlmError) else None
+                if isinstance(report, TransferReport):
+                    reports.append(GroupReport(i, done=False, failed_dst_blocks=report.failed_dst_blocks))
+                    moved += report.bytes_moved
                 elif isinstance(outcome, BaseException):
-                    group.failed_dst_blocks.extend(job.plan.dst_blocks.tolist())
+                    reports.append(GroupReport(i, done=False, failed_dst_blocks=job.plan.dst_blocks))
                 else:
-                    report.bytes_moved += int(outcome)
-            err.details["transfer_report"] = report
+                    reports.append(GroupReport(i, done=True))
+                    moved += int(outcome)
+            err.details["transfer_report"] = TransferReport(transfer_id=t.id, stage="transfer", bytes_moved=moved,
+                                                            groups=tuple(reports))
             err.details["transfer_id"] = t.id
             raise err
         t.moved = sum(o for o in outcomes if isinstance(o, int))
@@ -470,7 +471,7 @@ class Tracked:
         if isinstance(exc, LlmError):
             outcome = exc.status.name
             report = exc.details.get("transfer_report")
-            self.moved = int(report.bytes_moved) if report is not None else self.moved
+            self.moved = report.bytes_moved if isinstance(report, TransferReport) else self.moved
             exc.details.setdefault("transfer_id", self.id)
         elif exc is not None:
             outcome = "CANCELLED" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "LLM_FAILED"

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbroker._status import LlmError
-from kvbroker._types import CacheDesc
+from kvbroker.status import LlmError
+from kvbroker.types import CacheDesc
 from kvbrokerd.backends import hccl as hccl_module
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.backends.hccl import HcclBackend, HcclChannel, HcclSettings, llm_status

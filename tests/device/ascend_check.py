@@ -131,7 +131,7 @@ def _backend(device: int, engine: str, protocol: str, entries: list[Any]) -> Any
 
 
 def _entry(cache_id: int, buf: NpuBuffer) -> Any:
-    from kvbroker._types import CacheDesc, DataType, Placement, TensorLocation
+    from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
     from kvbrokerd.registry import CacheEntry
 
     desc = CacheDesc(num_tensors=1, shape=(buf.nbytes // BLOCK_BYTES, BLOCK_BYTES), data_type=DataType.UINT8,

@@ -25,7 +25,7 @@ import pytest
 from kvbroker import Cache, CacheDesc, ClusterInfo
 from kvbroker._cli import Progress, _hint, build_parser, fmt_gbps
 from kvbroker._local import LocalDaemon
-from kvbroker._status import LlmStatus
+from kvbroker.status import LlmStatus
 from tests.helpers import fill
 
 

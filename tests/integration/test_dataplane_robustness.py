@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker import AsyncClient, Cache, CacheDesc, CacheIndex, Client, DataType, LinkState, LlmError, LlmStatus
 from kvbroker._local import LocalDaemon
-from kvbroker._types import TensorLocation
+from kvbroker.types import TensorLocation
 from kvbrokerd.backends import tcp
 from tests import dataport
 from tests.conftest import cluster_of

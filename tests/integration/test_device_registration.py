@@ -61,7 +61,7 @@ def test_bad_device_registrations_are_param_invalid(daemon: LocalDaemon, tensors
 
 
 def test_device_locations_survive_the_wire(tmp_path: Path) -> None:
-    from kvbroker._convert import tensor_location_from_pb, tensor_location_to_pb
+    from kvbroker.convert import tensor_location_from_pb, tensor_location_to_pb
 
     loc = _cuda(4096)
     assert tensor_location_from_pb(tensor_location_to_pb(loc)) == loc

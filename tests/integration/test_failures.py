@@ -7,10 +7,14 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 
 from kvbroker import CacheDesc, CacheIndex, DataType, LayerLanded, LinkState, LlmError, LlmStatus, PullBlocks
+from kvbroker._errors import error_from_rpc
 from kvbroker._local import LocalDaemon
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from tests.conftest import cluster_of
 from tests.helpers import fill
 
@@ -164,6 +168,42 @@ def test_small_pull_from_a_hung_peer_times_out_on_the_event_loop_path(tmp_path: 
                 assert d.get_cluster_info().cluster_id == 2  # the loop was never blocked
         finally:
             src.signal(signal.SIGCONT)
+
+
+
+def test_a_failure_listing_40k_scattered_blocks_reaches_the_caller(tmp_path: Path) -> None:
+    """Listing ~40k scattered blocks takes ~120 KB, far over gRPC's default 16 KiB metadata limit: the caller used to
+    get RESOURCE_EXHAUSTED instead of the LLM status. The client now receives the whole list; a caller that does not
+    say how much it accepts (any other gRPC client) gets the status, with the block lists left out and flagged."""
+    gaps = np.random.default_rng(7).integers(2, 6, size=40_000)  # never two adjacent blocks: no run is longer than 1
+    blocks = (np.cumsum(gaps) - 2).tolist()
+    scattered = CacheDesc(num_tensors=2, shape=(blocks[-1] + 1, 32), data_type=DataType.UINT8)
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client() as d:
+        a, b = s.allocate_cache(scattered), d.allocate_cache(scattered)
+        assert d.link_clusters([cluster_of(src)])[0].ok
+        index = CacheIndex(1, a.cache_id)
+        d.pull_kv_blocks(index, b, [0], [0])  # warm: the lookup of the source cache
+        src.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(LlmError) as info:
+                d.pull_kv_blocks(index, b, blocks, blocks, timeout=1.0)
+            assert info.value.status == LlmStatus.LLM_TIMEOUT
+            assert info.value.failed_dst_blocks == blocks
+
+            with grpc.insecure_channel(dst.target) as channel, pytest.raises(grpc.RpcError) as raw:
+                request = broker_pb2.PullKvBlocksRequest(
+                    src_cache_index=types_pb2.CacheIndex(cluster_id=1, cache_id=a.cache_id),
+                    dst_cache_id=b.cache_id, src_blocks=blocks, dst_blocks=blocks)
+                broker_pb2_grpc.KvBrokerStub(channel).PullKvBlocks(request, timeout=1.0)
+            err = raw.value
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            assert err.details().startswith("LLM_TIMEOUT: ")
+            report = error_from_rpc(err).details["transfer_report"]
+            assert report.block_lists_omitted and not report.failed_dst_blocks
+        finally:
+            src.signal(signal.SIGCONT)
+        assert d.pull_kv_blocks(index, b, blocks[:4], blocks[:4]).bytes_moved == 4 * 2 * 32
 
 
 async def test_a_caller_that_cancels_cancels_its_transfer(tmp_path: Path) -> None:

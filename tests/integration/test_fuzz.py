@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvbroker import Cache, CacheDesc, CacheIndex, Client, DataType, KvCacheExtParam, LinkState, LlmError, LlmStatus
 from kvbroker._errors import error_from_rpc
 from kvbroker._local import LocalDaemon
-from kvbroker._status import grpc_code_for
+from kvbroker.status import grpc_code_for
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from tests.helpers import Allocations, assert_bytes_equal, expected_pull, fill, snapshot
 

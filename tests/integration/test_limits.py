@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker import CacheDesc, ClusterInfo, DataType, LlmError, LlmStatus
-from kvbroker import _convert as cv
+from kvbroker import convert as cv
 from kvbroker._local import LocalDaemon
-from kvbroker._types import TensorLocation
+from kvbroker.types import TensorLocation
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from kvbrokerd import limits
 

@@ -36,8 +36,8 @@ from kvbroker import (
     OutOfMemoryError,
     TensorLocation,
 )
-from kvbroker._convert import desc_to_pb, tensor_location_to_pb
 from kvbroker._local import LocalDaemon
+from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2
 from tests import peerkit
 from tests.conftest import cluster_of

@@ -25,7 +25,7 @@ from kvbroker import (
     LlmError,
     LlmStatus,
 )
-from kvbroker import _convert as cv
+from kvbroker import convert as cv
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from kvbrokerd.registry import Registry

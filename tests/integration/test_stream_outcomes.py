@@ -15,7 +15,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from kvbroker import Cache, CacheDesc, CacheIndex, LayerLanded, LlmError, LlmStatus
-from kvbroker import _convert as cv
+from kvbroker import convert as cv
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from kvbrokerd.service.local import KvBrokerService
@@ -112,6 +112,9 @@ class _FakeContext:
 
     def time_remaining(self) -> float | None:
         return 5.0
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
     async def abort_with_status(self, status: grpc.Status) -> None:
         self.status = status

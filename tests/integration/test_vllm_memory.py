@@ -12,12 +12,12 @@ import torch
 
 from kvbroker import CacheIndex, Client, KvCacheExtParam
 from kvbroker._local import LocalDaemon
-from kvbroker._shm import Cache
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
 from kvbroker.integrations.vllm.worker import WorkerSide
+from kvbroker.shm import Cache
 
 LAYOUT = KvLayout(num_layers=3, num_blocks=8, block_size=32, num_kv_heads=1, head_size=64, dtype="float32",
                   page_bytes=32 * 128 * 4, model_id="m", tp_size=1)

@@ -33,6 +33,27 @@ def test_client_sources_import_only_light_dependencies() -> None:
                     assert top in allowed or top in sys.stdlib_module_names, f"{path.name} imports {name}"
 
 
+
+def test_the_daemon_imports_only_public_client_modules() -> None:
+    """The daemon shares the client's types and statuses through public modules, so that the client may reshape its
+    private ones freely."""
+    import ast
+    from pathlib import Path
+
+    import kvbrokerd
+
+    for path in Path(kvbrokerd.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.module == "kvbroker":
+                    names = [f"kvbroker.{a.name}" for a in node.names]
+                for name in names:
+                    parts = name.split(".")
+                    private = [p for p in parts[1:] if p.startswith("_")]
+                    assert parts[0] != "kvbroker" or not private, f"{path} imports {name}"
+
+
 def test_public_names() -> None:
     import kvbroker
 

@@ -366,7 +366,7 @@ def test_the_daemon_logs_its_copy_path_at_start(tmp_path: Path, setting: str) ->
 
 STABLE_MEMORY_TRUNCATED = """
 import concurrent.futures, time
-from kvbroker._types import CacheDesc, DataType
+from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends import memcopy
 from kvbrokerd.errors import LlmError
 from kvbrokerd.planner import LayerSelection, Progress, plan_blocks

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker._types import CacheDesc, DataType, TensorLocation
+from kvbroker.types import CacheDesc, DataType, TensorLocation
 from kvbrokerd import shmseg
 from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends.base import RemoteCache
@@ -197,7 +197,7 @@ _COPY_FROM_SHRUNK_SOURCE = """
 import concurrent.futures, os, sys, time
 from pathlib import Path
 import numpy as np
-from kvbroker._types import CacheDesc, DataType
+from kvbroker.types import CacheDesc, DataType
 from kvbrokerd import shmseg
 from kvbrokerd.backends import memcopy
 from kvbrokerd.errors import LlmError

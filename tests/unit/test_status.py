@@ -7,7 +7,7 @@ import pytest
 
 import kvbroker
 from kvbroker import LlmStatus
-from kvbroker._status import grpc_code_for, make_error
+from kvbroker.status import grpc_code_for, make_error
 
 # From LLM-DataDist's llm_error_codes.h (0x5010B000 + n) and the Python LLMStatusCode table.
 EXPECTED = {

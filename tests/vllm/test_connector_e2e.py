@@ -26,7 +26,7 @@ else:
     pytest.importorskip("vllm")
 
 from kvbroker._local import LocalDaemon
-from kvbroker._shm import Cache
+from kvbroker.shm import Cache
 from tests.vllm.engines import Engine, EngineSpec
 from tests.vllm.tiny_model import BLOCK_SIZE, NUM_LAYERS, PAGE_BYTES, VOCAB_SIZE, build
 

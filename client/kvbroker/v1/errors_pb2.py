@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/errors.proto\x12\x0bkvbroker.v1\"\xb9\x01\n\x0eTransferReport\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x19\n\x11\x66\x61iled_dst_blocks\x18\x04 \x03(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x05 \x01(\x04\x12\x18\n\x10\x63ompleted_layers\x18\x06 \x03(\x05\x12(\n\x06groups\x18\x07 \x03(\x0b\x32\x18.kvbroker.v1.GroupReport\"E\n\x0bGroupReport\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x19\n\x11\x66\x61iled_dst_blocks\x18\x03 \x03(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/errors.proto\x12\x0bkvbroker.v1\"\xef\x01\n\x0eTransferReport\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x19\n\x11\x66\x61iled_dst_blocks\x18\x04 \x03(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x05 \x01(\x04\x12\x18\n\x10\x63ompleted_layers\x18\x06 \x03(\x05\x12(\n\x06groups\x18\x07 \x03(\x0b\x32\x18.kvbroker.v1.GroupReport\x12\x17\n\x0f\x66\x61iled_dst_runs\x18\x08 \x03(\x04\x12\x1b\n\x13\x62lock_lists_omitted\x18\t \x01(\x08\"^\n\x0bGroupReport\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x19\n\x11\x66\x61iled_dst_blocks\x18\x03 \x03(\x04\x12\x17\n\x0f\x66\x61iled_dst_runs\x18\x04 \x03(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.errors_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERREPORT']._serialized_start=42
-  _globals['_TRANSFERREPORT']._serialized_end=227
-  _globals['_GROUPREPORT']._serialized_start=229
-  _globals['_GROUPREPORT']._serialized_end=298
+  _globals['_TRANSFERREPORT']._serialized_end=281
+  _globals['_GROUPREPORT']._serialized_start=283
+  _globals['_GROUPREPORT']._serialized_end=377
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,8 @@ class TransferReport(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     COMPLETED_LAYERS_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    FAILED_DST_RUNS_FIELD_NUMBER: _builtins.int
+    BLOCK_LISTS_OMITTED_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """Transfer id, as logged by the daemon."""
     backend: _builtins.str
@@ -39,9 +41,16 @@ class TransferReport(_message.Message):
     """Stage that failed: "validate", "connect", "transfer"."""
     bytes_moved: _builtins.int
     """Bytes that landed before the failure."""
+    block_lists_omitted: _builtins.bool
+    """True when every block list (here and in groups) was left out because listing them would exceed what the caller
+    accepts in trailing metadata (the request header kvbroker-accept-details-bytes; 6 KiB when it is absent, under
+    gRPC's default 8 KiB): then treat every requested destination block as not landed.
+    """
     @_builtins.property
     def failed_dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Destination blocks that were not written (or not written completely)."""
+        """Destination blocks that were not written (or not written completely). A daemon sends either this list or
+        failed_dst_runs, whichever is shorter; kvbroker's client always shows the list.
+        """
 
     @_builtins.property
     def completed_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -50,6 +59,10 @@ class TransferReport(_message.Message):
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupReport]:
         """For a batched transfer: the outcome of each group, in request order."""
+
+    @_builtins.property
+    def failed_dst_runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The same blocks as failed_dst_blocks, as (first block, count) pairs of ascending runs, flattened, in order."""
 
     def __init__(
         self,
@@ -61,10 +74,12 @@ class TransferReport(_message.Message):
         bytes_moved: _builtins.int = ...,
         completed_layers: _abc.Iterable[_builtins.int] | None = ...,
         groups: _abc.Iterable[Global___GroupReport] | None = ...,
+        failed_dst_runs: _abc.Iterable[_builtins.int] | None = ...,
+        block_lists_omitted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bytes_moved", b"bytes_moved", "completed_layers", b"completed_layers", "failed_dst_blocks", b"failed_dst_blocks", "groups", b"groups", "stage", b"stage", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_lists_omitted", b"block_lists_omitted", "bytes_moved", b"bytes_moved", "completed_layers", b"completed_layers", "failed_dst_blocks", b"failed_dst_blocks", "failed_dst_runs", b"failed_dst_runs", "groups", b"groups", "stage", b"stage", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -79,6 +94,7 @@ class GroupReport(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     FAILED_DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    FAILED_DST_RUNS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Index of the group in the request."""
     done: _builtins.bool
@@ -87,16 +103,21 @@ class GroupReport(_message.Message):
     def failed_dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Destination blocks of the group that did not (completely) land."""
 
+    @_builtins.property
+    def failed_dst_runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The same blocks as (first block, count) pairs of ascending runs, flattened, in order (when that is shorter)."""
+
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
         done: _builtins.bool = ...,
         failed_dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        failed_dst_runs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed_dst_blocks", b"failed_dst_blocks", "index", b"index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed_dst_blocks", b"failed_dst_blocks", "failed_dst_runs", b"failed_dst_runs", "index", b"index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from kvbroker._status import LlmError, LlmStatus
-from kvbroker._types import CacheDesc, TensorLocation
+from kvbroker.status import LlmError, LlmStatus
+from kvbroker.types import CacheDesc, TensorLocation
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress

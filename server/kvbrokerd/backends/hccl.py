@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvbroker._status import LlmError
-from kvbroker._types import Placement
+from kvbroker.status import LlmError
+from kvbroker.types import Placement
 from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, LocalContext, PeerChannel, PeerInfo
 from kvbrokerd.backends.hccl_channel import HcclChannel
 from kvbrokerd.backends.hccl_engine import (

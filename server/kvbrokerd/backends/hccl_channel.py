@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbroker._status import LlmError
+from kvbroker.status import LlmError
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.hccl_engine import DISCONNECT_TIMEOUT_MS, NAME, hixl_name, llm_status
 from kvbrokerd.errors import LlmStatus, fail

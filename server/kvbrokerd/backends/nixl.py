@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbroker._shm import SegmentMap
+from kvbroker.shm import SegmentMap
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,

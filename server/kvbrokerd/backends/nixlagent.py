@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-from kvbroker._status import LlmError, make_error
+from kvbroker.status import LlmError, make_error
 from kvbrokerd.errors import LlmStatus
 
 log = logging.getLogger(__name__)

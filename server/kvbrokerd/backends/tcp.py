@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from kvbroker._status import LlmError
+from kvbroker.status import LlmError
 from kvbrokerd import blocklocks, linkauth
 from kvbrokerd.backends import sockio
 from kvbrokerd.backends.base import (

@@ -10,9 +10,9 @@ import grpc.aio
 from google.protobuf.message import Message
 
 import kvbrokerd
-from kvbroker._convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
-from kvbroker._status import LlmStatus
-from kvbroker._types import TransferResult
+from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
+from kvbroker.status import LlmStatus
+from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd import devicemem, notifications
 from kvbrokerd.errors import LlmError, fail
@@ -232,7 +232,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             if result is None:
                 fail(LlmStatus.LLM_FAILED, "the layer-wise pull ended without a result")
         except Exception as exc:
-            await context.abort_with_status(status_of(exc, "PullKvBlocksStream"))
+            await context.abort_with_status(status_of(exc, "PullKvBlocksStream", context))
             return
         yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, result))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc.aio
 
-from kvbroker._convert import desc_to_pb, tensor_location_to_pb
+from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd.errors import LlmError
 from kvbrokerd.links import PROTOCOL_VERSION

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvbroker._types import CacheDesc, DataType
+from kvbroker.types import CacheDesc, DataType
 
 LAYOUT_VERSION = 1
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvbroker._shm import Cache
 from kvbroker.integrations.vllm.layout import KvLayout
+from kvbroker.shm import Cache
 
 
 class DaemonKvAllocation(TorchFunctionMode):

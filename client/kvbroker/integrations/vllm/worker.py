@@ -21,9 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from kvbroker._client import Client
-from kvbroker._shm import Cache
-from kvbroker._status import LlmError, LlmStatus, NotYetLinkError
-from kvbroker._types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
@@ -37,6 +34,9 @@ from kvbroker.integrations.vllm.params import (
     release_topic,
 )
 from kvbroker.integrations.vllm.stats import TransferLog
+from kvbroker.shm import Cache
+from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
+from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")

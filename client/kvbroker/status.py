@@ -1,5 +1,8 @@
 """LLM-DataDist status codes, their gRPC codes, and the exception tree raised by the client.
 
+Shared with the daemon (`kvbrokerd`), whose domain errors are these exceptions, so that both ends agree on every
+status and its gRPC code by construction.
+
 Exception tree::
 
     LlmError                      any non-success status (.status, .message, .details)
@@ -18,9 +21,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+from kvbroker.v1 import errors_pb2
 
 
 class LlmStatus(enum.IntEnum):
@@ -84,6 +92,58 @@ _FROM_GRPC_CODE: Mapping[grpc.StatusCode, LlmStatus] = {
 }
 
 ERROR_DOMAIN = "kvbroker"
+# Request header: how many bytes of error details (google.rpc.Status in trailing metadata) the caller accepts. gRPC
+# refuses trailing metadata over its receive limit (8 KiB by default) and the caller then gets RESOURCE_EXHAUSTED
+# instead of the LLM status, so the daemon leaves out block lists that would not fit.
+ACCEPT_DETAILS_HEADER = "kvbroker-accept-details-bytes"
+
+
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True, slots=True)
+class RpcFailure:
+    """A failed gRPC call as a kvbroker daemon describes it: code, message and google.rpc.Status details."""
+
+    code: grpc.StatusCode
+    text: str
+    """The status message as sent (a daemon's starts with the LLM status name)."""
+    status: LlmStatus | None = None
+    """The LLM status of the ErrorInfo detail; None when the answer carries none (e.g. the daemon was down)."""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    """The ErrorInfo's metadata."""
+    report: errors_pb2.TransferReport | None = None
+    """A failed transfer's report, as sent."""
+
+    @property
+    def message(self) -> str:
+        """The message without its LLM status prefix."""
+        prefix = f"{self.status.name}: " if self.status is not None else ""
+        return self.text[len(prefix):] if prefix and self.text.startswith(prefix) else self.text
+
+
+def read_failure(err: grpc.RpcError) -> RpcFailure:
+    """Decodes what a failed call carries. Details that do not decode count as absent, so that a garbled answer can
+    never hide the failure it came with."""
+    status: LlmStatus | None = None
+    metadata: dict[str, str] = {}
+    report: errors_pb2.TransferReport | None = None
+    for key, value in err.trailing_metadata() or ():
+        if key != _DETAILS_KEY:
+            continue
+        try:
+            rich = status_pb2.Status.FromString(value)
+            for any_msg in rich.details:
+                info = error_details_pb2.ErrorInfo()
+                if any_msg.Is(info.DESCRIPTOR) and any_msg.Unpack(info) and info.domain == ERROR_DOMAIN:
+                    metadata.update(info.metadata)
+                    status = LlmStatus.__members__.get(info.reason, LlmStatus.LLM_FAILED)
+                elif any_msg.Is(errors_pb2.TransferReport.DESCRIPTOR):
+                    report = errors_pb2.TransferReport()
+                    any_msg.Unpack(report)
+        except DecodeError:
+            continue
+    return RpcFailure(err.code(), err.details() or "", status, metadata, report)
 
 
 def grpc_code_for(status: LlmStatus) -> grpc.StatusCode:
@@ -108,10 +168,14 @@ class LlmError(Exception):
     @property
     def failed_dst_blocks(self) -> list[int] | None:
         """For a failed transfer: destination blocks that did not (completely) land; every other requested block
-        holds the source's bytes. None when the error says nothing about blocks (e.g. a refused request, for
-        which no byte was written at all)."""
+        holds the source's bytes. None when the error says nothing about blocks: a refused request, for which no
+        byte was written at all, or a report whose lists the daemon left out because they exceeded what the caller
+        accepts (`details["transfer_report"].block_lists_omitted`; then no requested block can be trusted).
+        kvbroker's client accepts the largest report a request can cause."""
         report = self.details.get("transfer_report")
-        return None if report is None else [int(b) for b in report.failed_dst_blocks]
+        if report is None or report.block_lists_omitted:
+            return None
+        return [int(b) for b in report.failed_dst_blocks]
 
 
 class ParamInvalidError(LlmError):

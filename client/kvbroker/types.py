@@ -1,4 +1,8 @@
-"""Public value types, named like LLM-DataDist's (CacheDesc, CacheIndex, KvCacheExtParam, ClusterInfo)."""
+"""Public value types, named like LLM-DataDist's (CacheDesc, CacheIndex, KvCacheExtParam, ClusterInfo).
+
+Shared with the daemon (`kvbrokerd`), which describes caches, links and results with the same types; the common
+names are re-exported by `kvbroker` itself.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker._status import LlmStatus
+from kvbroker.status import LlmStatus
 
 
 class DataType(enum.IntEnum):

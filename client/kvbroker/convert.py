@@ -1,11 +1,16 @@
-"""Conversions between the public value types and their protobuf messages (shared with the daemon)."""
+"""Conversions between the public value types (`kvbroker.types`) and their protobuf messages (`kvbroker.v1`).
+
+Shared with the daemon (`kvbrokerd`), so that both ends of the wire convert the same way.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvbroker._status import LlmStatus
-from kvbroker._types import (
+import numpy as np
+
+from kvbroker.status import LlmStatus
+from kvbroker.types import (
     CacheDesc,
     CacheIndex,
     CacheRecord,
@@ -131,3 +136,25 @@ def transfer_result_from_pb(msg: Any) -> TransferResult:
     return TransferResult(
         bytes_moved=msg.bytes_moved, backend=msg.backend, transfer_id=msg.transfer_id, num_runs=msg.num_runs
     )
+
+
+def blocks_to_runs(blocks: Any) -> np.ndarray:
+    """Block indices, in their order, as flattened (first, count) pairs of ascending runs: [5, 6, 7, 2] becomes
+    [5, 3, 2, 1]. Shorter on the wire whenever runs are longer than two blocks on average."""
+    b = np.asarray(blocks, dtype=np.uint64).reshape(-1)
+    if not len(b):
+        return np.zeros(0, dtype=np.uint64)
+    nxt, prev = b[1:], b[:-1]
+    starts = np.concatenate(([0], np.flatnonzero((nxt <= prev) | (nxt - prev != 1)) + 1))
+    counts = np.diff(np.concatenate((starts, [len(b)])))
+    return np.column_stack((b[starts], counts.astype(np.uint64))).reshape(-1)
+
+
+def runs_to_blocks(runs: Any) -> np.ndarray:
+    """The inverse of `blocks_to_runs`; ValueError for an odd number of values."""
+    r = np.asarray(runs, dtype=np.uint64).reshape(-1)
+    if len(r) % 2:
+        raise ValueError(f"block runs come in (first, count) pairs, got {len(r)} values")
+    firsts, counts = r[0::2], r[1::2].astype(np.int64)
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(firsts, counts) + offsets.astype(np.uint64)

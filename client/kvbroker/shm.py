@@ -1,4 +1,5 @@
-"""Maps shared-memory segments as numpy arrays without Python's resource tracker.
+"""Maps shared-memory segments as numpy arrays without Python's resource tracker (`SegmentMap` is shared with the
+daemon, which maps segments the same way).
 
 `multiprocessing.shared_memory.SharedMemory(name)` registers even an attached segment with the resource tracker on
 Python < 3.13, which unlinks it when this process exits and would destroy the daemon's cache; so segments are opened
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbroker._types import CacheDesc, CacheRecord
+from kvbroker.types import CacheDesc, CacheRecord
 
 
 class SegmentMap:
