@@ -61,7 +61,7 @@ class Node:
     def describe(self, entry: CacheEntry) -> RemoteCache:
         """What a peer's GetCacheInfo gives it (the backend's part through describe_cache)."""
         return RemoteCache(entry.cache_id, entry.desc, entry.tensors, str(self.registry.shm_dir),
-                           backend_info={"hccl": self.backend.describe_cache(entry)})
+                           backend_info={"hccl": asyncio.run(self.backend.describe_cache(entry))})
 
 
 @pytest.fixture

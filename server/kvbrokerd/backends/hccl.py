@@ -21,6 +21,7 @@ Settings come from the environment (docs/ascend.md): `KVBROKER_HCCL_DEVICE`, `KV
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import json
 import logging
@@ -32,7 +33,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbroker._status import LlmError
 from kvbroker._types import Placement
-from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, LocalContext, PeerChannel, PeerInfo
+from kvbrokerd.backends.base import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    engine_result,
+)
 from kvbrokerd.backends.hccl_channel import HcclChannel
 from kvbrokerd.backends.hccl_engine import (
     DEFAULT_ENGINE_PORT,
@@ -225,18 +234,29 @@ class HcclBackend(Backend):
 
     def call(self, fn: Callable[[Any], _T]) -> _T:
         """Runs fn(engine) on the engine thread; LLM_NOT_YET_LINK once the backend is closed."""
-        if self._thread is None:
-            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine is not running")
-
-        def run() -> _T:
-            if self._engine is None:
-                fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine was shut down")
-            return fn(self._engine)
-
+        thread = self._engine_thread()
         try:
-            return self._thread.call(run)
+            return thread.call(lambda: self._on_engine(fn))
         except RuntimeError as e:  # the executor was shut down under us
             fail(LlmStatus.LLM_NOT_YET_LINK, f"the hccl engine was shut down ({e})")
+
+    def submit(self, fn: Callable[[Any], _T]) -> concurrent.futures.Future[_T]:
+        """`call` for the event loop: fn(engine) queued on the engine thread, its future to await."""
+        thread = self._engine_thread()
+        try:
+            return thread.submit(lambda: self._on_engine(fn))
+        except RuntimeError as e:
+            fail(LlmStatus.LLM_NOT_YET_LINK, f"the hccl engine was shut down ({e})")
+
+    def _engine_thread(self) -> EngineThread:
+        if self._thread is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine is not running")
+        return self._thread
+
+    def _on_engine(self, fn: Callable[[Any], _T]) -> _T:
+        if self._engine is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine was shut down")
+        return fn(self._engine)
 
     # -- handshake ------------------------------------------------------------------------------------------------
     def advertise(self) -> bytes:
@@ -265,11 +285,14 @@ class HcclBackend(Backend):
         return channel
 
     # -- registration ---------------------------------------------------------------------------------------------
-    def describe_cache(self, entry: CacheEntry) -> bytes:
+    async def describe_cache(self, entry: CacheEntry) -> bytes:
         """Registers the cache's memory (once) and tells peers where it is and from which epoch a link sees it. A
-        registration HIXL refuses is described too, so the peer's transfer fails with the reason."""
+        registration HIXL refuses is described too, so the peer's transfer fails with the reason. The engine thread
+        may be busy (a link set-up, a large registration): the event loop awaits it."""
         try:
-            reg = self.registration(entry)
+            reg = self._caches.get(entry.cache_id)
+            if reg is None:
+                reg = await engine_result(self.submit(lambda engine: self._register(engine, entry)))
         except LlmError as e:
             log.warning("hccl: cannot register cache %d: %s", entry.cache_id, e.message)
             return json.dumps({"error": e.message, "status": int(e.status)}).encode()

@@ -135,7 +135,12 @@ class EngineThread:
     def call(self, fn: Callable[[], _T]) -> _T:
         if threading.get_ident() == self._ident:
             return fn()  # already on it (a nested call would wait on itself)
-        return self._pool.submit(self._on_thread, fn).result()
+        return self.submit(fn).result()
+
+    def submit(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """fn() queued for the engine thread (from another thread: the event loop awaits the future); RuntimeError
+        once the thread is shut down."""
+        return self._pool.submit(self._on_thread, fn)
 
     def _on_thread(self, fn: Callable[[], _T]) -> _T:
         self._ident = threading.get_ident()

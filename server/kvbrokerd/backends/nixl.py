@@ -48,6 +48,7 @@ from kvbrokerd.backends.base import (
     PeerChannel,
     PeerInfo,
     RemoteCache,
+    engine_result,
 )
 from kvbrokerd.backends.nixlagent import (
     IMPLEMENTATIONS,
@@ -73,7 +74,7 @@ MAX_PREPPED_DESCRIPTORS = 1 << 20
 """Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
 CHUNK_BYTES = 64 << 20
 """Largest NIXL request. On one host UCX copies (CMA) inside the agent thread's post call: bounded requests keep
-other agent commands (a peer's cache lookup, a deregistration, which the event loop waits for) from waiting long,
+other agent commands (a peer's cache lookup; a deregistration, which the event loop waits for) from waiting long,
 and let deadlines and cancellation be checked between requests."""
 SCRATCH_SLOTS = 256
 """8-byte landing slots for control-page reads: at most this many liveness checks run at once."""
@@ -516,7 +517,7 @@ class NixlBackend(Backend):
 
     # -- local caches ----------------------------------------------------------------------------------------------
     def local_cache(self, agent: Any, entry: CacheEntry) -> _LocalCache:
-        """`entry` registered with the agent, once (agent thread; the entry is pinned or on the event loop)."""
+        """`entry` registered with the agent, once (agent thread; the entry is pinned)."""
         mine = self._caches.get(entry.cache_id)
         if mine is None:
             if self._closed:
@@ -534,9 +535,10 @@ class NixlBackend(Backend):
                                                                        block), _DRAM)
         return mine.blocks
 
-    def describe_cache(self, entry: CacheEntry) -> bytes:
+    async def describe_cache(self, entry: CacheEntry) -> bytes:
+        # Registering a large cache takes the agent thread a while, and it may be busy posting a transfer chunk.
         try:
-            mine = self.agent.call(lambda agent: self.local_cache(agent, entry))
+            mine = await engine_result(self.agent.submit(lambda agent: self.local_cache(agent, entry)))
         except Exception as e:
             if is_nixl_error(e):
                 raise llm_error(e, f"registering cache {entry.cache_id} with NIXL") from None
