@@ -32,11 +32,12 @@ async def daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
     made: list[Daemon] = []
     try:
         for n in (1, 2):
-            # Settings come from the environment, read at start: each daemon gets its own NPU and engine port.
-            monkeypatch.setenv("KVBROKER_HCCL_DEVICE", str(n))
+            # Each daemon its own NPU (and so its own default engine port, 26000 + device).
             config, _ = load(["--cluster-id", str(n), "--listen", f"unix://{tmp_path}/d{n}.sock",
                               "--peer-listen", "127.0.0.1:0", "--backends", "hccl,tcp", "--insecure-peers",
-                              "--shm-dir", str(tmp_path / f"shm{n}")], environ={})
+                              "--shm-dir", str(tmp_path / f"shm{n}"), "--hccl-device", str(n)],
+                             environ={"KVBROKER_HCCL_CONNECT_TIMEOUT_MS": "2000"})
+            assert config.hccl_connect_timeout_ms == 2000
             daemon = Daemon(config)
             made.append(daemon)
             await daemon.start()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvbroker._status import LlmError, LlmStatus
 from kvbroker._types import CacheDesc, TensorLocation
+from kvbrokerd.backends.hccl_engine import HcclSettings
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -77,6 +78,8 @@ class LocalContext:
     data_port: int = 0
     data_server_tls: ssl.SSLContext | None = None
     data_client_tls: ssl.SSLContext | None = None
+    hccl: HcclSettings = field(default_factory=HcclSettings)
+    """The hccl backend's settings (the daemon's hccl_* config fields)."""
 
 
 @dataclass(frozen=True)

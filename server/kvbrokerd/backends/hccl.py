@@ -15,8 +15,8 @@ HIXL's rules shape this module (docs/ascend.md has the sources):
   in a liveness word (`hccl_engine.LiveWords`) that peers READ after a pull and around a push.
 - Calls return status ints (103900...), never raise; they map to LLM statuses (`hccl_engine.llm_status`).
 
-Settings come from the environment (docs/ascend.md): `KVBROKER_HCCL_DEVICE`, `KVBROKER_HCCL_ENGINE`,
-`KVBROKER_HCCL_OPTIONS`, `KVBROKER_HCCL_CONNECT_TIMEOUT_MS`.
+Settings are the daemon's `hccl_*` config fields (`LocalContext.hccl`; docs/ascend.md): device, engine address,
+HIXL options and link set-up timeout.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class HcclBackend(Backend):
 
     def __init__(self, ctx: LocalContext, settings: HcclSettings | None = None) -> None:
         super().__init__(ctx)
-        self.settings = settings
+        self.settings = settings or ctx.hccl
         self.local_engine = ""
         self.hixl: Any = None
         self._acl: Any = None
@@ -139,20 +139,16 @@ class HcclBackend(Backend):
                 importlib.import_module(module)
             except ImportError as e:
                 return f"hccl {why} (import {module}: {e}); see docs/ascend.md"
-        try:
-            HcclSettings.from_env()
-        except ValueError as e:
-            return f"hccl: {e}"
         return None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         try:
-            settings = self.settings = (self.settings or HcclSettings.from_env()).validated()
+            settings = self.settings.validated()
             if settings.engine:
-                self.local_engine = engine_id(*parse_engine(settings.engine, "KVBROKER_HCCL_ENGINE"))
+                self.local_engine = engine_id(*parse_engine(settings.engine, "hccl_engine"))
             else:
-                ip, _ = parse_engine(f"{self.ctx.peer_host}:1", "the peer listener's host (set KVBROKER_HCCL_ENGINE)")
+                ip, _ = parse_engine(f"{self.ctx.peer_host}:1", "the peer listener's host (set --hccl-engine)")
                 self.local_engine = engine_id(ip, DEFAULT_ENGINE_PORT + settings.device)
         except ValueError as e:
             raise OSError(f"hccl: {e}") from None
@@ -164,11 +160,9 @@ class HcclBackend(Backend):
                  sorted(self._options()))
 
     def _options(self) -> dict[str, str]:
-        assert self.settings is not None
         return {**self.settings.options, self.hixl.OPTION_BUFFER_POOL: "0:0"}
 
     def _start_on_engine_thread(self) -> None:
-        assert self.settings is not None
         device = self.settings.device
         ret = self._acl.init()
         if ret not in (0, _ACL_REPEAT_INITIALIZE):
@@ -227,7 +221,7 @@ class HcclBackend(Backend):
         if self.live is not None:
             self._acl.rt.free_host(self.live.address)
             self.live = None
-        if self.settings is not None and self._acl is not None:
+        if self._acl is not None:
             self._acl.rt.reset_device(self.settings.device)
             if self._acl_initialised:
                 self._acl.finalize()
