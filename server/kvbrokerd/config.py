@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvbrokerd import backends as _backends
+from kvbrokerd.backends.hccl_engine import DEFAULT_ENGINE_PORT, HcclSettings
 
 KNOWN_BACKENDS = tuple(_backends.MODULES)
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -59,6 +61,22 @@ class Config:
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
+    hccl_device: int = field(default=0, metadata={
+        "help": "hccl backend: the NPU its HIXL engine binds (logical id, as ASCEND_RT_VISIBLE_DEVICES numbers them)"})
+    hccl_engine: str = field(default="", metadata={
+        "help": "hccl backend: ip:port (or [v6]:port) peers dial for its HIXL engine, an IP literal (empty = the "
+                f"peer listener's IP, port {DEFAULT_ENGINE_PORT} + hccl_device)"})
+    hccl_options: dict[str, str] = field(default_factory=dict, metadata={
+        "help": "hccl backend: extra HIXL options passed to initialize (GlobalResourceConfig, LocalCommRes, "
+                "RdmaTrafficClass, ...): a JSON object of strings (a table in the config file); BufferPool and "
+                "AutoConnect are kvbroker's"})
+    hccl_connect_timeout_ms: int = field(default=3000, metadata={
+        "help": "hccl backend: longest HIXL link set-up in milliseconds (a transfer's deadline may cut it shorter)"})
+
+    def hccl_settings(self) -> HcclSettings:
+        """The hccl backend's settings (checked by `validate`)."""
+        return HcclSettings(device=self.hccl_device, engine=self.hccl_engine, options=dict(self.hccl_options),
+                            connect_timeout_ms=self.hccl_connect_timeout_ms)
 
     def validate(self, *, require_auth: bool = True) -> Config:
         if self.listen.startswith("/"):  # a bare path means a unix socket, as the CLI's --target accepts it
@@ -113,6 +131,10 @@ class Config:
                               "(development only)")
         if not self.peer_link_ttl >= 3.0:
             raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
+        try:
+            self.hccl_settings().validated()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return self
 
 
@@ -125,7 +147,27 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+_OPTIONS_EXAMPLE = '{"LocalCommRes": "{\\"version\\": \\"1.3\\"}"}'
+
+
+def _string_table(name: str, raw: Any) -> dict[str, str]:
+    """A table of strings: a TOML table, or a JSON object in a flag or an environment variable."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            return {}
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise ConfigError(f"{name}: not JSON ({e}); want an object of strings, e.g. {_OPTIONS_EXAMPLE}") from None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ConfigError(f"{name}: want an object of strings (values that are JSON themselves are quoted), e.g. "
+                          f"{_OPTIONS_EXAMPLE}")
+    return dict(raw)
+
+
 def _coerce(name: str, raw: Any, kind: Any) -> Any:
+    if kind in ("dict[str, str]",):
+        return _string_table(name, raw)
     if kind in (bool, "bool"):
         if isinstance(raw, bool):
             return raw
@@ -164,7 +206,8 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     for f in fields:
         flag: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}  # `--x` = true
-        default = "" if f.default is dataclasses.MISSING else f" [default: {_render(f.default) or 'none'}]"
+        value = _default(f)
+        default = "" if value is dataclasses.MISSING else f" [default: {_render(value) or 'none'}]"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             help=f"{f.metadata['help']}{default} (env: KVBROKER_{f.name.upper()})", **flag)
     args = parser.parse_args(argv)
@@ -197,9 +240,15 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     return Config(**typed).validate(require_auth=not args.print_config), bool(args.print_config)
 
 
+def _default(f: dataclasses.Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _render(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value) if value else ""
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
@@ -210,12 +259,19 @@ def to_toml(config: Config) -> str:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, tuple):
-            rendered = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+            rendered = "[" + ", ".join(_toml_string(v) for v in value) + "]"
+        elif isinstance(value, dict):
+            rendered = "{" + ", ".join(f"{_toml_string(k)} = {_toml_string(v)}" for k, v in value.items()) + "}"
         elif isinstance(value, bool):
             rendered = str(value).lower()
         elif isinstance(value, int | float):
             rendered = str(value)
         else:
-            rendered = f'"{value}"'
+            rendered = _toml_string(value)
         lines.append(f"{f.name} = {rendered}  # {f.metadata['help']}")
     return "\n".join(lines)
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: JSON's escapes (quotes, backslashes, control characters, \\uXXXX) are TOML's too."""
+    return json.dumps(value)

@@ -109,7 +109,7 @@ class Daemon:
                 cluster_id=cfg.cluster_id, registry=self._registry, shm_dir=Path(cfg.shm_dir), peer_host=peer_host,
                 parts_executor=self._parts_executor, secret_for=self._links.secret_for, data_port=cfg.data_port,
                 data_server_tls=tls.data_server_context() if tls and cfg.data_tls else None,
-                data_client_tls=tls.data_client_context() if tls and cfg.data_tls else None)
+                data_client_tls=tls.data_client_context() if tls and cfg.data_tls else None, hccl=cfg.hccl_settings())
             for name in cfg.backends:
                 backend = backends.backend_class(name)(ctx)
                 self._backends.append(backend)

@@ -41,9 +41,6 @@ MAX_DIMS = 32
 MAX_TENSORS = 4096
 MAX_TENSOR_BYTES = 1 << 44
 _ALIGN = 4096
-NONCE_BYTES = 16
-"""Control page layout: a 16-byte nonce, then one little-endian uint64 slot per live cache id (slot = id % slots;
-0 = empty). Peers read it to prove they share our memory and to see which caches still live."""
 
 
 @dataclass(eq=False)
@@ -122,58 +119,46 @@ def desc_from_wire(num_tensors: int, data_type: int, shape: Sequence[int], place
 
 
 class Registry:
+    """Live caches' ids are distinct modulo `max_caches`: a backend may keep one slot per live cache at
+    `cache_id % max_caches` (backends/liveslots.py)."""
+
     def __init__(self, shm_dir: Path, max_caches: int = 4096) -> None:
         self.shm_dir = shm_dir
         self.max_caches = max_caches
         self.instance = ""
         """This daemon's instance name (also its epoch), claimed by `open`."""
-        self.nonce = secrets.token_bytes(NONCE_BYTES)
         self._lock = threading.Lock()
         self._caches: dict[int, CacheEntry] = {}
+        self._slots: set[int] = set()
+        """cache_id % max_caches of every cache in the table."""
         # Ids start at a random point so that an id from a previous incarnation of this daemon (same cluster id,
         # after a restart) almost surely names no cache here instead of silently naming another one.
         self._next_id = (secrets.randbits(30) + 1) << 32
         self._instance_lock: shmseg.InstanceLock | None = None
-        self._control: shmseg.Segment | None = None
-        self._live: np.ndarray | None = None
-        self.control_name = ""
+        self.on_add: list[Callable[[CacheEntry], None]] = []
+        """Called with each entry joining the registry, before its id is handed to anyone. Under the registry's lock
+        (on whichever thread adds it), so quick, and never calling back into the registry."""
         self.on_remove: list[Callable[[CacheEntry], None]] = []
-        """Called with each entry leaving the registry, after its last pin and before its memory is unmapped (for
-        backends that registered the memory with an engine)."""
-
-    @property
-    def control_path(self) -> Path | None:
-        return self.shm_dir / self.control_name if self.control_name else None
+        """Called, in order, with each entry leaving the registry, after its last pin and before its memory is
+        unmapped (for backends that registered the memory with an engine, or publish which caches live)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def open(self) -> None:
-        """Claims an instance name (its lock held until `close`), removes the files of dead instances, and publishes
-        the control page (nonce + live cache ids), readable by this daemon's user only."""
+        """Claims an instance name (its lock held until `close`) and removes the files of dead instances."""
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         _raise_fd_limit()
         self._instance_lock = shmseg.InstanceLock.claim(self.shm_dir)
         self.instance = self._instance_lock.instance
         shmseg.remove_stale_segments(self.shm_dir, self.instance)
-        name = shmseg.segment_name(self.instance, "ctl")
-        self._control = shmseg.create_segment(self.shm_dir, name, NONCE_BYTES + 8 * self.max_caches)
-        self.control_name = name
-        control = self._control.map()
-        control[:NONCE_BYTES] = self.nonce
-        self._live = np.frombuffer(control, dtype=np.uint64, offset=NONCE_BYTES)
 
     def close(self) -> None:
         with self._lock:
             entries = list(self._caches.values())
             self._caches.clear()
+            self._slots.clear()
         for entry in entries:
             self._removed(entry)
             self._release(entry)
-        self._live = None
-        if self._control is not None:
-            self._control.close()
-            self._control = None
-        if self.control_name:
-            (self.shm_dir / self.control_name).unlink(missing_ok=True)
         if self._instance_lock is not None:
             self._instance_lock.release()  # last: until now a starting daemon must leave our files alone
             self._instance_lock = None
@@ -291,7 +276,7 @@ class Registry:
             with self._lock:
                 if entry.pins == 0:
                     del self._caches[cache_id]
-                    self._set_live(cache_id, 0)
+                    self._slots.discard(cache_id % self.max_caches)
                     break
             if time.monotonic() > deadline:
                 entry.closing = False
@@ -306,17 +291,13 @@ class Registry:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
 
     def _reserve_id(self) -> int:
-        # Ids are never reused; skipping ids whose control slot is taken keeps the slot -> id map unambiguous.
+        # Ids are never reused; skipping ids whose slot is taken keeps the slot -> id map unambiguous.
         with self._lock:
-            while self._live is not None and self._live[self._next_id % self.max_caches] != 0:
+            while self._next_id % self.max_caches in self._slots:
                 self._next_id += 1
             cache_id = self._next_id
             self._next_id += 1
             return cache_id
-
-    def _set_live(self, cache_id: int, value: int) -> None:
-        if self._live is not None:
-            self._live[cache_id % self.max_caches] = value
 
     def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...],
              segments: dict[str, shmseg.Segment], daemon_owned: bool, owner: str) -> CacheEntry:
@@ -333,7 +314,12 @@ class Registry:
                     v.release()
                 fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
             self._caches[cache_id] = entry
-            self._set_live(cache_id, cache_id)
+            self._slots.add(cache_id % self.max_caches)
+            for callback in self.on_add:
+                try:
+                    callback(entry)
+                except Exception:  # the cache is added either way; a backend that missed it fails its transfers
+                    log.exception("a hook on the addition of cache %d failed", cache_id)
         return entry
 
     def _removed(self, entry: CacheEntry) -> None:

@@ -136,6 +136,8 @@ class Faults:
     """A link takes this long to set up: connect blocks that long, connect_async completes that much later."""
     connect_async_unsupported: bool = False
     """connect_async answers UNSUPPORTED: the adapter must fall back to a bounded connect."""
+    register_delay_s: float = 0.0
+    """register_mem takes this long (pinning a large region on a real NPU does), on the engine's thread."""
 
 
 FAULTS = Faults()
@@ -280,6 +282,7 @@ class Hixl:
             return FAILED, 0
         if not isinstance(mem_type, MemType) or mem_desc.addr <= 0 or mem_desc.len <= 0:
             return PARAM_INVALID, 0
+        time.sleep(FAULTS.register_delay_s)
         for r in self._regions.values():
             if (r.addr, r.length, r.kind) == (mem_desc.addr, mem_desc.len, mem_type):
                 return SUCCESS, r.handle  # documented: the same addr+len gives the same handle

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import sys
 import threading
@@ -26,6 +27,7 @@ from kvbroker.types import CacheDesc
 from kvbrokerd.backends import hccl as hccl_module
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.backends.hccl import HcclBackend, HcclChannel, HcclSettings, llm_status
+from kvbrokerd.config import ConfigError, load
 from kvbrokerd.errors import LlmStatus
 from kvbrokerd.planner import LayerSelection, Plan, Progress, block_array, plan_blocks
 from kvbrokerd.registry import CacheEntry, Registry
@@ -61,7 +63,7 @@ class Node:
     def describe(self, entry: CacheEntry) -> RemoteCache:
         """What a peer's GetCacheInfo gives it (the backend's part through describe_cache)."""
         return RemoteCache(entry.cache_id, entry.desc, entry.tensors, str(self.registry.shm_dir),
-                           backend_info={"hccl": self.backend.describe_cache(entry)})
+                           backend_info={"hccl": asyncio.run(self.backend.describe_cache(entry))})
 
 
 @pytest.fixture
@@ -146,17 +148,19 @@ def test_engine_is_initialised_with_the_pool_off_on_its_own_thread(nodes: tuple[
     assert len(threads) == 1 and threads.pop().startswith("kvbroker-hixl-npu1")
 
 
-def test_operator_options_pass_through_but_the_pool_and_auto_connect_stay_ours() -> None:
-    settings = HcclSettings.from_env({"KVBROKER_HCCL_OPTIONS": json.dumps({"LocalCommRes": '{"version":"1.3"}'}),
-                                      "KVBROKER_HCCL_DEVICE": "3", "KVBROKER_HCCL_ENGINE": "10.0.0.5:27000"})
-    assert settings.device == 3 and settings.options == {"LocalCommRes": '{"version":"1.3"}'}
+def test_operator_options_pass_through_but_the_pool_and_auto_connect_stay_ours(nodes: tuple[Node, Node]) -> None:
+    config, _ = load(["--cluster-id", "1", "--insecure-peers", "--hccl-device", "3", "--hccl-engine", "10.0.0.5:27000",
+                      "--hccl-options", json.dumps({"LocalCommRes": '{"version":"1.3"}'})], {})
+    settings = config.hccl_settings()
+    assert (settings.device, settings.engine) == (3, "10.0.0.5:27000")
+    assert settings.options == {"LocalCommRes": '{"version":"1.3"}'}
     for bad in ({"BufferPool": "4:8"}, {"AutoConnect": "1"}):
-        with pytest.raises(ValueError, match="KVBROKER_HCCL_OPTIONS"):
-            HcclSettings.from_env({"KVBROKER_HCCL_OPTIONS": json.dumps(bad)})
-    for var, value in (("KVBROKER_HCCL_ENGINE", "npu-host:27000"), ("KVBROKER_HCCL_ENGINE", "0.0.0.0:27000"),
-                       ("KVBROKER_HCCL_DEVICE", "x"), ("KVBROKER_HCCL_OPTIONS", "[1]")):
-        with pytest.raises(ValueError, match=var):
-            HcclSettings.from_env({var: value})
+        with pytest.raises(ConfigError, match=r"hccl_options: .* cannot be set"):
+            load(["--cluster-id", "1", "--insecure-peers", "--hccl-options", json.dumps(bad)], {})
+        ctx = dataclasses.replace(nodes[0].backend.ctx, hccl=HcclSettings(device=9, options=bad))
+        with pytest.raises(OSError, match="hccl_options"):  # settings that bypass the config are checked too
+            asyncio.run(HcclBackend(ctx).start())
+    assert sorted(standin.live_engines()) == sorted(n.backend.local_engine for n in nodes)  # none started
 
 
 # -- register before connect: epochs and re-links ----------------------------------------------------------------------
@@ -434,8 +438,6 @@ def test_unavailable_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
     assert reason is not None and "pyACL" in reason
     monkeypatch.setitem(sys.modules, "acl", standin.acl)
     assert HcclBackend.unavailable() is None
-    monkeypatch.setenv("KVBROKER_HCCL_DEVICE", "npu0")
-    assert "KVBROKER_HCCL_DEVICE" in (HcclBackend.unavailable() or "")
 
 
 # -- the stand-in enforces what the tests above rely on ----------------------------------------------------------------
@@ -496,8 +498,6 @@ def test_module_finds_hixl_by_import_only() -> None:
 
 
 def test_daemon_without_hixl_refuses_the_backend_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbrokerd.config import ConfigError, load
-
     monkeypatch.setitem(sys.modules, "hixl", None)
     with pytest.raises(ConfigError, match=r"backends: hccl needs CANN >= 9.0 .*docs/ascend.md"):
         load(["--cluster-id", "1", "--backends", "hccl,tcp", "--insecure-peers"], environ={})

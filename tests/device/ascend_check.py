@@ -148,12 +148,12 @@ def source_process(conn: multiprocessing.connection.Connection, device: int, eng
         first = NpuBuffer(device, nbytes)
         first.write(pattern(SEED, nbytes))
         entries.append(_entry(1, first))
-        conn.send(("ready", backend.advertise(), backend.describe_cache(entries[0])))
+        conn.send(("ready", backend.advertise(), asyncio.run(backend.describe_cache(entries[0]))))
         assert conn.recv() == "second"
         second = NpuBuffer(device, nbytes)  # registered only now, after the destination linked
         second.write(pattern(SEED + 1, nbytes))
         entries.append(_entry(2, second))
-        conn.send(("second", backend.describe_cache(entries[1])))
+        conn.send(("second", asyncio.run(backend.describe_cache(entries[1]))))
         what, blocks, seed = conn.recv()
         assert what == "verify-push"
         got = first.read().reshape(-1, BLOCK_BYTES)

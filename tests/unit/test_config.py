@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from kvbrokerd.config import ConfigError, load
+from kvbrokerd.config import ConfigError, load, to_toml
 
 
 def _token(tmp_path: Path, mode: int = 0o600, text: str = "s3cret-token-of-the-deployment") -> str:
@@ -105,3 +106,55 @@ def test_tls_needs_all_three_files(tmp_path: Path) -> None:
         load(["--cluster-id", "1", "--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", "/nope.pem"], {})
     with pytest.raises(ConfigError, match="data_tls"):
         load(["--cluster-id", "1", "--data-tls"], {})
+
+
+def test_hccl_settings_from_flags_env_and_file(tmp_path: Path) -> None:
+    options = {"GlobalResourceConfig": '{"comm_resource_config.protocol_desc": ["roce:device"]}',
+               "LocalCommRes": '{"version":"1.3"}'}
+    toml = tmp_path / "kv.toml"
+    toml.write_text('cluster_id = 1\nhccl_engine = "10.0.0.5:26000"\n'
+                    'hccl_options = { LocalCommRes = "{\\"version\\":\\"1.3\\"}" }\n')
+    env = {"KVBROKER_CONFIG": str(toml), "KVBROKER_HCCL_DEVICE": "2",
+           "KVBROKER_HCCL_OPTIONS": json.dumps(options)}
+    config, _ = load(["--insecure-peers", "--hccl-connect-timeout-ms", "5000"], env)
+    settings = config.hccl_settings()
+    assert (settings.device, settings.engine, settings.connect_timeout_ms) == (2, "10.0.0.5:26000", 5000)
+    assert settings.options == options  # the environment's JSON beats the file's table
+    config, _ = load(["--insecure-peers"], {"KVBROKER_CONFIG": str(toml)})
+    assert config.hccl_options == {"LocalCommRes": '{"version":"1.3"}'}  # a TOML table
+    assert load(["--cluster-id", "1", "--insecure-peers"], {})[0].hccl_settings().options == {}
+
+
+def test_print_config_round_trips_through_the_config_file(tmp_path: Path) -> None:
+    options = {"GlobalResourceConfig": '{"a": ["roce:device"], "b\\\\c": 1}', "Rdma Traffic": "quote \" here"}
+    config, _ = load(["--cluster-id", "7", "--insecure-peers", "--hccl-options", json.dumps(options),
+                      "--hccl-engine", "[fd00::5]:26001", "--shm-dir", str(tmp_path / 'a "quoted" dir')], {})
+    toml = tmp_path / "printed.toml"
+    toml.write_text(to_toml(config))
+    again, _ = load(["--config", str(toml)], {})
+    assert again == config and again.hccl_options == options
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hccl-device", "-1"], "hccl_device: -1 is not a device id"),
+    (["--hccl-device", "npu0"], "hccl_device: 'npu0' is not a valid int"),
+    (["--hccl-engine", "npu-host:26000"], "hccl_engine: 'npu-host:26000' is not ip:port"),
+    (["--hccl-engine", "0.0.0.0:26000"], "hccl_engine: .* wildcard"),
+    (["--hccl-engine", "10.0.0.5"], "hccl_engine: .* needs a port"),
+    (["--hccl-connect-timeout-ms", "0"], r"hccl_connect_timeout_ms: 0 is not in \[1, 600000\]"),
+    (["--hccl-options", "[1]"], "hccl_options: want an object of strings"),
+    (["--hccl-options", '{"RdmaTrafficClass": 132}'], "hccl_options: want an object of strings"),
+    (["--hccl-options", "{oops"], "hccl_options: not JSON"),
+    (["--hccl-options", '{"BufferPool": "4:8"}'], "hccl_options: BufferPool cannot be set"),
+    (["--hccl-options", '{"AutoConnect": "1"}'], "hccl_options: AutoConnect cannot be set"),
+])
+def test_bad_hccl_settings_name_the_field(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(["--cluster-id", "1", "--insecure-peers", *args], {})
+
+
+def test_a_bad_hccl_table_in_the_file_names_the_field(tmp_path: Path) -> None:
+    toml = tmp_path / "kv.toml"
+    toml.write_text("cluster_id = 1\ninsecure_peers = true\n[hccl_options]\nRdmaTrafficClass = 132\n")
+    with pytest.raises(ConfigError, match="hccl_options: want an object of strings"):
+        load(["--config", str(toml)], {})

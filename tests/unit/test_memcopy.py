@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker._types import CacheDesc, DataType
+from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends import memcopy
 from kvbrokerd.planner import LayerSelection, Plan, Progress, plan_blocks
 

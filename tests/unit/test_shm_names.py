@@ -15,8 +15,8 @@ from kvbroker.types import CacheDesc, DataType, TensorLocation
 from kvbrokerd import shmseg
 from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends.base import RemoteCache
+from kvbrokerd.backends.shm_control import NONCE_BYTES
 from kvbrokerd.errors import LlmError, LlmStatus
-from kvbrokerd.registry import NONCE_BYTES
 
 NOBODY = 65534
 

@@ -4,13 +4,16 @@ A backend is one module that defines `BACKEND`, a subclass of `Backend` (and is 
 daemon makes one instance per allowed backend (`--backends`), starts it, and puts what `advertise()` returns in the
 link handshake; a peer that finds the same backend name calls `connect()` with those bytes and gets the
 `PeerChannel` its transfers run on, or a reason why not. `describe_cache()` adds per-backend bytes to a cache's
-description for peers (e.g. a device engine's registration of its memory).
+description for peers (e.g. a device engine's registration of its memory); it runs on the event loop, so a backend
+whose engine thread does the work awaits it there (`engine_result`) instead of blocking the loop.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import concurrent.futures
+import contextlib
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheDesc, TensorLocation
+from kvbrokerd.backends.hccl_engine import HcclSettings
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
 
 
 _Part = TypeVar("_Part")
+_Result = TypeVar("_Result")
 
 
 @dataclass(eq=False)
@@ -73,6 +78,8 @@ class LocalContext:
     data_port: int = 0
     data_server_tls: ssl.SSLContext | None = None
     data_client_tls: ssl.SSLContext | None = None
+    hccl: HcclSettings = field(default_factory=HcclSettings)
+    """The hccl backend's settings (the daemon's hccl_* config fields)."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +126,11 @@ class Backend(abc.ABC):
         """A channel to `peer` from its advertisement `info` (untrusted bytes: parse defensively), or
         BackendUnusable with the reason."""
 
-    def describe_cache(self, entry: CacheEntry) -> bytes:
-        """Per-backend bytes a peer needs to address `entry` (empty: the generic description suffices)."""
+    async def describe_cache(self, entry: CacheEntry) -> bytes:
+        """Per-backend bytes a peer needs to address `entry` (empty: the generic description suffices).
+
+        Called on the event loop with `entry` pinned: work that waits for an engine (registering memory) is awaited,
+        never waited for on the loop thread."""
         return b""
 
     def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
@@ -180,6 +190,22 @@ class PeerChannel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases connections and mappings; idempotent."""
+
+
+async def engine_result(future: concurrent.futures.Future[_Result]) -> _Result:
+    """The result of work submitted to a backend's engine thread, awaited without blocking the event loop.
+
+    If the awaiting task is cancelled (its RPC was), work the engine thread has already started is still waited for
+    before the cancellation goes on: it touches memory the caller keeps pinned only until this returns."""
+    waiter = asyncio.wrap_future(future)
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        if not future.cancel():
+            while not waiter.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([waiter])
+        raise
 
 
 def run_parts(executor: concurrent.futures.Executor, work: Callable[[_Part], None], parts: list[_Part]) -> None:

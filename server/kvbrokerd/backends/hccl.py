@@ -15,12 +15,13 @@ HIXL's rules shape this module (docs/ascend.md has the sources):
   in a liveness word (`hccl_engine.LiveWords`) that peers READ after a pull and around a push.
 - Calls return status ints (103900...), never raise; they map to LLM statuses (`hccl_engine.llm_status`).
 
-Settings come from the environment (docs/ascend.md): `KVBROKER_HCCL_DEVICE`, `KVBROKER_HCCL_ENGINE`,
-`KVBROKER_HCCL_OPTIONS`, `KVBROKER_HCCL_CONNECT_TIMEOUT_MS`.
+Settings are the daemon's `hccl_*` config fields (`LocalContext.hccl`; docs/ascend.md): device, engine address,
+HIXL options and link set-up timeout.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import json
 import logging
@@ -32,7 +33,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbroker.status import LlmError
 from kvbroker.types import Placement
-from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, LocalContext, PeerChannel, PeerInfo
+from kvbrokerd.backends.base import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    engine_result,
+)
 from kvbrokerd.backends.hccl_channel import HcclChannel
 from kvbrokerd.backends.hccl_engine import (
     DEFAULT_ENGINE_PORT,
@@ -107,7 +116,7 @@ class HcclBackend(Backend):
 
     def __init__(self, ctx: LocalContext, settings: HcclSettings | None = None) -> None:
         super().__init__(ctx)
-        self.settings = settings
+        self.settings = settings or ctx.hccl
         self.local_engine = ""
         self.hixl: Any = None
         self._acl: Any = None
@@ -130,20 +139,16 @@ class HcclBackend(Backend):
                 importlib.import_module(module)
             except ImportError as e:
                 return f"hccl {why} (import {module}: {e}); see docs/ascend.md"
-        try:
-            HcclSettings.from_env()
-        except ValueError as e:
-            return f"hccl: {e}"
         return None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         try:
-            settings = self.settings = (self.settings or HcclSettings.from_env()).validated()
+            settings = self.settings.validated()
             if settings.engine:
-                self.local_engine = engine_id(*parse_engine(settings.engine, "KVBROKER_HCCL_ENGINE"))
+                self.local_engine = engine_id(*parse_engine(settings.engine, "hccl_engine"))
             else:
-                ip, _ = parse_engine(f"{self.ctx.peer_host}:1", "the peer listener's host (set KVBROKER_HCCL_ENGINE)")
+                ip, _ = parse_engine(f"{self.ctx.peer_host}:1", "the peer listener's host (set --hccl-engine)")
                 self.local_engine = engine_id(ip, DEFAULT_ENGINE_PORT + settings.device)
         except ValueError as e:
             raise OSError(f"hccl: {e}") from None
@@ -155,11 +160,9 @@ class HcclBackend(Backend):
                  sorted(self._options()))
 
     def _options(self) -> dict[str, str]:
-        assert self.settings is not None
         return {**self.settings.options, self.hixl.OPTION_BUFFER_POOL: "0:0"}
 
     def _start_on_engine_thread(self) -> None:
-        assert self.settings is not None
         device = self.settings.device
         ret = self._acl.init()
         if ret not in (0, _ACL_REPEAT_INITIALIZE):
@@ -218,25 +221,36 @@ class HcclBackend(Backend):
         if self.live is not None:
             self._acl.rt.free_host(self.live.address)
             self.live = None
-        if self.settings is not None and self._acl is not None:
+        if self._acl is not None:
             self._acl.rt.reset_device(self.settings.device)
             if self._acl_initialised:
                 self._acl.finalize()
 
     def call(self, fn: Callable[[Any], _T]) -> _T:
         """Runs fn(engine) on the engine thread; LLM_NOT_YET_LINK once the backend is closed."""
-        if self._thread is None:
-            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine is not running")
-
-        def run() -> _T:
-            if self._engine is None:
-                fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine was shut down")
-            return fn(self._engine)
-
+        thread = self._engine_thread()
         try:
-            return self._thread.call(run)
+            return thread.call(lambda: self._on_engine(fn))
         except RuntimeError as e:  # the executor was shut down under us
             fail(LlmStatus.LLM_NOT_YET_LINK, f"the hccl engine was shut down ({e})")
+
+    def submit(self, fn: Callable[[Any], _T]) -> concurrent.futures.Future[_T]:
+        """`call` for the event loop: fn(engine) queued on the engine thread, its future to await."""
+        thread = self._engine_thread()
+        try:
+            return thread.submit(lambda: self._on_engine(fn))
+        except RuntimeError as e:
+            fail(LlmStatus.LLM_NOT_YET_LINK, f"the hccl engine was shut down ({e})")
+
+    def _engine_thread(self) -> EngineThread:
+        if self._thread is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine is not running")
+        return self._thread
+
+    def _on_engine(self, fn: Callable[[Any], _T]) -> _T:
+        if self._engine is None:
+            fail(LlmStatus.LLM_NOT_YET_LINK, "the hccl engine was shut down")
+        return fn(self._engine)
 
     # -- handshake ------------------------------------------------------------------------------------------------
     def advertise(self) -> bytes:
@@ -265,11 +279,14 @@ class HcclBackend(Backend):
         return channel
 
     # -- registration ---------------------------------------------------------------------------------------------
-    def describe_cache(self, entry: CacheEntry) -> bytes:
+    async def describe_cache(self, entry: CacheEntry) -> bytes:
         """Registers the cache's memory (once) and tells peers where it is and from which epoch a link sees it. A
-        registration HIXL refuses is described too, so the peer's transfer fails with the reason."""
+        registration HIXL refuses is described too, so the peer's transfer fails with the reason. The engine thread
+        may be busy (a link set-up, a large registration): the event loop awaits it."""
         try:
-            reg = self.registration(entry)
+            reg = self._caches.get(entry.cache_id)
+            if reg is None:
+                reg = await engine_result(self.submit(lambda engine: self._register(engine, entry)))
         except LlmError as e:
             log.warning("hccl: cannot register cache %d: %s", entry.cache_id, e.message)
             return json.dumps({"error": e.message, "status": int(e.status)}).encode()

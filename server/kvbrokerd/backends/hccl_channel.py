@@ -274,7 +274,6 @@ class HcclChannel(PeerChannel):
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms < 1:
             fail(LlmStatus.LLM_TIMEOUT, f"deadline passed before linking to {self.remote_engine}")
-        assert self._backend.settings is not None
         timeout_ms = min(remaining_ms, self._backend.settings.connect_timeout_ms)
         give_up = time.monotonic() + timeout_ms / 1000
         remote_epoch = self._seen_remote_epoch

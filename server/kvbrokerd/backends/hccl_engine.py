@@ -6,8 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import ipaddress
-import json
-import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -18,7 +16,7 @@ from kvbrokerd.errors import LlmStatus
 
 NAME = "hccl"
 DEFAULT_ENGINE_PORT = 26000
-"""Engine port of device 0 when KVBROKER_HCCL_ENGINE names none (device n: + n); not HIXL's device-NIC port 16666."""
+"""Engine port of device 0 when the hccl_engine setting names none (device n: + n); not HIXL's device-NIC port 16666."""
 DISCONNECT_TIMEOUT_MS = 1000
 
 _T = TypeVar("_T")
@@ -54,6 +52,8 @@ def llm_status(hixl: Any, code: int) -> LlmStatus:
 # -- settings -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HcclSettings:
+    """The hccl backend's settings: the daemon's `hccl_*` config fields (flags, KVBROKER_HCCL_* and TOML keys)."""
+
     device: int = 0
     """NPU (logical id, as ASCEND_RT_VISIBLE_DEVICES numbers them) this daemon's engine binds."""
     engine: str = ""
@@ -63,57 +63,34 @@ class HcclSettings:
     connect_timeout_ms: int = 3000
     """Longest a link set-up may take (a transfer's own deadline may cut it shorter)."""
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> HcclSettings:
-        """Reads KVBROKER_HCCL_*; raises ValueError naming the variable."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for var, key in (("KVBROKER_HCCL_DEVICE", "device"), ("KVBROKER_HCCL_CONNECT_TIMEOUT_MS",
-                                                              "connect_timeout_ms")):
-            if env.get(var, "").strip():
-                try:
-                    values[key] = int(env[var])
-                except ValueError:
-                    raise ValueError(f"{var}: {env[var]!r} is not an integer") from None
-        if env.get("KVBROKER_HCCL_ENGINE", "").strip():
-            values["engine"] = env["KVBROKER_HCCL_ENGINE"].strip()
-        if env.get("KVBROKER_HCCL_OPTIONS", "").strip():
-            try:
-                options = json.loads(env["KVBROKER_HCCL_OPTIONS"])
-            except ValueError as e:
-                raise ValueError(f"KVBROKER_HCCL_OPTIONS: not JSON ({e})") from None
-            if not isinstance(options, dict) or not all(isinstance(v, str) for v in options.values()):
-                raise ValueError('KVBROKER_HCCL_OPTIONS: want a JSON object of strings, e.g. '
-                                 '{"GlobalResourceConfig": "{\\"comm_resource_config.protocol_desc\\": '
-                                 '[\\"roce:device\\"]}"}')
-            values["options"] = options
-        return cls(**values).validated()
-
     def validated(self) -> HcclSettings:
+        """Itself, or ValueError naming the daemon's config field (Config.hccl_*) that holds the bad value."""
         if not 0 <= self.device < 1024:
-            raise ValueError(f"KVBROKER_HCCL_DEVICE: {self.device} is not a device id")
+            raise ValueError(f"hccl_device: {self.device} is not a device id (0..1023)")
         if self.engine:
-            parse_engine(self.engine, "KVBROKER_HCCL_ENGINE")
+            parse_engine(self.engine, "hccl_engine")
         if not 1 <= self.connect_timeout_ms <= 600_000:
-            raise ValueError(f"KVBROKER_HCCL_CONNECT_TIMEOUT_MS: {self.connect_timeout_ms} is not in [1, 600000]")
+            raise ValueError(f"hccl_connect_timeout_ms: {self.connect_timeout_ms} is not in [1, 600000]")
         # kvbroker makes and remakes links itself (registration epochs): an engine that links on its own could link
         # before a registration and never show the peer that memory. And the pool must stay off (module docstring).
         for key, why in (("AutoConnect", "kvbroker links engines itself, after registering"),
                          ("BufferPool", 'kvbroker keeps it "0:0" so unregistered memory fails instead of staging')):
             if key in self.options:
-                raise ValueError(f"KVBROKER_HCCL_OPTIONS: {key} cannot be set ({why})")
+                raise ValueError(f"hccl_options: {key} cannot be set ({why})")
         return self
 
 
 def parse_engine(value: str, what: str) -> tuple[str, int]:
     """(IP, port) of an engine id `ip:port` or `[v6]:port`; ValueError naming `what`. Engines are dialled by IP."""
     host, sep, port = value.rpartition(":")
+    if not sep:
+        raise ValueError(f"{what}: {value[:80]!r} needs a port: ip:port, or [v6]:port")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"{what}: {value[:80]!r} is not ip:port (an IP literal, not a name)") from None
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what}: {value[:80]!r} needs a port in [1, 65535]")
     if ip.is_unspecified:
         raise ValueError(f"{what}: {value[:80]!r} is a wildcard address; name the IP peers reach")
@@ -135,7 +112,12 @@ class EngineThread:
     def call(self, fn: Callable[[], _T]) -> _T:
         if threading.get_ident() == self._ident:
             return fn()  # already on it (a nested call would wait on itself)
-        return self._pool.submit(self._on_thread, fn).result()
+        return self.submit(fn).result()
+
+    def submit(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """fn() queued for the engine thread (from another thread: the event loop awaits the future); RuntimeError
+        once the thread is shut down."""
+        return self._pool.submit(self._on_thread, fn)
 
     def _on_thread(self, fn: Callable[[], _T]) -> _T:
         self._ident = threading.get_ident()

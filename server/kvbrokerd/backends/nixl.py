@@ -4,13 +4,13 @@ on one host, TCP), here on host memory.
 One NIXL agent per daemon, named after the cluster id and the instance epoch, confined to one thread (nixlagent.py).
 The handshake carries the agent's metadata (`advertise`, plain bytes). A cache is registered with the agent the first
 time a peer asks for it (`describe_cache`) or a transfer uses it locally, and deregistered when it leaves the
-registry. Its description holds the tensors' addresses, the address of its slot in our control page, and the NIXL
+registry. Its description holds the tensors' addresses, the address of its live-cache slot (liveslots.py), and the NIXL
 metadata of its registration (peers load it into the agent they know: NIXL 1.5 sends registrations made after the
 handshake only that way). Transfers use descriptor lists prepared once per (peer, cache): one descriptor per block,
 selected by index arrays; plans that are not whole blocks get one descriptor per run.
 
 One-sided reads bypass the owner's registry, and NIXL goes on reading a deregistered (even reused) address, so
-every transfer first reads the cache's slot in the peer's control page (reading unmapped memory would also cost the
+every transfer first reads the cache's live-cache slot at the peer (reading unmapped memory would also cost the
 UCX endpoint), and a pull reads it again after the data: a cache removed meanwhile gives LLM_KV_CACHE_NOT_EXIST,
 never stale bytes. A push can only check before it writes (as `shm`). NIXL drops an endpoint after a transport
 error for good: the channel then reloads the peer's agent before its next transfer. Large plans go as requests of
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbroker.shm import SegmentMap
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -48,7 +47,9 @@ from kvbrokerd.backends.base import (
     PeerChannel,
     PeerInfo,
     RemoteCache,
+    engine_result,
 )
+from kvbrokerd.backends.liveslots import LiveSlots
 from kvbrokerd.backends.nixlagent import (
     IMPLEMENTATIONS,
     AgentThread,
@@ -73,12 +74,12 @@ MAX_PREPPED_DESCRIPTORS = 1 << 20
 """Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
 CHUNK_BYTES = 64 << 20
 """Largest NIXL request. On one host UCX copies (CMA) inside the agent thread's post call: bounded requests keep
-other agent commands (a peer's cache lookup, a deregistration, which the event loop waits for) from waiting long,
+other agent commands (a peer's cache lookup; a deregistration, which the event loop waits for) from waiting long,
 and let deadlines and cancellation be checked between requests."""
 SCRATCH_SLOTS = 256
-"""8-byte landing slots for control-page reads: at most this many liveness checks run at once."""
+"""8-byte landing slots for reads of peers' live-cache slots: at most this many liveness checks run at once."""
 DESCRIPTION = struct.Struct("<4sHHIQQ")
-"""describe_cache: magic, version, reserved, tensor count, bytes per tensor, control-slot address; then one u64
+"""describe_cache: magic, version, reserved, tensor count, bytes per tensor, live-slot address; then one u64
 address per tensor; then the NIXL metadata of the cache's registration."""
 _MAGIC, _VERSION = b"KVNX", 1
 _DRAM = "DRAM"
@@ -323,7 +324,7 @@ class NixlChannel(PeerChannel):
                              lambda agent, error: self._ended(agent, layout, error))
 
     def _is_live(self, layout: _RemoteLayout, deadline: float) -> bool:
-        """Reads the cache's slot in the peer's control page: is it still registered there?"""
+        """Reads the cache's live-cache slot at the peer: is it still registered there?"""
         slot = self._backend.take_slot()
 
         def read_slot(agent: Any) -> Any:
@@ -412,8 +413,10 @@ class NixlBackend(Backend):
         super().__init__(ctx)
         self.agent = AgentThread(f"kvbroker-{ctx.cluster_id}-{ctx.registry.instance}")
         self._metadata = b""
-        self._control: SegmentMap | None = None
-        self._live: np.ndarray | None = None
+        self._live_words = np.zeros(ctx.registry.max_caches, dtype=np.uint64)
+        """Our live-cache slots (liveslots.py), registered with the agent: peers READ a cache's slot around a
+        transfer."""
+        self._live = LiveSlots(self._live_words)
         self.scratch = np.zeros(SCRATCH_SLOTS, dtype=np.uint64)
         self.scratch_list: Any = None
         self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -442,14 +445,6 @@ class NixlBackend(Backend):
             raise OSError(f"nixl: {e}") from None
         for key, value in ucx_defaults(self.ctx.peer_host).items():
             os.environ.setdefault(key, value)
-        control = self.ctx.registry.control_path
-        if control is None:
-            raise OSError("nixl: the registry has no control page")
-        self._control = SegmentMap(control)
-        # The page: a nonce, then one u64 slot per live cache id (slot = id % max_caches; registry.py).
-        slots = self.ctx.registry.max_caches
-        self._live = np.frombuffer(self._control.mmap, np.uint64, slots, self._control.size - 8 * slots)
-
         def make_agent() -> Any:
             with _progress_delay(api, PROGRESS_DELAY_US):
                 agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
@@ -462,14 +457,15 @@ class NixlBackend(Backend):
         except Exception as e:
             self.close()
             raise OSError(f"nixl: cannot start the NIXL agent: {type(e).__name__}: {e}") from None
+        self._live.follow(self.ctx.registry)
         ucx = ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("UCX_"))
         log.info("nixl: agent %s ready (%s; %s)", self.agent.name, api.__name__.split(".")[0], ucx or "UCX defaults")
 
     def _register_fixed(self, agent: Any) -> bytes:
-        """Registers the control page's live-cache slots (peers read them) and the scratch slots, before the metadata
-        the handshake carries is taken."""
-        assert self._live is not None
-        self._fixed.append(agent.register_memory([(int(self._live.ctypes.data), self._live.nbytes, 0, "")], _DRAM))
+        """Registers the live-cache slots (peers read them) and the scratch slots, before the metadata the handshake
+        carries is taken."""
+        words = self._live_words
+        self._fixed.append(agent.register_memory([(int(words.ctypes.data), words.nbytes, 0, "")], _DRAM))
         self._fixed.append(agent.register_memory([(int(self.scratch.ctypes.data), self.scratch.nbytes, 0, "")], _DRAM))
         self.scratch_list = agent.prep_xfer_dlist(
             "", [(int(self.scratch.ctypes.data) + 8 * i, 8, 0) for i in range(SCRATCH_SLOTS)], _DRAM)
@@ -516,7 +512,7 @@ class NixlBackend(Backend):
 
     # -- local caches ----------------------------------------------------------------------------------------------
     def local_cache(self, agent: Any, entry: CacheEntry) -> _LocalCache:
-        """`entry` registered with the agent, once (agent thread; the entry is pinned or on the event loop)."""
+        """`entry` registered with the agent, once (agent thread; the entry is pinned)."""
         mine = self._caches.get(entry.cache_id)
         if mine is None:
             if self._closed:
@@ -534,15 +530,15 @@ class NixlBackend(Backend):
                                                                        block), _DRAM)
         return mine.blocks
 
-    def describe_cache(self, entry: CacheEntry) -> bytes:
+    async def describe_cache(self, entry: CacheEntry) -> bytes:
+        # Registering a large cache takes the agent thread a while, and it may be busy posting a transfer chunk.
         try:
-            mine = self.agent.call(lambda agent: self.local_cache(agent, entry))
+            mine = await engine_result(self.agent.submit(lambda agent: self.local_cache(agent, entry)))
         except Exception as e:
             if is_nixl_error(e):
                 raise llm_error(e, f"registering cache {entry.cache_id} with NIXL") from None
             raise
-        assert self._live is not None
-        live = int(self._live.ctypes.data) + 8 * (entry.cache_id % len(self._live))
+        live = self._live.address(entry.cache_id)
         return (DESCRIPTION.pack(_MAGIC, _VERSION, 0, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
                 + mine.addresses.astype("<u8").tobytes() + mine.metadata)
 
@@ -590,13 +586,8 @@ class NixlBackend(Backend):
 
         if not self._closed:
             self._closed = True
-            try:
-                self.agent.close(teardown)
-            finally:
-                self._live = None
-                if self._control is not None:
-                    self._control.close()
-                    self._control = None
+            self._live.stop()  # peers see every cache gone before the agent deregisters anything
+            self.agent.close(teardown)
 
 
 BACKEND = NixlBackend

@@ -35,8 +35,8 @@ import numpy as np
 from kvbrokerd import shmseg
 from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
+from kvbrokerd.backends.shm_control import CONTROL_SUFFIX, NONCE_BYTES, ShmControlPage
 from kvbrokerd.errors import LlmError, LlmStatus, fail
-from kvbrokerd.registry import NONCE_BYTES
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 NAME = "shm"
 CAPABILITIES = Capabilities(same_host_only=True, one_sided_read=True)
-_CONTROL_SUFFIX = "ctl"
 _MAX_CONTROL_SLOTS = 1 << 24
 _WRITABLE = NAME + ":rw"
 
@@ -86,7 +85,7 @@ def probe(segment_name: str, nonce: bytes, shm_dir: Path) -> PeerControl | None:
     """Opens the peer's control page `segment_name` in our `shm_dir` if it holds `nonce` and its daemon runs; None
     when the peer's memory is not reachable from here, or its answer does not name a kvbroker control page."""
     instance = shmseg.instance_of(segment_name)
-    if instance is None or segment_name != shmseg.segment_name(instance, _CONTROL_SUFFIX):
+    if instance is None or segment_name != shmseg.segment_name(instance, CONTROL_SUFFIX):
         log.warning("shm probe: %.64r is not a kvbroker control page name", segment_name)
         return None
     if len(nonce) != NONCE_BYTES:
@@ -247,17 +246,26 @@ _SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
 class ShmBackend(Backend):
-    """Advertises this daemon's control page (by name) and nonce; a peer that can map the page by that name in its
-    OWN shm dir and finds the nonce shares our host memory."""
+    """Publishes this daemon's control page (shm_control.py) and advertises its name and nonce; a peer that can map
+    the page by that name in its OWN shm dir and finds the nonce shares our host memory."""
 
     name = NAME
     capabilities = CAPABILITIES
+    control: ShmControlPage | None = None
+    """Published by `start`, removed by `close`."""
+
+    async def start(self) -> None:
+        registry = self.ctx.registry
+        if not registry.instance:
+            raise OSError("shm: the registry has claimed no instance name (open it first)")
+        control = ShmControlPage(self.ctx.shm_dir, registry.instance)
+        control.publish(registry)
+        self.control = control
 
     def advertise(self) -> bytes:
-        control = self.ctx.registry.control_path
-        if control is None:
+        if self.control is None:
             return b""
-        return json.dumps({"segment": control.name, "nonce": self.ctx.registry.nonce.hex()}).encode()
+        return json.dumps({"segment": self.control.name, "nonce": self.control.nonce.hex()}).encode()
 
     def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         try:
@@ -271,6 +279,11 @@ class ShmBackend(Backend):
         if control is None:
             raise BackendUnusable("no shared host memory (the probe found no such page here)")
         return ShmChannel(control, self.ctx.parts_executor, self.ctx.shm_dir)
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
 
 
 BACKEND = ShmBackend

@@ -35,12 +35,15 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.GetCacheInfoResponse:
         self.node.links.inbound.authorize("GetCacheInfo", request, request.proof)
-        entry = self.node.registry.get(request.cache_id)
+        # Pinned while backends describe it: an engine may still be registering its memory when the cache is
+        # removed, and must not see it unmapped (or keep a registration the removal never learned of).
+        with self.node.registry.pinned(request.cache_id) as entry:
+            backend_info = {name: info for name, b in self.node.links.backends.items()
+                            if (info := await b.describe_cache(entry))}
         return peer_pb2.GetCacheInfoResponse(
             cache_id=entry.cache_id, desc=desc_to_pb(entry.desc),
             tensors=[tensor_location_to_pb(t) for t in entry.tensors], instance_epoch=self.node.epoch,
-            backend_info={name: info for name, b in self.node.links.backends.items()
-                          if (info := b.describe_cache(entry))},
+            backend_info=backend_info,
         )
 
     @llm_errors
