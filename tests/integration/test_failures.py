@@ -204,3 +204,28 @@ async def test_a_caller_that_cancels_cancels_its_transfer(tmp_path: Path) -> Non
         with dst.client() as d:  # and the link is not blamed for it
             assert d.list_links()[0].state == LinkState.READY
             assert d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS).bytes_moved == 32 << 20
+
+
+def test_a_large_failure_report_reaches_the_caller(tmp_path: Path) -> None:
+    """The report of a failed pull travels in the status details (trailing metadata): for 32,768 scattered blocks it
+    is ~100 KB, far over gRPC's default 16 KiB metadata limit. The caller gets the transfer's own status and every
+    failed block, not a RESOURCE_EXHAUSTED from its own channel (that read as LLM_OUT_OF_MEMORY)."""
+    import numpy as np
+
+    n = 1 << 15
+    desc = CacheDesc(num_tensors=2, shape=(n, 32), data_type=DataType.UINT8)
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client() as d:
+        a, b = s.allocate_cache(desc), d.allocate_cache(desc)
+        assert d.link_clusters([cluster_of(src)])[0].ok
+        d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [0], [0])  # warm: cache lookup + connections
+        rng = np.random.default_rng(3)
+        src_blocks, dst_blocks = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+        src.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(LlmError) as info:
+                d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, src_blocks, dst_blocks, timeout=3.0)
+        finally:
+            src.signal(signal.SIGCONT)
+        assert info.value.status == LlmStatus.LLM_TIMEOUT, info.value
+        assert info.value.failed_dst_blocks == list(range(n))  # the frozen peer sent nothing
