@@ -18,6 +18,8 @@ median of --trials timed trials):
   mooncake      Mooncake Transfer Engine tcp READs, batches of <= 2048 (bench/.venvs/mooncake)
   latency       one 64 KiB block pull, p50/p99, beside a bare gRPC Ping to the same daemon
   planning      kvbrokerd.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
+  scale-blocks  one pull of 1 .. 1,048,576 small blocks, contiguous and scattered, with where its time goes (scale.py)
+  scale-peers   the same bytes pulled from 1, 2, 4, 8, 16 linked peers at once, and the cost of a link (scale.py)
 Peers not installed are skipped with a message: `bash bench/setup_peers.sh` installs them.
 """
 
@@ -50,6 +52,12 @@ BENCH_DIR = Path(__file__).resolve().parent
 PEERS_DIR = BENCH_DIR / "peers"
 sys.path.insert(0, str(PEERS_DIR))
 
+if __name__ == "__main__":
+    # scale.py imports this module as `kvbench`: let it find this very module (its event loop, its classes) instead
+    # of loading a second copy of the script.
+    sys.modules.setdefault("kvbench", sys.modules[__name__])
+
+import scale  # noqa: E402  (imports this module back; it uses it only when called)
 from peer_common import (  # noqa: E402
     RESULT_MARK,
     Layout,
@@ -62,12 +70,18 @@ from peer_common import (  # noqa: E402
 )
 
 ALL_ITEMS = ("memcpy", "socket", "kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "nixl", "mooncake",
-             "latency", "planning")
+             "latency", "planning", "scale-blocks", "scale-peers")
 PEER_ITEMS = ("nixl", "mooncake", "kvbroker-nixl")
 """Items that need an optional install (left out of --quick)."""
 CONCURRENCY = (1, 4, 16, 64)
 PLAN_BLOCKS = (1024, 4096, 16384)
 PLAN_LAYERS = 80
+SCALE_BLOCKS = "1,10,100,1000,10000,100000,1048576"
+"""Blocks per pull of scale-blocks, up to the daemon's MAX_BLOCKS_PER_REQUEST (2^20)."""
+SCALE_BLOCKS_QUICK = "1,10,100,1000,10000,100000"
+SCALE_PEERS = "1,2,4,8,16"
+SCALE_PEERS_QUICK = "1,2,4"
+MAX_SCALE_PEERS = 64
 PEER_PYTHON = {
     "nixl": ("KVBENCH_NIXL_PYTHON", BENCH_DIR / ".venvs" / "nixl" / "bin" / "python"),
     "mooncake": ("KVBENCH_MOONCAKE_PYTHON", BENCH_DIR / ".venvs" / "mooncake" / "bin" / "python"),
@@ -96,6 +110,9 @@ class Config:
     items: list[str]
     profile: Path | None
     quick: bool
+    scale_block: int = 64
+    scale_blocks: list[int] = field(default_factory=list)
+    scale_peers: list[int] = field(default_factory=list)
 
     def layout(self, block: int) -> Layout:
         return Layout(self.tensors, self.tensor_bytes, block, self.seed)
@@ -121,6 +138,8 @@ class Report:
     """Subjects that ran and failed (the run goes on): name -> error."""
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     targets: list[dict[str, Any]] = field(default_factory=list)
+    scale: dict[str, Any] = field(default_factory=dict)
+    """scale-blocks and scale-peers (bench/scale.py)."""
 
     def put(self, subject: str, block: int, result: dict[str, Any]) -> None:
         self.throughput.setdefault(subject, {})[str(block)] = result["gbps"]
@@ -295,11 +314,12 @@ def bench_mooncake(cfg: Config, rep: Report) -> None:
 # -------------------------------------------------------------------------------------------------------- kvbroker
 
 
-def fill_cache(tensors: list[np.ndarray]) -> None:
-    """Block k of tensor t holds bytes (k + 31 t) % 251 + 1: never 0, so an uncopied (zero) block is caught."""
+def fill_cache(tensors: list[np.ndarray], salt: int = 0) -> None:
+    """Block k of tensor t holds bytes (k + 31 t + salt) % 251 + 1: never 0, so an uncopied (zero) block is caught;
+    caches filled with different salts tell their blocks apart."""
     for t, arr in enumerate(tensors):
         flat = arr.view(np.uint8).reshape(arr.shape[0], -1)
-        flat[:] = ((np.arange(arr.shape[0]) + 31 * t) % 251 + 1).astype(np.uint8)[:, None]
+        flat[:] = ((np.arange(arr.shape[0]) + 31 * t + salt) % 251 + 1).astype(np.uint8)[:, None]
 
 
 def check_cache(src: list[np.ndarray], dst: list[np.ndarray], sperm: np.ndarray, dperm: np.ndarray) -> None:
@@ -417,7 +437,10 @@ async def _concurrent_trials(target: str, index: Any, dst_id: int, chunks: list[
     async with AsyncClient(target, timeout=timeout) as c:
 
         async def round_() -> None:
-            await asyncio.gather(*(c.pull_kv_blocks(index, dst_id, s, d) for s, d in chunks))
+            results = await asyncio.gather(*(c.pull_kv_blocks(index, dst_id, s, d) for s, d in chunks))
+            moved = sum(r.bytes_moved for r in results)
+            if moved != pull_bytes:
+                raise RuntimeError(f"{len(chunks)} concurrent pulls moved {moved} bytes, expected {pull_bytes}")
 
         await round_()  # warm-up (and channel set-up)
         results = []
@@ -456,6 +479,8 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
             for k in levels:
                 chunks = [(s.tolist(), d.tolist())
                           for s, d in zip(np.array_split(sperm, k), np.array_split(dperm, k), strict=True)]
+                for t in dst.tensors:
+                    t[:] = 0  # every level must land every block itself
                 try:
                     trials = _concurrent_trials(pair.dst_daemon.target, index, dst.cache_id, chunks,
                                                 lay.reps(cfg.total_bytes), cfg.trials, lay.pull_bytes, pair.timeout)
@@ -467,9 +492,9 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
                     log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} concurrent pulls FAILED: "
                         f"{type(e).__name__}: {e}")
                     raise
+                check_cache(src.tensors, dst.tensors, sperm, dperm)
                 series[str(k)] = median(results)
                 log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} concurrent pulls: {series[str(k)]:.2f} GB/s")
-            check_cache(src.tensors, dst.tensors, sperm, dperm)
         finally:
             rep.concurrency[subject] = series
             rep.details.setdefault(f"{subject}-concurrency", {})["block"] = block
@@ -795,6 +820,7 @@ def render(cfg: Config, rep: Report) -> str:
         lines += ["", f"planning ({rep.planning['layers']} layers x 2 tensors)   blocks      runs        ms   ns/run"]
         for n, pt in rep.planning["points"].items():
             lines.append(f"{'':<36s}{int(n):6d}{pt['runs']:10d}{pt['ms']:10.2f}{pt['ns_per_run']:9.1f}")
+    lines += scale.render_lines(rep)
     if rep.targets:
         lines += ["", "targets" + (" (--quick: points too small and too few for these to mean anything; a smoke test "
                                    "only)" if cfg.quick else "")]
@@ -835,6 +861,13 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
                    help=f"deadline of one kvbroker pull, s (default {PULL_TIMEOUT_S:.0f}; --quick 20)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="sample both daemons with py-spy during each kvbroker item; raw stacks into DIR")
+    p.add_argument("--scale-block", default="64",
+                   help="block size of scale-blocks (default 64: 2^20 blocks x 2 tensors fit in 128 MiB per cache)")
+    p.add_argument("--scale-blocks",
+                   help=f"blocks per pull of scale-blocks (default {SCALE_BLOCKS}; --quick {SCALE_BLOCKS_QUICK})")
+    p.add_argument("--scale-peers",
+                   help=f"linked peers of scale-peers (default {SCALE_PEERS}; --quick {SCALE_PEERS_QUICK}); its blocks "
+                        "and bytes per round are --concurrency-block and the --tensors x --tensor-bytes cache")
     p.add_argument("--seed", type=int, default=7)
     a = p.parse_args(argv)
     items = list(ALL_ITEMS)
@@ -861,7 +894,16 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
         items=items,
         quick=a.quick,
         profile=a.profile,
+        scale_block=parse_size(a.scale_block),
+        scale_blocks=[int(n) for n in (a.scale_blocks or (SCALE_BLOCKS_QUICK if a.quick else SCALE_BLOCKS)).split(",")
+                      if n.strip()],
+        scale_peers=[int(n) for n in (a.scale_peers or (SCALE_PEERS_QUICK if a.quick else SCALE_PEERS)).split(",")
+                     if n.strip()],
     )
+    if cfg.scale_block % 2 or not cfg.scale_blocks or min(cfg.scale_blocks) < 1 or not cfg.scale_peers \
+            or not 1 <= min(cfg.scale_peers) <= max(cfg.scale_peers) <= MAX_SCALE_PEERS:
+        p.error(f"--scale-block must be even, --scale-blocks >= 1 each, --scale-peers between 1 and {MAX_SCALE_PEERS} "
+                "(each peer is a daemon process on this machine)")
     for s in [*cfg.sizes, cfg.concurrency_block]:
         if s % 2 or cfg.tensor_bytes % s:
             p.error(f"block size {s} must be even and divide --tensor-bytes {cfg.tensor_bytes}")
@@ -909,6 +951,7 @@ def merge_rounds(cfg: Config, reports: list[Report]) -> Report:
     planned = [r for r in reports if r.planning.get("points", {}).get("4096")]
     if planned:
         rep.planning = min(planned, key=lambda r: float(r.planning["points"]["4096"]["ms"])).planning
+    rep.scale = scale.merge(reports)
     rep.details["seconds"] = sum(r.details["seconds"] for r in reports)
     rep.details["rounds"] = len(reports)
     return rep
@@ -918,7 +961,8 @@ def run_round(cfg: Config) -> Report:
     rep = Report(config=dict(cfg.__dict__), machine=machine_info())
     steps: list[tuple[str, Callable[[Config, Report], None]]] = [
         ("memcpy", bench_memcpy), ("socket", bench_socket), ("kvbroker", bench_kvbroker), ("nixl", bench_nixl),
-        ("mooncake", bench_mooncake), ("planning", bench_planning)]
+        ("mooncake", bench_mooncake), ("planning", bench_planning), ("scale-blocks", scale.bench_blocks),
+        ("scale-peers", scale.bench_peers)]
     kv_items = {"kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "latency"}
     t0 = time.perf_counter()
     for name, fn in steps:

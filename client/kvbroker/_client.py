@@ -74,7 +74,11 @@ def _channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # A failed transfer's report (every failed destination block) comes back in the status details, i.e. in
+        # trailing metadata: ~3 bytes a block, far over gRPC's default 8/16 KiB (soft/hard) metadata limits for
+        # large pulls. Over the limit the channel itself fails the call (RESOURCE_EXHAUSTED) and the report is lost.
         ("grpc.max_metadata_size", MAX_MESSAGE_BYTES + (1 << 20)),
+        ("grpc.absolute_max_metadata_size", MAX_MESSAGE_BYTES + (1 << 20)),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _SERVICE_CONFIG),
         # Reconnect quickly after a daemon restart instead of waiting out gRPC's default backoff (up to 120 s).

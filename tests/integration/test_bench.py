@@ -21,3 +21,24 @@ def test_quick_benchmark_runs_and_reports_every_item() -> None:
     assert report["latency"]["kvbroker-shm-pull"]["samples"] > 0
     assert set(report["concurrency"]) == {"kvbroker-shm", "kvbroker-tcp"}
     assert not report["errors"]
+    blocks = report["scale"]["blocks"]
+    for backend in ("shm", "tcp"):
+        for pattern in ("contiguous", "scattered"):
+            points = blocks["backends"][backend][pattern]
+            assert sorted(int(n) for n in points) == [1, 10, 100, 1000, 10000, 100000], (backend, pattern)
+            for n, pt in points.items():
+                assert pt["blocks"] == int(n) and pt["pull_ms"] > 0 and pt["refused_ms"] > 0
+                # Two tensors: a contiguous pull is one run per tensor, a scattered one (almost) one run per block.
+                assert pt["runs"] == 2 if pattern == "contiguous" else pt["runs"] > int(n), (backend, pattern, n)
+    peers = report["scale"]["peers"]["backends"]
+    assert set(peers) == {"shm", "tcp"}
+    for data in peers.values():
+        assert sorted(int(k) for k in data["levels"]) == [1, 2, 4]
+        assert all(pt["gbps"] > 0 for pt in data["levels"].values())
+        assert len(data["link_ms"]) == 4
+
+
+def test_scale_options_are_checked() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kvbench.py"), "--only", "scale-peers",
+                          "--scale-peers", "1,65"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "--scale-peers between 1 and 64" in out.stderr
