@@ -52,6 +52,7 @@ REPLY_MARGIN_S = 0.05
 MAX_REPLY_MARGIN_S = 0.25
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
+PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
 
 
 class Direction(enum.Enum):
@@ -158,7 +159,11 @@ class TransferManager:
         local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
                                                  req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = plan_blocks(src, dst, src_blocks, dst_blocks, req.layers)
+        if len(src_blocks) < PLAN_ON_LOOP_MAX_BLOCKS:
+            plan = plan_blocks(src, dst, src_blocks, dst_blocks, req.layers)
+        else:  # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
+            plan = await asyncio.get_running_loop().run_in_executor(
+                self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, req.layers)
         return Job(direction, plan, req.local_cache_id, link, remote)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:

@@ -1,4 +1,4 @@
-"""memcopy's vectorised plan handling: pieces cover every run exactly once, parts stay balanced, and a copy
+"""The vectorised plan handling of copies: pieces cover every run exactly once, parts stay balanced, and a copy
 moves exactly the plan's bytes whichever way it is cut (two threads, chunks)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends import memcopy
-from kvbrokerd.planner import LayerSelection, Plan, Progress, plan_blocks
+from kvbrokerd.planner import LayerSelection, Pieces, Plan, Progress, plan_blocks
 
 
 def _plan(lengths: list[int]) -> Plan:
@@ -25,7 +25,7 @@ def _plan(lengths: list[int]) -> Plan:
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=60), st.integers(1, 8))
 def test_split_covers_every_byte_of_every_run_once_in_balanced_parts(lengths: list[int], parts: int) -> None:
     plan = _plan(lengths)
-    pieces = memcopy.Pieces.of(plan)
+    pieces = Pieces.of(plan)
     split = pieces.split(parts)
     assert 1 <= len(split) <= parts
     total = sum(lengths)
@@ -75,3 +75,34 @@ def test_a_copy_moves_exactly_the_plans_bytes_however_it_is_cut(blocks: list[int
     assert np.array_equal(dst, expected)
     assert progress.bytes_moved == plan.total_bytes
     assert len(progress.failed_dst_blocks()) == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5), st.integers(0, 2)), min_size=1, max_size=30),
+       st.data())
+def test_failed_blocks_are_exactly_those_an_incomplete_run_covers(runs: list[tuple[int, int, int]],
+                                                                  data: st.DataObject) -> None:
+    """Against a plain reference: runs of whole blocks (first block, block count, tensor), some landed whole, some
+    in part (or retracted), the rest not at all."""
+    bpb = 16
+    first = np.asarray([r[0] for r in runs], dtype=np.uint64)
+    count = np.asarray([r[1] for r in runs], dtype=np.uint64)
+    tensor = np.asarray([r[2] for r in runs], dtype=np.uint32)
+    plan = Plan(tensor, first * np.uint64(bpb), tensor, first * np.uint64(bpb), count * np.uint64(bpb),
+                np.zeros(0, dtype=np.uint64), bpb)
+    progress = Progress(plan)
+    expected: set[int] = set()
+    for i, (b, n, _) in enumerate(runs):
+        how = data.draw(st.sampled_from(["whole", "part", "none", "retracted", "array"]))
+        length = n * bpb
+        if how == "whole":
+            progress.mark(i, length)
+        elif how == "array":
+            progress.mark_runs(np.asarray([i, i]), np.asarray([length - 1, 1], dtype=np.uint64))
+        elif how == "part":
+            progress.mark(i, length - 1)
+        elif how == "retracted":
+            progress.mark(i, length)
+            progress.retract(i, length)
+        if how in ("part", "none", "retracted"):
+            expected.update(range(b, b + n))
+    assert progress.failed_dst_blocks().tolist() == sorted(expected)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
-from kvbrokerd.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks, split_runs
+from kvbrokerd.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -71,20 +69,6 @@ def test_block_array_refuses_negative_and_overflowing() -> None:
     with pytest.raises(ParamInvalidError):
         block_array([2**64], "src_blocks")
     assert block_array([2**64 - 1], "src_blocks").tolist() == [2**64 - 1]
-
-
-def test_split_runs_preserves_bytes_and_order() -> None:
-    runs = [(0, 0, 0, 0, 100, 10), (1, 1, 50, 1, 0, 7), (2, 2, 0, 2, 0, 1)]
-    parts = split_runs(runs, 3)
-    assert len(parts) == 3
-    flat = [r for p in parts for r in p]
-    assert sum(r[5] for r in flat) == 18
-    rebuilt: dict[int, list[tuple[int, int, int]]] = {}
-    for idx, _, so, _, do, n in flat:
-        rebuilt.setdefault(idx, []).append((so, do, n))
-    for pieces in rebuilt.values():
-        for (so, do, n), (so2, do2, _) in itertools.pairwise(pieces):
-            assert so + n == so2 and do + n == do2
 
 
 def test_progress_reports_blocks_of_incomplete_runs() -> None:

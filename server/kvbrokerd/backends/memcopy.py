@@ -37,7 +37,7 @@ import numpy as np
 
 from kvbrokerd.backends.base import run_parts
 from kvbrokerd.errors import LlmError, LlmStatus, fail
-from kvbrokerd.planner import Plan, Progress
+from kvbrokerd.planner import Pieces, Plan, Progress
 
 # Below this many bytes a second copying thread costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20
@@ -135,46 +135,6 @@ def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, dead
         run_parts(executor, lambda part: _copy_pieces(src, dst, part, progress, deadline, record),
                   pieces.split(threads))
     return plan.total_bytes
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """A plan's runs as arrays, possibly cut into pieces (a piece keeps its run's index in `run`)."""
-
-    run: np.ndarray
-    src_tensor: np.ndarray
-    src_offset: np.ndarray
-    dst_tensor: np.ndarray
-    dst_offset: np.ndarray
-    length: np.ndarray
-
-    @classmethod
-    def of(cls, plan: Plan) -> Pieces:
-        return cls(np.arange(plan.num_runs), plan.src_tensor, plan.src_offset, plan.dst_tensor, plan.dst_offset,
-                   plan.length)
-
-    def __len__(self) -> int:
-        return len(self.length)
-
-    def take(self, index: slice) -> Pieces:
-        return Pieces(self.run[index], self.src_tensor[index], self.src_offset[index], self.dst_tensor[index],
-                      self.dst_offset[index], self.length[index])
-
-    def split(self, parts: int) -> list[Pieces]:
-        """`parts` lists of about equal bytes, in order; a run that straddles a boundary is cut there."""
-        ends = np.cumsum(self.length, dtype=np.uint64)
-        starts = ends - self.length
-        total = int(ends[-1])
-        cuts = np.unique((np.arange(1, parts, dtype=np.uint64) * np.uint64(total)) // np.uint64(parts))
-        cuts = cuts[(cuts > 0) & (cuts < total)]
-        piece_starts = np.union1d(starts, cuts)
-        run = np.searchsorted(ends, piece_starts, side="right")
-        lengths = np.diff(np.append(piece_starts, np.uint64(total)))
-        pieces = Pieces(self.run[run], self.src_tensor[run], self.src_offset[run] + (piece_starts - starts[run]),
-                        self.dst_tensor[run], self.dst_offset[run] + (piece_starts - starts[run]), lengths)
-        bounds = np.searchsorted(piece_starts, cuts).tolist()
-        return [p for a, b in zip([0, *bounds], [*bounds, len(pieces)], strict=True)
-                if len(p := pieces.take(slice(a, b)))]
 
 
 def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progress, deadline: float,

@@ -64,7 +64,7 @@ from kvbrokerd.backends.base import (
     run_parts,
 )
 from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Progress, Run, split_runs
+from kvbrokerd.planner import Pieces, Progress, Run
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan
@@ -664,7 +664,7 @@ class TcpChannel(PeerChannel):
             self._reserved += parts
         try:
             run_parts(self._executor, lambda runs: self._on_connection(op, cache_id, local, runs, progress, deadline),
-                      split_runs(plan.runs(), parts))
+                      [part.runs() for part in Pieces.of(plan).split(parts)])
         finally:
             with self._lock:
                 self._reserved -= parts
