@@ -34,12 +34,15 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbroker._shm import SegmentMap
+from kvbroker._types import CacheDesc, TensorLocation
+from kvbrokerd import devicemem
+from kvbrokerd.backends import cudaipc
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -58,7 +61,7 @@ from kvbrokerd.backends.nixlagent import (
     llm_error,
     load_api,
 )
-from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -67,7 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = "nixl"
-CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host"}))
+CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host", "cuda"}))
+"""cuda: only where cuda-python, a CUDA device and NIXL's VRAM support are all there (`NixlBackend.memory_kinds`)."""
 INSTALL = "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 MAX_PREPPED_DESCRIPTORS = 1 << 20
 """Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
@@ -78,10 +82,11 @@ and let deadlines and cancellation be checked between requests."""
 SCRATCH_SLOTS = 256
 """8-byte landing slots for control-page reads: at most this many liveness checks run at once."""
 DESCRIPTION = struct.Struct("<4sHHIQQ")
-"""describe_cache: magic, version, reserved, tensor count, bytes per tensor, control-slot address; then one u64
-address per tensor; then the NIXL metadata of the cache's registration."""
-_MAGIC, _VERSION = b"KVNX", 1
-_DRAM = "DRAM"
+"""describe_cache: magic, version, device, tensor count, bytes per tensor, control-slot address; then one u64
+address per tensor; then the NIXL metadata of the cache's registration. Version 1: host memory (device 0); version 2:
+VRAM of CUDA device `device` (a peer that only knows version 1 refuses it instead of reading it as host memory)."""
+_MAGIC, _VERSION, _VERSION_VRAM = b"KVNX", 1, 2
+_DRAM, _VRAM = "DRAM", "VRAM"
 
 
 def ucx_defaults(peer_host: str) -> dict[str, str]:
@@ -107,20 +112,22 @@ def _whole_blocks(offsets: tuple[np.ndarray, ...], length: np.ndarray, block: in
     return bool(np.all(length % b == 0) and all(np.all(o % b == 0) for o in offsets))
 
 
-def _block_descriptors(addresses: np.ndarray, tensor_nbytes: int, block: int) -> np.ndarray:
+def _block_descriptors(addresses: np.ndarray, tensor_nbytes: int, block: int, device: int = 0) -> np.ndarray:
     """Nx3 (address, length, device) descriptors: every block of every tensor, tensor-major."""
     per = tensor_nbytes // block
     d = np.zeros((len(addresses) * per, 3), dtype=np.uint64)
     d[:, 0] = (addresses[:, None] + np.arange(per, dtype=np.uint64) * np.uint64(block)).ravel()
     d[:, 1] = block
+    d[:, 2] = device
     return d
 
 
-def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray
-                     ) -> np.ndarray:
+def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                     device: int = 0) -> np.ndarray:
     d = np.zeros((len(length), 3), dtype=np.uint64)
     d[:, 0] = addresses[tensor.astype(np.int64)] + offset
     d[:, 1] = length
+    d[:, 2] = device
     return d
 
 
@@ -165,6 +172,10 @@ class _LocalCache:
     addresses: np.ndarray
     blocks: Any = None
     """Prepared per-block list (local side), made on first use."""
+    mem: str = _DRAM
+    device: int = 0
+    imported: cudaipc.ImportedTensors | None = None
+    """The CUDA IPC mappings of a device cache, closed after its deregistration."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -177,6 +188,8 @@ class _RemoteLayout:
     block_nbytes: int
     live_address: int
     metadata: bytes
+    mem: str = _DRAM
+    device: int = 0
     loaded: bool = False
     blocks: Any = None
     live: Any = None
@@ -215,9 +228,9 @@ class NixlChannel(PeerChannel):
         where = f"remote cache {remote.cache_id}"
         if len(info) < DESCRIPTION.size:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the peer gave no nixl description of it")
-        magic, version, _, count, tensor_nbytes, live = DESCRIPTION.unpack_from(info)
+        magic, version, device, count, tensor_nbytes, live = DESCRIPTION.unpack_from(info)
         end = DESCRIPTION.size + 8 * count
-        if magic != _MAGIC or version != _VERSION:
+        if magic != _MAGIC or version not in (_VERSION, _VERSION_VRAM):
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: unknown nixl description (version {version})")
         if count != remote.desc.num_tensors or tensor_nbytes != remote.desc.tensor_nbytes or len(info) <= end:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the nixl description does not match the cache")
@@ -231,7 +244,8 @@ class NixlChannel(PeerChannel):
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: {e}")
         if owner != self.agent_name:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: registered by agent {owner[:80]!r}, not the peer's")
-        return _RemoteLayout(remote.cache_id, addresses, tensor_nbytes, remote.desc.block_nbytes, live, metadata)
+        return _RemoteLayout(remote.cache_id, addresses, tensor_nbytes, remote.desc.block_nbytes, live, metadata,
+                             _VRAM if version == _VERSION_VRAM else _DRAM, device if version == _VERSION_VRAM else 0)
 
     # -- agent-thread helpers -----------------------------------------------------------------------------------------
     def _load(self, agent: Any, layout: _RemoteLayout) -> None:
@@ -261,8 +275,8 @@ class NixlChannel(PeerChannel):
     def _remote_blocks(self, agent: Any, layout: _RemoteLayout) -> Any:
         if layout.blocks is None and len(layout.addresses) * (layout.tensor_nbytes // layout.block_nbytes) <= \
                 MAX_PREPPED_DESCRIPTORS:
-            layout.blocks = agent.prep_xfer_dlist(
-                self.agent_name, _block_descriptors(layout.addresses, layout.tensor_nbytes, layout.block_nbytes), _DRAM)
+            layout.blocks = agent.prep_xfer_dlist(self.agent_name, _block_descriptors(
+                layout.addresses, layout.tensor_nbytes, layout.block_nbytes, layout.device), layout.mem)
         return layout.blocks
 
     def _began(self, layout: _RemoteLayout) -> None:
@@ -307,8 +321,9 @@ class NixlChannel(PeerChannel):
                 return agent.make_prepped_xfer(
                     op, local_list, _block_indices(lt, lo, plan.length, block, local.desc.num_blocks),
                     remote_list, _block_indices(rt, ro, plan.length, block, layout.tensor_nbytes // block))
-        local_descs = agent.get_xfer_descs(_run_descriptors(mine.addresses, lt, lo, plan.length), _DRAM)
-        remote_descs = agent.get_xfer_descs(_run_descriptors(layout.addresses, rt, ro, plan.length), _DRAM)
+        local_descs = agent.get_xfer_descs(_run_descriptors(mine.addresses, lt, lo, plan.length, mine.device), mine.mem)
+        remote_descs = agent.get_xfer_descs(_run_descriptors(layout.addresses, rt, ro, plan.length, layout.device),
+                                            layout.mem)
         return agent.initialize_xfer(op, local_descs, remote_descs, self.agent_name)
 
     # -- transfers (data-plane threads) ------------------------------------------------------------------------------
@@ -424,6 +439,13 @@ class NixlBackend(Backend):
         self._caches: dict[int, _LocalCache] = {}
         self._peers: dict[str, NixlChannel] = {}
         self._closed = False
+        self.cuda_missing = "the nixl backend has not started"
+        """Why this daemon cannot import CUDA memory ("" when it can)."""
+        self._cuda: cudaipc.CudaIpcImporter | None = None
+
+    @property
+    def memory_kinds(self) -> frozenset[str]:
+        return CAPABILITIES.memory_kinds if not self.cuda_missing else frozenset({"host"})
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -450,7 +472,12 @@ class NixlBackend(Backend):
         slots = self.ctx.registry.max_caches
         self._live = np.frombuffer(self._control.mmap, np.uint64, slots, self._control.size - 8 * slots)
 
+        cuda_missing = cudaipc.cuda_missing()
+
         def make_agent() -> Any:
+            if not cuda_missing:  # the context first: UCX threads started without one crash in CUDA calls
+                self._cuda = cudaipc.CudaIpcImporter()
+                self._cuda.make_current(0)
             with _progress_delay(api, PROGRESS_DELAY_US):
                 agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
             agent.create_backend("UCX", agent.get_plugin_params("UCX"))  # its default error mode is "peer"
@@ -459,11 +486,15 @@ class NixlBackend(Backend):
         try:
             self.agent.start(make_agent)
             self._metadata = self.agent.call(self._register_fixed)
+            self.cuda_missing = cuda_missing or self.agent.call(
+                lambda agent: "" if "VRAM_SEG" in agent.get_backend_mem_types("UCX") else
+                f"this NIXL build ({api.__name__.split('.')[0]}) has no VRAM support in its UCX backend")
         except Exception as e:
             self.close()
             raise OSError(f"nixl: cannot start the NIXL agent: {type(e).__name__}: {e}") from None
         ucx = ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("UCX_"))
-        log.info("nixl: agent %s ready (%s; %s)", self.agent.name, api.__name__.split(".")[0], ucx or "UCX defaults")
+        log.info("nixl: agent %s ready (%s; %s; cuda memory: %s)", self.agent.name, api.__name__.split(".")[0],
+                 ucx or "UCX defaults", self.cuda_missing or "yes")
 
     def _register_fixed(self, agent: Any) -> bytes:
         """Registers the control page's live-cache slots (peers read them) and the scratch slots, before the metadata
@@ -521,6 +552,8 @@ class NixlBackend(Backend):
         if mine is None:
             if self._closed:
                 fail(LlmStatus.LLM_FAILED, "the nixl backend is closed")
+            if devicemem.memory_kind(entry.tensors) != "host":  # registered at import; gone means the cache is
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cache {entry.cache_id} is being removed")
             registration = agent.register_memory([(a, n, 0, "") for a, n in _regions(entry)], _DRAM)
             metadata = agent.get_partial_agent_metadata(registration, False, [])
             mine = self._caches[entry.cache_id] = _LocalCache(registration, metadata,
@@ -531,7 +564,7 @@ class NixlBackend(Backend):
         block = entry.desc.block_nbytes
         if mine.blocks is None and entry.desc.num_tensors * entry.desc.num_blocks <= MAX_PREPPED_DESCRIPTORS:
             mine.blocks = agent.prep_xfer_dlist("", _block_descriptors(mine.addresses, entry.desc.tensor_nbytes,
-                                                                       block), _DRAM)
+                                                                       block, mine.device), mine.mem)
         return mine.blocks
 
     def describe_cache(self, entry: CacheEntry) -> bytes:
@@ -543,23 +576,76 @@ class NixlBackend(Backend):
             raise
         assert self._live is not None
         live = int(self._live.ctypes.data) + 8 * (entry.cache_id % len(self._live))
-        return (DESCRIPTION.pack(_MAGIC, _VERSION, 0, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
+        version = _VERSION_VRAM if mine.mem == _VRAM else _VERSION
+        return (DESCRIPTION.pack(_MAGIC, version, mine.device, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
                 + mine.addresses.astype("<u8").tobytes() + mine.metadata)
 
     def forget_cache(self, entry: CacheEntry) -> None:
-        """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it."""
-        def forget(agent: Any) -> None:
-            mine = self._caches.pop(entry.cache_id, None)
-            if mine is not None:
-                if mine.blocks is not None:
-                    mine.blocks.release()
-                agent.deregister_memory(mine.registration)
-
+        """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it; a device
+        cache's IPC mappings are closed after that."""
         if not self._closed and entry.cache_id in self._caches:
             try:
-                self.agent.call(forget)
+                self.agent.call(lambda agent: self._forget_local(agent, entry.cache_id))
             except Exception:
                 log.exception("nixl: deregistering cache %d failed", entry.cache_id)
+
+    def _forget_local(self, agent: Any, cache_id: int) -> None:
+        mine = self._caches.pop(cache_id, None)
+        if mine is None:
+            return
+        try:
+            if mine.blocks is not None:
+                mine.blocks.release()
+            agent.deregister_memory(mine.registration)
+        finally:
+            if mine.imported is not None and self._cuda is not None:
+                for error in self._cuda.release(mine.imported):
+                    log.warning("nixl: cache %d: %s", cache_id, error)
+
+    # -- device caches ---------------------------------------------------------------------------------------------
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
+        """Opens the caches' CUDA IPC handles (once per allocation), registers the mapped memory with NIXL as VRAM
+        and lists the cache: peers then read and write the model server's memory directly."""
+        devices = [t.device for t in tensors if t.device is not None]
+        kind = devices[0].kind
+        if kind != "cuda" or self.cuda_missing:
+            fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, f"the nixl backend cannot import {kind} memory on this daemon: "
+                 f"{self.cuda_missing or 'it moves host and cuda memory only'}")
+        if len({d.device for d in devices}) != 1:
+            param_invalid("the tensors of a device cache are on one device")
+
+        def run(agent: Any) -> CacheEntry:
+            assert self._cuda is not None
+            imported = self._cuda.import_tensors(devices[0].device, [d.ipc_handle for d in devices],
+                                                 [t.offset for t in tensors], [d.allocation_bytes for d in devices],
+                                                 desc.tensor_nbytes)
+            listed: list[int] = []
+
+            def register(entry: CacheEntry) -> None:
+                try:
+                    registration = agent.register_memory(
+                        [(a, n, imported.device, "") for a, n in _regions(entry)], _VRAM)
+                except Exception as e:
+                    if is_nixl_error(e):
+                        raise llm_error(e, "NIXL cannot register the imported VRAM (does this NIXL build's UCX "
+                                        "have CUDA support?)", LlmStatus.LLM_FEATURE_NOT_ENABLED) from None
+                    raise
+                listed.append(entry.cache_id)
+                self._caches[entry.cache_id] = _LocalCache(
+                    registration, agent.get_partial_agent_metadata(registration, False, []),
+                    np.asarray(entry.addresses, dtype=np.uint64), mem=_VRAM, device=imported.device,
+                    imported=imported)
+
+            try:
+                return self.ctx.registry.add_device(desc, tensors, imported.addresses, owner, register)
+            except BaseException:
+                if listed:
+                    self._forget_local(agent, listed[0])
+                else:
+                    self._cuda.release(imported)
+                raise
+
+        return self.agent.call(run)
 
     # -- scratch slots ---------------------------------------------------------------------------------------------
     def take_slot(self) -> int:
@@ -580,6 +666,9 @@ class NixlBackend(Backend):
                         mine.blocks.release()
                     agent.deregister_memory(mine.registration)
             self._caches.clear()
+            if self._cuda is not None:  # after NIXL let go of the memory; before the owner may free it
+                for error in self._cuda.close_all():
+                    log.warning("nixl: %s", error)
             if self.scratch_list is not None:
                 self.scratch_list.release()
                 self.scratch_list = None
