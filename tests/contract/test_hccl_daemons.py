@@ -65,3 +65,19 @@ async def test_two_daemons_pull_and_push_over_hccl(daemons: tuple[Daemon, Daemon
         for ta, tb in zip(a.tensors, b.tensors, strict=True):
             assert np.array_equal(ta[15].view(np.uint8), tb[3].view(np.uint8))
     assert {t for e, _, t in standin.CALLS if e == "127.0.0.1:26002"} == {"kvbroker-hixl-npu2_0"}
+
+
+async def test_npu_registration_is_refused_where_pyacl_cannot_import_ipc_memory(daemons: tuple[Daemon, Daemon]) -> None:
+    """The stand-in models no Ascend IPC (pyACL's ipc_mem_* signatures are not verified yet, docs/ascend.md), so
+    the hccl backend must refuse, name the missing call, and list nothing."""
+    from kvbroker import DeviceMemory, FeatureNotEnabledError, Placement, TensorLocation
+
+    src, _ = daemons
+    desc = CacheDesc(num_tensors=2, shape=(16, 1024), placement=Placement.DEVICE)
+    npu = [TensorLocation("", i * desc.tensor_nbytes, DeviceMemory("npu", "1", b"k" * 65, 1 << 20)) for i in (0, 1)]
+    async with AsyncClient(src.local_address) as s:
+        with pytest.raises(FeatureNotEnabledError) as info:
+            await s.register_kv_cache(desc, npu)
+        assert "hccl backend cannot import npu memory" in info.value.message
+        assert "acl.rt.ipc_mem_import_by_key" in info.value.message
+        assert await s.list_caches() == []
