@@ -9,6 +9,7 @@ refuses with LLM_FEATURE_NOT_ENABLED and says which backend would serve the kind
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,15 @@ def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
         if t.offset < 0 or t.offset + desc.tensor_nbytes > d.allocation_bytes:
             param_invalid(f"tensor {i}: bytes [{t.offset}, {t.offset + desc.tensor_nbytes}) are outside the exported "
                           f"allocation of {d.allocation_bytes} bytes")
+    by_allocation: dict[tuple[str, bytes], list[int]] = {}
+    for t in tensors:
+        assert t.device is not None
+        by_allocation.setdefault((t.device.device, t.device.ipc_handle), []).append(t.offset)
+    for offsets in by_allocation.values():
+        offsets.sort()
+        for a, b in itertools.pairwise(offsets):
+            if b - a < desc.tensor_nbytes:
+                param_invalid(f"tensors overlap in one exported allocation at offset {b}")
     return kind
 
 

@@ -149,18 +149,20 @@ def _mark(progress: Progress, part: Plan, first: int) -> None:
         progress.mark(i, n)
 
 
-def _regions(entry: CacheEntry) -> list[tuple[int, int]]:
+def _regions(entry: CacheEntry, allocations: Sequence[object] | None = None) -> list[tuple[int, int]]:
     """The byte ranges to register for `entry`: its tensors, merged where adjacent (a daemon-owned segment also
-    across its alignment padding, which holds nothing else)."""
+    across its alignment padding, which holds nothing else). `allocations`: per tensor, the allocation it lies in;
+    ranges of different allocations are never merged (neighbours in address space are not one device allocation)."""
     n = entry.desc.tensor_nbytes
     slack = 4096 if entry.daemon_owned else 0
-    merged: list[list[int]] = []
-    for start in sorted(entry.addresses):
-        if merged and 0 <= start - merged[-1][1] <= slack:
+    owner = allocations or [None] * len(entry.addresses)
+    merged: list[list[Any]] = []
+    for start, allocation in sorted(zip(entry.addresses, owner, strict=True), key=lambda pair: pair[0]):
+        if merged and merged[-1][2] == allocation and 0 <= start - merged[-1][1] <= slack:
             merged[-1][1] = start + n
         else:
-            merged.append([start, start + n])
-    return [(s, e - s) for s, e in merged]
+            merged.append([start, start + n, allocation])
+    return [(s, e - s) for s, e, _ in merged]
 
 
 @dataclasses.dataclass(eq=False)
@@ -624,7 +626,7 @@ class NixlBackend(Backend):
             def register(entry: CacheEntry) -> None:
                 try:
                     registration = agent.register_memory(
-                        [(a, n, imported.device, "") for a, n in _regions(entry)], _VRAM)
+                        [(a, n, imported.device, "") for a, n in _regions(entry, imported.keys)], _VRAM)
                 except Exception as e:
                     if is_nixl_error(e):
                         raise llm_error(e, "NIXL cannot register the imported VRAM (does this NIXL build's UCX "
