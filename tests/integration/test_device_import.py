@@ -113,3 +113,35 @@ def test_the_refusal_is_logged_nowhere_as_a_crash(nixl_daemon: LocalDaemon, tmp_
                 c.register_kv_cache(DESC, GOOD)
     assert nixl_daemon.proc is not None and nixl_daemon.proc.poll() is None
     assert "Traceback" not in nixl_daemon.log_path.read_text()
+
+
+def test_listed_device_caches_keep_no_ipc_handle(tmp_path: Path) -> None:
+    """Whoever holds a handle can map the model server's memory: the registry drops it once the backend imported it,
+    so neither ListCaches nor a peer's GetCacheInfo can hand it on; a failed preparation lists nothing."""
+    from kvbrokerd.registry import Registry
+    from kvbrokerd.service.local import cache_info
+
+    registry = Registry(tmp_path)
+    registry.open()
+    try:
+        with pytest.raises(RuntimeError):
+            registry.add_device(DESC, GOOD, [0x1000, 0x9000], "", lambda entry: (_ for _ in ()).throw(RuntimeError()))
+        assert registry.list() == []
+        entry = registry.add_device(DESC, GOOD, [0x1000, 0x9000], "s", lambda entry: None)
+        assert [e.cache_id for e in registry.list()] == [entry.cache_id] and entry.addresses == [0x1000, 0x9000]
+        assert all(t.device is not None and t.device.ipc_handle == b"" and t.device.kind == "cuda"
+                   for t in entry.tensors)
+        assert all(not t.device.ipc_handle for t in cache_info(entry, str(tmp_path)).tensors)
+    finally:
+        registry.close()
+
+
+def test_a_peers_description_never_brings_a_handle_in() -> None:
+    from kvbroker._convert import desc_to_pb, tensor_location_to_pb
+    from kvbroker.v1 import peer_pb2
+    from kvbrokerd.links import Link
+
+    resp = peer_pb2.GetCacheInfoResponse(cache_id=5, desc=desc_to_pb(DESC),
+                                         tensors=[tensor_location_to_pb(t) for t in GOOD])
+    remote = Link(remote_cluster_id=9, remote_address="127.0.0.1:1")._parse_cache(5, resp)
+    assert [(t.device.kind, t.device.ipc_handle) for t in remote.tensors if t.device] == [("cuda", b"")] * 2
