@@ -477,9 +477,14 @@ class NixlBackend(Backend):
         cuda_missing = cudaipc.cuda_missing()
 
         def make_agent() -> Any:
+            nonlocal cuda_missing
             if not cuda_missing:  # the context first: UCX threads started without one crash in CUDA calls
-                self._cuda = cudaipc.CudaIpcImporter()
-                self._cuda.make_current(0)
+                try:
+                    self._cuda = cudaipc.CudaIpcImporter()
+                    self._cuda.make_current(0)
+                except (LlmError, ImportError) as e:  # host memory still works: only device caches are refused
+                    self._cuda = None
+                    cuda_missing = f"no usable CUDA device ({e})"
             with _progress_delay(api, PROGRESS_DELAY_US):
                 agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
             agent.create_backend("UCX", agent.get_plugin_params("UCX"))  # its default error mode is "peer"
@@ -629,8 +634,9 @@ class NixlBackend(Backend):
                         [(a, n, imported.device, "") for a, n in _regions(entry, imported.keys)], _VRAM)
                 except Exception as e:
                     if is_nixl_error(e):
-                        raise llm_error(e, "NIXL cannot register the imported VRAM (does this NIXL build's UCX "
-                                        "have CUDA support?)", LlmStatus.LLM_FEATURE_NOT_ENABLED) from None
+                        raise llm_error(e, "NIXL cannot register the imported VRAM (its UCX lacks CUDA support, or "
+                                        "does not take memory imported by IPC: docs/device.md)",
+                                        LlmStatus.LLM_FEATURE_NOT_ENABLED) from None
                     raise
                 listed.append(entry.cache_id)
                 self._caches[entry.cache_id] = _LocalCache(
