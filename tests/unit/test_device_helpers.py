@@ -102,3 +102,15 @@ def test_a_transfer_over_a_backend_that_cannot_move_the_memory_is_refused() -> N
             check_moves(backend, ("local cache 1", host), ("remote cache 2", cuda))  # type: ignore[arg-type]
         assert info.value.status == LlmStatus.LLM_FEATURE_NOT_ENABLED
         assert "remote cache 2 is in cuda memory" in info.value.message and words in info.value.message
+
+
+def test_a_registered_device_cache_maps_nothing_on_the_client() -> None:
+    from kvbroker import CacheDesc, CacheRecord, Placement
+    from kvbroker._shm import Cache
+
+    desc = CacheDesc(num_tensors=1, shape=(4, 64), placement=Placement.DEVICE)
+    record = CacheRecord(7, desc, (TensorLocation("", 0, DeviceMemory("cuda", "0", b"", 1 << 20)),), "/nonexistent",
+                         False)
+    cache = Cache.map(record)
+    assert cache.cache_id == 7 and cache.tensors == []
+    cache.close()
