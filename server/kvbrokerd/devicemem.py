@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvbroker._types import CacheDesc, Placement, TensorLocation
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
+from kvbrokerd.limits import check_text
 
 if TYPE_CHECKING:
     from kvbrokerd.backends.base import Backend
@@ -49,6 +50,7 @@ def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
             param_invalid(f"tensor {i}: a device tensor names no shm segment")
         if not d.device or len(d.device.encode()) > MAX_DEVICE_NAME:
             param_invalid(f"tensor {i}: device must be 1..{MAX_DEVICE_NAME} bytes (a UUID or an ordinal)")
+        check_text(f"tensor {i}: device", d.device, MAX_DEVICE_NAME)  # it ends up in messages and logs
         if not smallest <= len(d.ipc_handle) <= largest:
             param_invalid(f"tensor {i}: a {kind} IPC handle is {smallest}..{largest} bytes, got {len(d.ipc_handle)}")
         if t.offset < 0 or t.offset + desc.tensor_nbytes > d.allocation_bytes:

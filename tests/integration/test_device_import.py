@@ -95,6 +95,7 @@ def test_npu_memory_on_a_nixl_daemon_points_at_hccl(nixl_daemon: LocalDaemon) ->
     ([_cuda((1 << 64) - 16), _cuda(32768)], "outside the exported allocation"),
     ([_cuda(0), _cuda(DESC.tensor_nbytes - 2)], "tensors overlap"),
     ([TensorLocation("", 0, DeviceMemory("cuda", "x" * 65, b"h" * 64, 1 << 20)), _cuda(32768)], "device must be"),
+    ([TensorLocation("", 0, DeviceMemory("cuda", "GPU-\n", b"h" * 64, 1 << 20)), _cuda(32768)], "non-printable"),
 ])
 def test_bad_handles_and_offsets_are_param_invalid_before_any_import(nixl_daemon: LocalDaemon,
                                                                      tensors: list[TensorLocation],
