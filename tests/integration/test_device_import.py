@@ -146,3 +146,41 @@ def test_a_peers_description_never_brings_a_handle_in() -> None:
                                          tensors=[tensor_location_to_pb(t) for t in GOOD])
     remote = Link(remote_cluster_id=9, remote_address="127.0.0.1:1")._parse_cache(5, resp)
     assert [(t.device.kind, t.device.ipc_handle) for t in remote.tensors if t.device] == [("cuda", b"")] * 2
+
+
+@pytest.fixture(scope="module")
+def daemon_with_fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalDaemon, Path]]:
+    """A nixl daemon whose CUDA runtime is tests/fakecuda.py (BOOKKEEPING ONLY: "device" memory is host memory)."""
+    work = tmp_path_factory.mktemp("fakecuda")
+    site = work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("from tests.fakecuda import install\ninstall()\n")
+    root = Path(__file__).resolve().parents[2]
+    calls = work / "cuda_calls.jsonl"
+    env = {"PYTHONPATH": f"{site}:{root}", "KVBROKER_FAKE_CUDA_LOG": str(calls)}
+    with LocalDaemon(work, 43, backends=("nixl",), env=env) as d:
+        yield d, calls
+
+
+def test_bookkeeping_a_vram_registration_nixl_refuses_closes_every_mapping(
+        daemon_with_fake_cuda: tuple[LocalDaemon, Path]) -> None:
+    """Real NIXL, fake CUDA: NIXL refuses to register host memory as VRAM (as on a GPU machine whose UCX lacks CUDA,
+    or that does not take IPC-imported memory): the refusal names NIXL, every mapping the registration opened is
+    closed again (one open for the two tensors of one allocation), nothing is listed, and the daemon serves on."""
+    daemon, calls = daemon_with_fake_cuda
+    with daemon.client() as c:
+        with pytest.raises(FeatureNotEnabledError) as info:
+            c.register_kv_cache(DESC, [_cuda(0, b"AAAA" * 16), _cuda(DESC.tensor_nbytes, b"AAAA" * 16)])
+        assert "NIXL cannot register the imported VRAM" in info.value.message
+        with pytest.raises(ParamInvalidError) as bad:
+            c.register_kv_cache(DESC, [_cuda(0, b"BBBB" * 16), _cuda(0, b"bad!" * 16)])
+        assert "cudaIpcOpenMemHandle failed (cudaErrorMapBufferObjectFailed)" in bad.value.message
+        assert c.list_caches() == []
+        host = c.allocate_cache(CacheDesc(num_tensors=1, shape=(4, 64)))
+        c.deallocate_cache(host)
+    import json
+
+    log = [json.loads(line) for line in calls.read_text().splitlines()]
+    opened = [c[1] for c in log if c[0] == "open"]
+    closed = [c[1] for c in log if c[0] == "close"]
+    assert opened == ["AAAA", "BBBB", "bad!"] and sorted(closed) == ["AAAA", "BBBB"]

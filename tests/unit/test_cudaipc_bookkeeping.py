@@ -4,85 +4,14 @@ the memory is the exporter's): tests/device/cuda_check.py does, on a GPU."""
 
 from __future__ import annotations
 
-import ctypes
-import enum
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
 from kvbroker import LlmStatus
 from kvbroker._status import LlmError
 from kvbrokerd.backends.cudaipc import CudaIpcImporter, parse_device
-
-GPU0, GPU1 = uuid.uuid4(), uuid.uuid4()
-SIZE = 1 << 20
-
-
-class _Err(enum.IntEnum):
-    cudaSuccess = 0
-    cudaErrorInvalidValue = 1
-    cudaErrorMapBufferObjectFailed = 205
-
-
-class _Result(enum.IntEnum):
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_INVALID_VALUE = 1
-
-
-class _Handle:
-    def __init__(self) -> None:
-        self._buf = ctypes.create_string_buffer(64)
-
-    def getPtr(self) -> int:
-        return ctypes.addressof(self._buf)
-
-
-@dataclass
-class FakeRuntime:
-    """Records every call; `open` maps a handle to a new fake base address unless the handle starts with b"bad"."""
-
-    calls: list[tuple[Any, ...]] = field(default_factory=list)
-    mapped: dict[int, bytes] = field(default_factory=dict)
-    sizes: dict[bytes, int] = field(default_factory=dict)
-    next_base: int = 0x7F0000000000
-    cudaError_t = _Err
-    cudaIpcMemLazyEnablePeerAccess = 1
-    cudaIpcMemHandle_t = _Handle
-
-    def cudaGetDeviceCount(self) -> tuple[_Err, int]:
-        return _Err.cudaSuccess, 2
-
-    def cudaGetDeviceProperties(self, i: int) -> tuple[_Err, Any]:
-        prop = type("P", (), {"uuid": type("U", (), {"bytes": (GPU0, GPU1)[i].bytes})()})()
-        return _Err.cudaSuccess, prop
-
-    def cudaGetErrorName(self, err: _Err) -> tuple[_Err, bytes]:
-        return _Err.cudaSuccess, err.name.encode()
-
-    def cudaSetDevice(self, ordinal: int) -> tuple[_Err]:
-        self.calls.append(("set", ordinal))
-        return (_Err.cudaSuccess,)
-
-    def cudaIpcOpenMemHandle(self, h: _Handle, flags: int) -> tuple[_Err, int]:
-        data = ctypes.string_at(h.getPtr(), 64)
-        self.calls.append(("open", data[:4], flags))
-        if data.startswith(b"bad"):
-            return _Err.cudaErrorMapBufferObjectFailed, 0
-        base, self.next_base = self.next_base, self.next_base + (1 << 30)
-        self.mapped[base] = data
-        return _Err.cudaSuccess, base
-
-    def cudaIpcCloseMemHandle(self, base: int) -> tuple[_Err]:
-        self.calls.append(("close", self.mapped.pop(base)[:4]))
-        return (_Err.cudaSuccess,)
-
-    # driver
-    CUresult = _Result
-
-    def cuMemGetAddressRange(self, base: int) -> tuple[_Result, int, int]:
-        return _Result.CUDA_SUCCESS, base, self.sizes.get(self.mapped[base], SIZE)
+from tests.fakecuda import GPU0, GPU1, SIZE, FakeRuntime
 
 
 def _handle(tag: bytes) -> bytes:
