@@ -67,6 +67,8 @@ class Cache:
     def map(cls, record: CacheRecord) -> Cache:
         """Maps every segment of `record` (each segment once, however many tensors it holds)."""
         cache = cls(record)
+        if any(loc.device is not None for loc in record.tensors):
+            return cache  # device memory: the caller has it already, nothing here to map (tensors stay empty)
         try:
             for loc in record.tensors:
                 if loc.segment not in cache._maps:

@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 
 from kvbroker.convert import desc_from_pb
 from kvbroker.status import make_error, read_failure
-from kvbroker.types import LinkState, TensorLocation
+from kvbroker.types import DeviceMemory, LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd import linkauth
 from kvbrokerd.backends.base import (
@@ -104,7 +104,10 @@ class Link:
         """The peer's description, checked like any untrusted input: a bad one fails this lookup, not the daemon."""
         try:
             desc = desc_from_pb(resp.desc)
-            tensors = tuple(TensorLocation(t.segment, t.offset) for t in resp.tensors)
+            # A device tensor keeps its kind (which backends can move it) and never a handle: nothing a peer sends
+            # is ever imported, only memory that a local client registered is.
+            tensors = tuple(TensorLocation(t.segment, t.offset, DeviceMemory(t.device.kind[:16], "", b"", 0)
+                                           if t.HasField("device") else None) for t in resp.tensors)
             if resp.cache_id != cache_id or len(tensors) != desc.num_tensors or desc.num_tensors < 1 or \
                     not desc.shape or min(desc.shape) < 1 or any(t.offset < 0 for t in tensors):
                 raise ValueError("inconsistent cache description")

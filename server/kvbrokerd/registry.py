@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -262,6 +263,24 @@ class Registry:
                 opened.close()
             raise
 
+    def add_device(self, desc: CacheDesc, tensors: Sequence[TensorLocation], addresses: Sequence[int], owner: str,
+                   prepare: Callable[[CacheEntry], None]) -> CacheEntry:
+        """Lists a device cache whose memory a backend has imported (devicemem.py): `addresses` are the tensors'
+        addresses in this process. prepare(entry) runs before the cache is visible (the backend registers the memory
+        with its engine); if it raises, nothing is listed. The IPC handles are not kept: ListCaches and peers'
+        GetCacheInfo never see them (whoever holds one can map the model server's memory)."""
+        self._check_capacity()
+        kept = tuple(dataclasses.replace(t, device=dataclasses.replace(t.device, ipc_handle=b""))
+                     if t.device is not None else t for t in tensors)
+        entry = CacheEntry(self._reserve_id(), desc, kept, False, {}, [], owner=owner, addresses=list(addresses))
+        prepare(entry)
+        with self._lock:
+            if len(self._caches) >= self.max_caches:
+                self._removed(entry)
+                fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
+            self._publish(entry)
+        return entry
+
     async def remove(self, cache_id: int, *, daemon_owned: bool | None, wait_s: float = 10.0) -> None:
         """Removes a cache once no copy uses it; waits at most `wait_s`, then refuses with LLM_LINK_BUSY.
         `daemon_owned` says which call asked (Deallocate: True, Unregister: False, lease expiry: None = either)."""
@@ -313,14 +332,18 @@ class Registry:
                 for v in views:
                     v.release()
                 fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cache limit reached ({self.max_caches})")
-            self._caches[cache_id] = entry
-            self._slots.add(cache_id % self.max_caches)
-            for callback in self.on_add:
-                try:
-                    callback(entry)
-                except Exception:  # the cache is added either way; a backend that missed it fails its transfers
-                    log.exception("a hook on the addition of cache %d failed", cache_id)
+            self._publish(entry)
         return entry
+
+    def _publish(self, entry: CacheEntry) -> None:
+        """Lists `entry` (under the lock) and tells the on_add hooks."""
+        self._caches[entry.cache_id] = entry
+        self._slots.add(entry.cache_id % self.max_caches)
+        for callback in self.on_add:
+            try:
+                callback(entry)
+            except Exception:  # the cache is added either way; a backend that missed it fails its transfers
+                log.exception("a hook on the addition of cache %d failed", entry.cache_id)
 
     def _removed(self, entry: CacheEntry) -> None:
         for callback in self.on_remove:

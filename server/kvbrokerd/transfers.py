@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvbroker.types import TransferResult
-from kvbrokerd import blocklocks
+from kvbrokerd import blocklocks, devicemem
 from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
@@ -146,6 +146,8 @@ class TransferManager:
         local = self._registry.get(local_cache_id)
         link = self._links.get_ready(cluster_id)
         remote = await link.remote_cache(cache_id, deadline.remaining())
+        devicemem.check_moves(self._links.backends.get(link.backend), (f"local cache {local_cache_id}", local.tensors),
+                              (f"remote cache {cache_id}", remote.tensors))
         return local, link, remote
 
     async def prepare_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> Job:
@@ -181,6 +183,7 @@ class TransferManager:
             param_invalid(f"{len(dst_blocks_list)} destination lists; at most {MAX_COPY_LISTS}")
         src = self._registry.get(src_cache_id)
         dst = self._registry.get(dst_cache_id)
+        devicemem.check_moves(None, (f"cache {src_cache_id}", src.tensors), (f"cache {dst_cache_id}", dst.tensors))
         src_arr = block_array(src_blocks, "src_blocks")
         plans = [plan_blocks(src.desc, dst.desc, src_arr, block_array(d, f"dst_blocks_list[{i}]"), LayerSelection())
                  for i, d in enumerate(dst_blocks_list)]

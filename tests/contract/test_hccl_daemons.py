@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import sys
 import threading
 import time
@@ -127,3 +128,89 @@ async def test_a_cache_removed_while_it_registers_leaves_no_registration(daemons
         with contextlib.suppress(LlmError):  # it may read the cache before it is gone, or fail
             await pull
         assert len(engine._regions) == before
+
+
+async def test_npu_registration_is_refused_where_pyacl_cannot_import_ipc_memory(daemons: tuple[Daemon, Daemon]) -> None:
+    """The stand-in models no Ascend IPC (pyACL's ipc_mem_* signatures are not verified yet, docs/ascend.md), so
+    the hccl backend must refuse, name the missing call, and list nothing."""
+    from kvbroker import DeviceMemory, FeatureNotEnabledError, Placement, TensorLocation
+
+    src, _ = daemons
+    desc = CacheDesc(num_tensors=2, shape=(16, 1024), placement=Placement.DEVICE)
+    npu = [TensorLocation("", i * desc.tensor_nbytes, DeviceMemory("npu", "1", b"k" * 65, 1 << 20)) for i in (0, 1)]
+    async with AsyncClient(src.local_address) as s:
+        with pytest.raises(FeatureNotEnabledError) as info:
+            await s.register_kv_cache(desc, npu)
+        assert "hccl backend cannot import npu memory" in info.value.message
+        assert "acl.rt.ipc_mem_import_by_key" in info.value.message
+        assert await s.list_caches() == []
+
+
+class _FakeAscendIpc:
+    """BOOKKEEPING ONLY: pyACL's IPC calls with the signatures Mooncake's C++ and the pyACL docs suggest (unverified);
+    "exported" memory is the stand-in's host buffers. Records what the hccl backend does with them: on which thread,
+    how often, and whether a key is closed while HIXL still has memory of it registered."""
+
+    def __init__(self, exported: dict[str, tuple[int, int]]) -> None:
+        self.exported = exported
+        self.calls: list[tuple[str, str]] = []
+        self.problems: list[str] = []
+
+    def ipc_mem_import_by_key(self, key: str, flags: int) -> tuple[int, int]:
+        self.calls.append(("import", key))
+        if standin.acl._context_of_thread() is None:
+            self.problems.append(f"import of {key} on a thread without the ACL context")
+        return (self.exported[key][0], 0) if key in self.exported else (0, 507899)
+
+    def ipc_mem_close(self, key: str) -> int:
+        self.calls.append(("close", key))
+        base, size = self.exported[key]
+        for name in standin.live_engines():
+            if any(r.addr < base + size and base < r.addr + r.length for r in standin.engine(name)._regions.values()):
+                self.problems.append(f"{key} closed while engine {name} still has its memory registered")
+        return 0
+
+
+async def test_bookkeeping_npu_caches_import_each_key_once_and_close_after_deregistration(
+        daemons: tuple[Daemon, Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbroker import DeviceMemory, ParamInvalidError, Placement, TensorLocation
+
+    src, dst = daemons
+    base, _ = standin.acl.rt.malloc(1 << 20, 0)
+    raw = np.random.default_rng(5).integers(0, 256, 1 << 20, np.uint8).tobytes()
+    ctypes.memmove(base, raw, len(raw))
+    ipc = _FakeAscendIpc({"key-a": (base, 1 << 20)})
+    monkeypatch.setattr(standin.acl.rt, "ipc_mem_import_by_key", ipc.ipc_mem_import_by_key, raising=False)
+    monkeypatch.setattr(standin.acl.rt, "ipc_mem_close", ipc.ipc_mem_close, raising=False)
+    desc = CacheDesc(num_tensors=2, shape=(16, 1024), placement=Placement.DEVICE)
+    n = desc.tensor_nbytes
+
+    def npu(offsets: tuple[int, int], key: bytes = b"key-a\0", device: str = "1") -> list[TensorLocation]:
+        return [TensorLocation("", o, DeviceMemory("npu", device, key, 1 << 20)) for o in offsets]
+
+    async with AsyncClient(src.local_address) as s, AsyncClient(dst.local_address) as d:
+        with pytest.raises(ParamInvalidError, match="engine is on NPU 1"):
+            await s.register_kv_cache(desc, npu((0, n), device="0"))
+        with pytest.raises(ParamInvalidError, match="ipc_mem_import_by_key failed"):
+            await s.register_kv_cache(desc, npu((0, n), key=b"key-unknown"))
+        first = await s.register_kv_cache(desc, npu((4096, 4096 + n)))
+        second = await s.register_kv_cache(desc, npu((4096 + 2 * n, 4096 + 3 * n)))
+        assert ipc.calls == [("import", "key-unknown"), ("import", "key-a")]  # one mapping for both caches
+
+        [linked] = await d.link_clusters([ClusterInfo(1, src.peer_address)])
+        assert linked.ok, linked
+        local = await d.allocate_cache(CacheDesc(num_tensors=2, shape=(16, 1024)))
+        result = await d.pull_kv_blocks(CacheIndex(1, first.cache_id), local, [0, 3], [1, 2])
+        assert result.backend == "hccl"
+        block = desc.block_nbytes
+        for i, t in enumerate(local.tensors):
+            start = 4096 + i * n
+            assert t[1].tobytes() == raw[start: start + block]
+            assert t[2].tobytes() == raw[start + 3 * block: start + 4 * block]
+
+        await s.unregister_kv_cache(first)
+        assert ("close", "key-a") not in ipc.calls  # the second cache still uses the mapping
+        await s.unregister_kv_cache(second)
+        assert ipc.calls[-1] == ("close", "key-a")
+        assert await s.list_caches() == []
+    assert ipc.problems == []

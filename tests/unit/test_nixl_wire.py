@@ -100,6 +100,21 @@ def test_registration_covers_exactly_the_tensors() -> None:
     assert _regions(entry([0x10000, 0x11000, 0x12000], True)) == [(0x10000, 0x2064)]
     # A model server's memory: only the tensors' own bytes, adjacent ones merged.
     assert _regions(entry([0x10000, 0x11000, 0x10064], False)) == [(0x10000, 200), (0x11000, 100)]
+    # Device tensors: neighbours in address space from two allocations are two regions.
+    assert _regions(entry([0x10000, 0x10064, 0x100C8], False), ["a", "b", "b"]) == [(0x10000, 100), (0x10064, 200)]
+
+
+def test_a_peers_vram_description_names_its_device_and_old_peers_refuse_it() -> None:
+    channel = NixlChannel(cast(Any, SimpleNamespace(agent=None)), "kvbroker-7-00aa", b"")
+    host = channel._parse(_remote(_description()))
+    assert (host.mem, host.device) == ("DRAM", 0)
+    vram = _description()
+    vram = DESCRIPTION.pack(b"KVNX", 2, 3, *DESCRIPTION.unpack_from(vram)[3:]) + vram[DESCRIPTION.size:]
+    layout = channel._parse(_remote(vram))
+    assert (layout.mem, layout.device) == ("VRAM", 3)
+    future = DESCRIPTION.pack(b"KVNX", 3, 0, *DESCRIPTION.unpack_from(vram)[3:]) + vram[DESCRIPTION.size:]
+    with pytest.raises(LlmError, match="unknown nixl description"):
+        channel._parse(_remote(future))
 
 
 def test_nixl_errors_map_to_llm_statuses() -> None:

@@ -104,6 +104,12 @@ class Backend(abc.ABC):
     def __init__(self, ctx: LocalContext) -> None:
         self.ctx = ctx
 
+    @property
+    def memory_kinds(self) -> frozenset[str]:
+        """The memory kinds this instance moves on this machine: its capabilities', less what the machine lacks (a
+        backend that can move device memory declares the kind only where the device and its libraries are usable)."""
+        return self.capabilities.memory_kinds
+
     @classmethod
     def unavailable(cls) -> str | None:
         """Why this backend cannot run on this machine (a library is missing), or None."""

@@ -27,12 +27,12 @@ import json
 import logging
 import secrets
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbroker.status import LlmError
-from kvbroker.types import Placement
+from kvbroker.types import CacheDesc, Placement, TensorLocation
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -54,7 +54,7 @@ from kvbrokerd.backends.hccl_engine import (
     llm_status,
     parse_engine,
 )
-from kvbrokerd.errors import LlmStatus, fail
+from kvbrokerd.errors import LlmStatus, fail, param_invalid
 
 if TYPE_CHECKING:
     from kvbrokerd.registry import CacheEntry
@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"npu", "host"}))
 ADVERT_VERSION = 1
 _ACL_REPEAT_INITIALIZE = 100002
+_ACL_IPC_IMPORT_ENABLE_PEER_ACCESS = 1
+"""ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS (as Mooncake's real client imports; value to be confirmed by
+tests/device/ascend_check.py on hardware)."""
+_ACL_IPC_CALLS = ("ipc_mem_import_by_key", "ipc_mem_close")
 
 _T = TypeVar("_T")
 
@@ -89,8 +93,9 @@ class _Registration:
 
 
 def memory_kind(entry: CacheEntry) -> str:
-    """"npu" for device-placed caches (kvbroker's only device kind on Ascend), else "host"."""
-    return "npu" if entry.desc.placement == Placement.DEVICE else "host"
+    """"npu" for device caches (kvbroker's only device kind on Ascend), else "host"."""
+    device = entry.desc.placement == Placement.DEVICE or any(t.device is not None for t in entry.tensors)
+    return "npu" if device else "host"
 
 
 def _spans(entry: CacheEntry) -> list[tuple[int, int]]:
@@ -130,6 +135,9 @@ class HcclBackend(Backend):
         self._closed = False
         self.live: LiveWords | None = None
         self._live_handle = 0
+        self._imports: dict[str, list[int]] = {}
+        """Ascend IPC key -> [address here, caches using it] (engine thread only)."""
+        self._cache_keys: dict[int, list[str]] = {}
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -214,6 +222,9 @@ class HcclBackend(Backend):
                     log.warning("hccl: deregister_mem at close: %s", hixl_name(self.hixl, ret))
             self._spans.clear()
             self._caches.clear()
+            for key in list(self._imports):  # after HIXL let go of the memory; before its owner may free it
+                self._close_import(key)
+            self._cache_keys.clear()
             if self.live is not None:
                 self._engine.deregister_mem(self._live_handle)
             self._engine.finalize()
@@ -343,11 +354,79 @@ class HcclBackend(Backend):
 
     def _unregister(self, engine: Any, cache_id: int) -> None:
         reg = self._caches.pop(cache_id, None)
-        if reg is None:
-            return
-        if self.live is not None and self.live.read(reg.live) == reg.token:
-            self.live.write(reg.live, 0)  # peers' next liveness READ sees the cache gone
-        self._release(engine, list(reg.spans))
+        if reg is not None:
+            if self.live is not None and self.live.read(reg.live) == reg.token:
+                self.live.write(reg.live, 0)  # peers' next liveness READ sees the cache gone
+            self._release(engine, list(reg.spans))
+        self._release_imports(self._cache_keys.pop(cache_id, []))
+
+    # -- device caches (Ascend IPC) -------------------------------------------------------------------------------
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
+        """Imports the model server's NPU memory by its IPC export keys (pyACL, on the engine thread, each key once)
+        and registers it with HIXL as device memory before listing the cache."""
+        devices = [t.device for t in tensors if t.device is not None]
+        rt = getattr(self._acl, "rt", None)
+        missing = [f"acl.rt.{name}" for name in _ACL_IPC_CALLS if not hasattr(rt, name)]
+        if devices[0].kind != "npu" or missing or not self.serving:
+            why = (f"pyACL lacks {' and '.join(missing)} (CANN >= 9.0 has them)" if missing and self._acl is not None
+                   else "its HIXL engine is not running" if not self.serving else "it moves npu and host memory only")
+            fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, f"the hccl backend cannot import {devices[0].kind} memory on this "
+                 f"daemon: {why}")
+        assert self.settings is not None
+        if {d.device for d in devices} != {str(self.settings.device)}:
+            param_invalid(f"this daemon's HIXL engine is on NPU {self.settings.device}; the cache names "
+                          f"{sorted({d.device for d in devices})}")
+
+        def run(engine: Any) -> CacheEntry:
+            keys: list[str] = []
+
+            def register(e: CacheEntry) -> None:
+                self._cache_keys[e.cache_id] = keys
+                self._register(engine, e)
+
+            try:
+                addresses = [self._import(i, t, d, keys) for i, (t, d) in enumerate(zip(tensors, devices, strict=True))]
+                return self.ctx.registry.add_device(desc, tensors, addresses, owner, register)
+            except BaseException:
+                # HIXL's registration (if any) goes before the memory it covers; _unregister releases the keys.
+                listed = [c for c, k in self._cache_keys.items() if k is keys]
+                for cache_id in listed:
+                    self._unregister(engine, cache_id)
+                if not listed:
+                    self._release_imports(keys)
+                raise
+
+        return self.call(run)
+
+    def _import(self, index: int, tensor: TensorLocation, device: Any, keys: list[str]) -> int:
+        try:
+            key = bytes(device.ipc_handle).rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            param_invalid(f"tensor {index}: an Ascend IPC export key is ASCII text")
+        held = self._imports.get(key)
+        if held is None:
+            address, ret = self._acl.rt.ipc_mem_import_by_key(key, _ACL_IPC_IMPORT_ENABLE_PEER_ACCESS)
+            if ret != 0:
+                param_invalid(f"tensor {index}: acl.rt.ipc_mem_import_by_key failed with ACL error {ret} (a key of a "
+                              "live process on this host, exported for this process's PID or without PID checks)")
+            held = self._imports[key] = [int(address), 0]
+        held[1] += 1
+        keys.append(key)
+        return held[0] + tensor.offset
+
+    def _release_imports(self, keys: list[str]) -> None:
+        for key in keys:
+            held = self._imports.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] == 0:
+                    self._close_import(key)
+
+    def _close_import(self, key: str) -> None:
+        self._imports.pop(key, None)
+        ret = self._acl.rt.ipc_mem_close(key)
+        if ret != 0:
+            log.warning("hccl: acl.rt.ipc_mem_close failed with ACL error %s", ret)
 
     def _release(self, engine: Any, keys: list[tuple[int, int, int]]) -> None:
         for key in keys:

@@ -34,11 +34,14 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvbroker.types import CacheDesc, TensorLocation
+from kvbrokerd import devicemem
+from kvbrokerd.backends import cudaipc
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -59,7 +62,7 @@ from kvbrokerd.backends.nixlagent import (
     llm_error,
     load_api,
 )
-from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan, Progress
@@ -68,7 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = "nixl"
-CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host"}))
+CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host", "cuda"}))
+"""cuda: only where cuda-python, a CUDA device and NIXL's VRAM support are all there (`NixlBackend.memory_kinds`)."""
 INSTALL = "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 MAX_PREPPED_DESCRIPTORS = 1 << 20
 """Caches with more blocks x tensors than this get per-run descriptors instead of a prepared list per block."""
@@ -79,10 +83,11 @@ and let deadlines and cancellation be checked between requests."""
 SCRATCH_SLOTS = 256
 """8-byte landing slots for reads of peers' live-cache slots: at most this many liveness checks run at once."""
 DESCRIPTION = struct.Struct("<4sHHIQQ")
-"""describe_cache: magic, version, reserved, tensor count, bytes per tensor, live-slot address; then one u64
-address per tensor; then the NIXL metadata of the cache's registration."""
-_MAGIC, _VERSION = b"KVNX", 1
-_DRAM = "DRAM"
+"""describe_cache: magic, version, device, tensor count, bytes per tensor, live-slot address; then one u64
+address per tensor; then the NIXL metadata of the cache's registration. Version 1: host memory (device 0); version 2:
+VRAM of CUDA device `device` (a peer that only knows version 1 refuses it instead of reading it as host memory)."""
+_MAGIC, _VERSION, _VERSION_VRAM = b"KVNX", 1, 2
+_DRAM, _VRAM = "DRAM", "VRAM"
 
 
 def ucx_defaults(peer_host: str) -> dict[str, str]:
@@ -108,20 +113,22 @@ def _whole_blocks(offsets: tuple[np.ndarray, ...], length: np.ndarray, block: in
     return bool(np.all(length % b == 0) and all(np.all(o % b == 0) for o in offsets))
 
 
-def _block_descriptors(addresses: np.ndarray, tensor_nbytes: int, block: int) -> np.ndarray:
+def _block_descriptors(addresses: np.ndarray, tensor_nbytes: int, block: int, device: int = 0) -> np.ndarray:
     """Nx3 (address, length, device) descriptors: every block of every tensor, tensor-major."""
     per = tensor_nbytes // block
     d = np.zeros((len(addresses) * per, 3), dtype=np.uint64)
     d[:, 0] = (addresses[:, None] + np.arange(per, dtype=np.uint64) * np.uint64(block)).ravel()
     d[:, 1] = block
+    d[:, 2] = device
     return d
 
 
-def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray
-                     ) -> np.ndarray:
+def _run_descriptors(addresses: np.ndarray, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                     device: int = 0) -> np.ndarray:
     d = np.zeros((len(length), 3), dtype=np.uint64)
     d[:, 0] = addresses[tensor.astype(np.int64)] + offset
     d[:, 1] = length
+    d[:, 2] = device
     return d
 
 
@@ -143,18 +150,20 @@ def _mark(progress: Progress, part: Plan, first: int) -> None:
         progress.mark(i, n)
 
 
-def _regions(entry: CacheEntry) -> list[tuple[int, int]]:
+def _regions(entry: CacheEntry, allocations: Sequence[object] | None = None) -> list[tuple[int, int]]:
     """The byte ranges to register for `entry`: its tensors, merged where adjacent (a daemon-owned segment also
-    across its alignment padding, which holds nothing else)."""
+    across its alignment padding, which holds nothing else). `allocations`: per tensor, the allocation it lies in;
+    ranges of different allocations are never merged (neighbours in address space are not one device allocation)."""
     n = entry.desc.tensor_nbytes
     slack = 4096 if entry.daemon_owned else 0
-    merged: list[list[int]] = []
-    for start in sorted(entry.addresses):
-        if merged and 0 <= start - merged[-1][1] <= slack:
+    owner = allocations or [None] * len(entry.addresses)
+    merged: list[list[Any]] = []
+    for start, allocation in sorted(zip(entry.addresses, owner, strict=True), key=lambda pair: pair[0]):
+        if merged and merged[-1][2] == allocation and 0 <= start - merged[-1][1] <= slack:
             merged[-1][1] = start + n
         else:
-            merged.append([start, start + n])
-    return [(s, e - s) for s, e in merged]
+            merged.append([start, start + n, allocation])
+    return [(s, e - s) for s, e, _ in merged]
 
 
 @dataclasses.dataclass(eq=False)
@@ -166,6 +175,10 @@ class _LocalCache:
     addresses: np.ndarray
     blocks: Any = None
     """Prepared per-block list (local side), made on first use."""
+    mem: str = _DRAM
+    device: int = 0
+    imported: cudaipc.ImportedTensors | None = None
+    """The CUDA IPC mappings of a device cache, closed after its deregistration."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,6 +191,8 @@ class _RemoteLayout:
     block_nbytes: int
     live_address: int
     metadata: bytes
+    mem: str = _DRAM
+    device: int = 0
     loaded: bool = False
     blocks: Any = None
     live: Any = None
@@ -216,9 +231,9 @@ class NixlChannel(PeerChannel):
         where = f"remote cache {remote.cache_id}"
         if len(info) < DESCRIPTION.size:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the peer gave no nixl description of it")
-        magic, version, _, count, tensor_nbytes, live = DESCRIPTION.unpack_from(info)
+        magic, version, device, count, tensor_nbytes, live = DESCRIPTION.unpack_from(info)
         end = DESCRIPTION.size + 8 * count
-        if magic != _MAGIC or version != _VERSION:
+        if magic != _MAGIC or version not in (_VERSION, _VERSION_VRAM):
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: unknown nixl description (version {version})")
         if count != remote.desc.num_tensors or tensor_nbytes != remote.desc.tensor_nbytes or len(info) <= end:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: the nixl description does not match the cache")
@@ -232,7 +247,8 @@ class NixlChannel(PeerChannel):
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: {e}")
         if owner != self.agent_name:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where}: registered by agent {owner[:80]!r}, not the peer's")
-        return _RemoteLayout(remote.cache_id, addresses, tensor_nbytes, remote.desc.block_nbytes, live, metadata)
+        return _RemoteLayout(remote.cache_id, addresses, tensor_nbytes, remote.desc.block_nbytes, live, metadata,
+                             _VRAM if version == _VERSION_VRAM else _DRAM, device if version == _VERSION_VRAM else 0)
 
     # -- agent-thread helpers -----------------------------------------------------------------------------------------
     def _load(self, agent: Any, layout: _RemoteLayout) -> None:
@@ -262,8 +278,8 @@ class NixlChannel(PeerChannel):
     def _remote_blocks(self, agent: Any, layout: _RemoteLayout) -> Any:
         if layout.blocks is None and len(layout.addresses) * (layout.tensor_nbytes // layout.block_nbytes) <= \
                 MAX_PREPPED_DESCRIPTORS:
-            layout.blocks = agent.prep_xfer_dlist(
-                self.agent_name, _block_descriptors(layout.addresses, layout.tensor_nbytes, layout.block_nbytes), _DRAM)
+            layout.blocks = agent.prep_xfer_dlist(self.agent_name, _block_descriptors(
+                layout.addresses, layout.tensor_nbytes, layout.block_nbytes, layout.device), layout.mem)
         return layout.blocks
 
     def _began(self, layout: _RemoteLayout) -> None:
@@ -308,8 +324,9 @@ class NixlChannel(PeerChannel):
                 return agent.make_prepped_xfer(
                     op, local_list, _block_indices(lt, lo, plan.length, block, local.desc.num_blocks),
                     remote_list, _block_indices(rt, ro, plan.length, block, layout.tensor_nbytes // block))
-        local_descs = agent.get_xfer_descs(_run_descriptors(mine.addresses, lt, lo, plan.length), _DRAM)
-        remote_descs = agent.get_xfer_descs(_run_descriptors(layout.addresses, rt, ro, plan.length), _DRAM)
+        local_descs = agent.get_xfer_descs(_run_descriptors(mine.addresses, lt, lo, plan.length, mine.device), mine.mem)
+        remote_descs = agent.get_xfer_descs(_run_descriptors(layout.addresses, rt, ro, plan.length, layout.device),
+                                            layout.mem)
         return agent.initialize_xfer(op, local_descs, remote_descs, self.agent_name)
 
     # -- transfers (data-plane threads) ------------------------------------------------------------------------------
@@ -427,6 +444,13 @@ class NixlBackend(Backend):
         self._caches: dict[int, _LocalCache] = {}
         self._peers: dict[str, NixlChannel] = {}
         self._closed = False
+        self.cuda_missing = "the nixl backend has not started"
+        """Why this daemon cannot import CUDA memory ("" when it can)."""
+        self._cuda: cudaipc.CudaIpcImporter | None = None
+
+    @property
+    def memory_kinds(self) -> frozenset[str]:
+        return CAPABILITIES.memory_kinds if not self.cuda_missing else frozenset({"host"})
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -445,7 +469,17 @@ class NixlBackend(Backend):
             raise OSError(f"nixl: {e}") from None
         for key, value in ucx_defaults(self.ctx.peer_host).items():
             os.environ.setdefault(key, value)
+        cuda_missing = cudaipc.cuda_missing()
+
         def make_agent() -> Any:
+            nonlocal cuda_missing
+            if not cuda_missing:  # the context first: UCX threads started without one crash in CUDA calls
+                try:
+                    self._cuda = cudaipc.CudaIpcImporter()
+                    self._cuda.make_current(0)
+                except (LlmError, ImportError) as e:  # host memory still works: only device caches are refused
+                    self._cuda = None
+                    cuda_missing = f"no usable CUDA device ({e})"
             with _progress_delay(api, PROGRESS_DELAY_US):
                 agent = api.nixl_agent(self.agent.name, api.nixl_agent_config(backends=[]))
             agent.create_backend("UCX", agent.get_plugin_params("UCX"))  # its default error mode is "peer"
@@ -454,12 +488,16 @@ class NixlBackend(Backend):
         try:
             self.agent.start(make_agent)
             self._metadata = self.agent.call(self._register_fixed)
+            self.cuda_missing = cuda_missing or self.agent.call(
+                lambda agent: "" if "VRAM_SEG" in agent.get_backend_mem_types("UCX") else
+                f"this NIXL build ({api.__name__.split('.')[0]}) has no VRAM support in its UCX backend")
         except Exception as e:
             self.close()
             raise OSError(f"nixl: cannot start the NIXL agent: {type(e).__name__}: {e}") from None
         self._live.follow(self.ctx.registry)
         ucx = ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("UCX_"))
-        log.info("nixl: agent %s ready (%s; %s)", self.agent.name, api.__name__.split(".")[0], ucx or "UCX defaults")
+        log.info("nixl: agent %s ready (%s; %s; cuda memory: %s)", self.agent.name, api.__name__.split(".")[0],
+                 ucx or "UCX defaults", self.cuda_missing or "yes")
 
     def _register_fixed(self, agent: Any) -> bytes:
         """Registers the live-cache slots (peers read them) and the scratch slots, before the metadata the handshake
@@ -517,6 +555,8 @@ class NixlBackend(Backend):
         if mine is None:
             if self._closed:
                 fail(LlmStatus.LLM_FAILED, "the nixl backend is closed")
+            if devicemem.memory_kind(entry.tensors) != "host":  # registered at import; gone means the cache is
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cache {entry.cache_id} is being removed")
             registration = agent.register_memory([(a, n, 0, "") for a, n in _regions(entry)], _DRAM)
             metadata = agent.get_partial_agent_metadata(registration, False, [])
             mine = self._caches[entry.cache_id] = _LocalCache(registration, metadata,
@@ -527,7 +567,7 @@ class NixlBackend(Backend):
         block = entry.desc.block_nbytes
         if mine.blocks is None and entry.desc.num_tensors * entry.desc.num_blocks <= MAX_PREPPED_DESCRIPTORS:
             mine.blocks = agent.prep_xfer_dlist("", _block_descriptors(mine.addresses, entry.desc.tensor_nbytes,
-                                                                       block), _DRAM)
+                                                                       block, mine.device), mine.mem)
         return mine.blocks
 
     async def describe_cache(self, entry: CacheEntry) -> bytes:
@@ -539,23 +579,77 @@ class NixlBackend(Backend):
                 raise llm_error(e, f"registering cache {entry.cache_id} with NIXL") from None
             raise
         live = self._live.address(entry.cache_id)
-        return (DESCRIPTION.pack(_MAGIC, _VERSION, 0, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
+        version = _VERSION_VRAM if mine.mem == _VRAM else _VERSION
+        return (DESCRIPTION.pack(_MAGIC, version, mine.device, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
                 + mine.addresses.astype("<u8").tobytes() + mine.metadata)
 
     def forget_cache(self, entry: CacheEntry) -> None:
-        """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it."""
-        def forget(agent: Any) -> None:
-            mine = self._caches.pop(entry.cache_id, None)
-            if mine is not None:
-                if mine.blocks is not None:
-                    mine.blocks.release()
-                agent.deregister_memory(mine.registration)
-
+        """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it; a device
+        cache's IPC mappings are closed after that."""
         if not self._closed and entry.cache_id in self._caches:
             try:
-                self.agent.call(forget)
+                self.agent.call(lambda agent: self._forget_local(agent, entry.cache_id))
             except Exception:
                 log.exception("nixl: deregistering cache %d failed", entry.cache_id)
+
+    def _forget_local(self, agent: Any, cache_id: int) -> None:
+        mine = self._caches.pop(cache_id, None)
+        if mine is None:
+            return
+        try:
+            if mine.blocks is not None:
+                mine.blocks.release()
+            agent.deregister_memory(mine.registration)
+        finally:
+            if mine.imported is not None and self._cuda is not None:
+                for error in self._cuda.release(mine.imported):
+                    log.warning("nixl: cache %d: %s", cache_id, error)
+
+    # -- device caches ---------------------------------------------------------------------------------------------
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry:
+        """Opens the caches' CUDA IPC handles (once per allocation), registers the mapped memory with NIXL as VRAM
+        and lists the cache: peers then read and write the model server's memory directly."""
+        devices = [t.device for t in tensors if t.device is not None]
+        kind = devices[0].kind
+        if kind != "cuda" or self.cuda_missing:
+            fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, f"the nixl backend cannot import {kind} memory on this daemon: "
+                 f"{self.cuda_missing or 'it moves host and cuda memory only'}")
+        if len({d.device for d in devices}) != 1:
+            param_invalid("the tensors of a device cache are on one device")
+
+        def run(agent: Any) -> CacheEntry:
+            assert self._cuda is not None
+            imported = self._cuda.import_tensors(devices[0].device, [d.ipc_handle for d in devices],
+                                                 [t.offset for t in tensors], [d.allocation_bytes for d in devices],
+                                                 desc.tensor_nbytes)
+            listed: list[int] = []
+
+            def register(entry: CacheEntry) -> None:
+                try:
+                    registration = agent.register_memory(
+                        [(a, n, imported.device, "") for a, n in _regions(entry, imported.keys)], _VRAM)
+                except Exception as e:
+                    if is_nixl_error(e):
+                        raise llm_error(e, "NIXL cannot register the imported VRAM (its UCX lacks CUDA support, or "
+                                        "does not take memory imported by IPC: docs/device.md)",
+                                        LlmStatus.LLM_FEATURE_NOT_ENABLED) from None
+                    raise
+                listed.append(entry.cache_id)
+                self._caches[entry.cache_id] = _LocalCache(
+                    registration, agent.get_partial_agent_metadata(registration, False, []),
+                    np.asarray(entry.addresses, dtype=np.uint64), mem=_VRAM, device=imported.device,
+                    imported=imported)
+
+            try:
+                return self.ctx.registry.add_device(desc, tensors, imported.addresses, owner, register)
+            except BaseException:
+                if listed:
+                    self._forget_local(agent, listed[0])
+                else:
+                    self._cuda.release(imported)
+                raise
+
+        return self.agent.call(run)
 
     # -- scratch slots ---------------------------------------------------------------------------------------------
     def take_slot(self) -> int:
@@ -576,6 +670,9 @@ class NixlBackend(Backend):
                         mine.blocks.release()
                     agent.deregister_memory(mine.registration)
             self._caches.clear()
+            if self._cuda is not None:  # after NIXL let go of the memory; before the owner may free it
+                for error in self._cuda.close_all():
+                    log.warning("nixl: %s", error)
             if self.scratch_list is not None:
                 self.scratch_list.release()
                 self.scratch_list = None

@@ -132,8 +132,9 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         if request.session_id:
             self.node.sessions.touch(request.session_id)
         if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
-            entry = devicemem.register(_desc(request.desc), tensors, self.node.links.backends,  # type: ignore[arg-type]
-                                       owner=request.session_id)
+            # Opening IPC handles and registering device memory with an engine can take a while: off the event loop.
+            entry = await asyncio.to_thread(devicemem.register, _desc(request.desc),  # type: ignore[arg-type]
+                                            tensors, self.node.links.backends, owner=request.session_id)
         else:
             entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
                                                 owner=request.session_id)
