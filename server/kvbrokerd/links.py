@@ -64,6 +64,7 @@ class Link:
     last_seen: float = 0.0
     reason: str = ""
     remote_caches: dict[int, RemoteCache] = field(default_factory=dict)
+    _lookups: dict[int, asyncio.Future[RemoteCache]] = field(default_factory=dict)
     final: bool = False
     heartbeat: asyncio.Task[None] | None = None
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -82,10 +83,31 @@ class Link:
             raise peer_error(e, self.remote_cluster_id, "the notification") from None
 
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
-        """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon)."""
+        """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon).
+        Concurrent first transfers of a cache share one lookup, hence one RemoteCache: its identity keys the locks
+        that keep two writes out of the same blocks (blocklocks.py), so two copies of it would let them tear."""
         cached = self.remote_caches.get(cache_id)
         if cached is not None:
             return cached
+        lookup = self._lookups.get(cache_id)
+        if lookup is None:
+            lookup = self._lookups[cache_id] = asyncio.ensure_future(self._look_up(cache_id, timeout))
+            lookup.add_done_callback(lambda done: self._looked_up(cache_id, done))
+        # Each caller waits within its own deadline; one that gives up does not cancel the others' lookup.
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(lookup)
+        except TimeoutError:
+            fail(LlmStatus.LLM_TIMEOUT, f"cluster {self.remote_cluster_id} did not answer the lookup of cache "
+                 f"{cache_id} in time")
+
+    def _looked_up(self, cache_id: int, done: asyncio.Future[RemoteCache]) -> None:
+        if self._lookups.get(cache_id) is done:
+            del self._lookups[cache_id]
+        if not done.cancelled():
+            done.exception()  # retrieved: callers that all gave up leave no "never retrieved" warning
+
+    async def _look_up(self, cache_id: int, timeout: float) -> RemoteCache:
         assert self.stub is not None
         req = self.signed("GetCacheInfo", peer_pb2.GetCacheInfoRequest(cache_id=cache_id))
         try:
@@ -158,7 +180,8 @@ def peer_error(e: grpc.aio.AioRpcError, cluster_id: int, what: str, *, linking: 
 
     While `linking`, every failure is LLM_LINK_FAILED (the link could not be made). Otherwise: no answer in time is
     LLM_TIMEOUT; an unknown cache (NOT_FOUND) is LLM_KV_CACHE_NOT_EXIST; a link the peer no longer knows
-    (FAILED_PRECONDITION) is LLM_LINK_FAILED with details[PEER_FORGOT_LINK]; anything else is LLM_LINK_FAILED."""
+    (FAILED_PRECONDITION) is LLM_LINK_FAILED with details[PEER_FORGOT_LINK]; a full peer (RESOURCE_EXHAUSTED with
+    LLM_OUT_OF_MEMORY) is LLM_OUT_OF_MEMORY, which only says "retry later"; anything else is LLM_LINK_FAILED."""
     answer = read_failure(e)
     details = {"cluster_id": str(cluster_id), "peer_grpc_code": answer.code.name}
     if answer.status is not None:
@@ -170,6 +193,10 @@ def peer_error(e: grpc.aio.AioRpcError, cluster_id: int, what: str, *, linking: 
     if answer.code == grpc.StatusCode.NOT_FOUND:
         return make_error(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{what} on cluster {cluster_id}: {answer.message}",
                           details)
+    if answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED and answer.status == LlmStatus.LLM_OUT_OF_MEMORY:
+        # The peer is full (its notification cap, its transfer limits): a retry later can work, the link is fine.
+        return make_error(LlmStatus.LLM_OUT_OF_MEMORY, f"cluster {cluster_id} is full ({what}): {answer.message}; "
+                          "retry later", details)
     if answer.code == grpc.StatusCode.FAILED_PRECONDITION:
         return make_error(LlmStatus.LLM_LINK_FAILED, f"cluster {cluster_id} no longer knows this link ({what}); "
                           "unlink and link again", {**details, PEER_FORGOT_LINK: "true"})

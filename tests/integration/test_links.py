@@ -114,3 +114,33 @@ def test_peer_death_breaks_the_link(tmp_path: Path) -> None:
             with pytest.raises(Exception) as info:
                 cb.pull_kv_blocks(CacheIndex(1, 1), dst, [0], [0])
             assert getattr(info.value, "status", None) == LlmStatus.LLM_LINK_FAILED
+
+
+async def test_concurrent_first_transfers_of_a_remote_cache_share_one_description(tmp_path: Path,
+                                                                                  shm_dir: Path) -> None:
+    """Six transfers that meet a remote cache for the first time at once share one lookup, hence one RemoteCache:
+    its identity keys the locks that keep two writes out of the same blocks (with six lookups, six shm pushes into
+    the same blocks of the peer ran at once and tore them)."""
+    import asyncio
+
+    from kvbroker import AsyncClient
+    from kvbrokerd.config import load
+    from kvbrokerd.daemon import Daemon
+
+    with LocalDaemon(tmp_path, 1) as src, src.client() as s:
+        target = s.allocate_cache(CacheDesc(num_tensors=1, shape=(4, 64)))
+        config, _ = load(["--cluster-id", "2", "--listen", f"unix://{tmp_path}/d2.sock", "--peer-listen",
+                          "127.0.0.1:0", "--backends", "shm,tcp", "--shm-dir", str(shm_dir),
+                          "--peer-token-file", str(tmp_path / "peer.token")])
+        daemon = Daemon(config)
+        await daemon.start()
+        try:
+            async with AsyncClient(daemon.local_address) as d:
+                assert (await d.link_clusters([cluster_of(src)]))[0].ok
+            assert daemon.node is not None
+            link = daemon.node.links.get_ready(1)
+            found = await asyncio.gather(*(link.remote_cache(target.cache_id, 10.0) for _ in range(6)))
+            assert all(r is found[0] for r in found), "concurrent lookups made several descriptions of one cache"
+            assert await link.remote_cache(target.cache_id, 10.0) is found[0]
+        finally:
+            await daemon.stop(grace=0)

@@ -29,8 +29,10 @@ def _answer(status: LlmStatus, message: str) -> grpc.aio.AioRpcError:
      "cluster 3 no longer knows this link (the lookup of cache 5); unlink and link again"),
     (_failed_call(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), LlmStatus.LLM_TIMEOUT,
      "cluster 3 did not answer the lookup of cache 5 in time"),
-    (_answer(LlmStatus.LLM_OUT_OF_MEMORY, "full"), LlmStatus.LLM_LINK_FAILED,
-     "the lookup of cache 5 on cluster 3 failed: RESOURCE_EXHAUSTED LLM_OUT_OF_MEMORY: full"),
+    (_answer(LlmStatus.LLM_OUT_OF_MEMORY, "full"), LlmStatus.LLM_OUT_OF_MEMORY,
+     "cluster 3 is full (the lookup of cache 5): full; retry later"),
+    (_failed_call(grpc.StatusCode.RESOURCE_EXHAUSTED, "message too large"), LlmStatus.LLM_LINK_FAILED,
+     "the lookup of cache 5 on cluster 3 failed: RESOURCE_EXHAUSTED message too large"),
     (_failed_call(grpc.StatusCode.UNAVAILABLE, "failed to connect"), LlmStatus.LLM_LINK_FAILED,
      "the lookup of cache 5 on cluster 3 failed: UNAVAILABLE failed to connect"),
 ])
