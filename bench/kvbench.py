@@ -431,13 +431,19 @@ def bench_kv_throughput(cfg: Config, rep: Report, pair: KvPair) -> None:
 
 
 async def _concurrent_trials(target: str, index: Any, dst_id: int, chunks: list[tuple[list[int], list[int]]],
-                             reps: int, trials: int, pull_bytes: int, timeout: float) -> list[float]:
-    from kvbroker import AsyncClient
+                             reps: int, trials: int, pull_bytes: int, timeout: float,
+                             batched: bool = False) -> list[float]:
+    """`batched`: the same pulls as the groups of one TransferKvBlocksBatch call per round (one RPC, not k)."""
+    from kvbroker import AsyncClient, PullBlocks
 
     async with AsyncClient(target, timeout=timeout) as c:
 
         async def round_() -> None:
-            results = await asyncio.gather(*(c.pull_kv_blocks(index, dst_id, s, d) for s, d in chunks))
+            if batched:
+                results = [await c.transfer_kv_blocks_batch(
+                    [PullBlocks(index, dst_id, tuple(s), tuple(d)) for s, d in chunks])]
+            else:
+                results = await asyncio.gather(*(c.pull_kv_blocks(index, dst_id, s, d) for s, d in chunks))
             moved = sum(r.bytes_moved for r in results)
             if moved != pull_bytes:
                 raise RuntimeError(f"{len(chunks)} concurrent pulls moved {moved} bytes, expected {pull_bytes}")
@@ -471,6 +477,7 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
     lay = cfg.layout(block)
     levels = [k for k in CONCURRENCY if k <= lay.blocks_per_tensor]
     series: dict[str, float] = {}
+    batched: dict[str, float] = {}
     with pair.caches(cache_desc(cfg.tensors, lay.blocks_per_tensor, block)) as (src, dst):
         fill_cache(src.tensors)
         sperm, dperm = lay.perms()
@@ -495,8 +502,20 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
                 check_cache(src.tensors, dst.tensors, sperm, dperm)
                 series[str(k)] = median(results)
                 log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} concurrent pulls: {series[str(k)]:.2f} GB/s")
+                if k > 1:  # the same pulls in one batch call: what the per-call cost of k calls takes away
+                    for t in dst.tensors:
+                        t[:] = 0
+                    trials = _concurrent_trials(pair.dst_daemon.target, index, dst.cache_id, chunks,
+                                                lay.reps(cfg.total_bytes), cfg.trials, lay.pull_bytes, pair.timeout,
+                                                batched=True)
+                    batched[str(k)] = median(event_loop().run_until_complete(trials))
+                    check_cache(src.tensors, dst.tensors, sperm, dperm)
+                    log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} pulls as one batch call: "
+                        f"{batched[str(k)]:.2f} GB/s")
         finally:
             rep.concurrency[subject] = series
+            if batched:
+                rep.concurrency[f"{subject}-batch"] = batched
             rep.details.setdefault(f"{subject}-concurrency", {})["block"] = block
 
 

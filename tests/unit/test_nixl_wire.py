@@ -44,7 +44,7 @@ def test_agent_name_is_read_without_loading_the_metadata() -> None:
 
 
 def _backend() -> NixlBackend:
-    ctx = SimpleNamespace(cluster_id=8, registry=SimpleNamespace(instance="00ff00ff"))
+    ctx = SimpleNamespace(cluster_id=8, registry=SimpleNamespace(instance="00ff00ff", max_caches=16))
     return NixlBackend(cast(LocalContext, ctx))
 
 
