@@ -57,7 +57,9 @@ class Config:
     peer_link_ttl: float = field(default=120.0, metadata={
         "help": "seconds after which a peer's link to us that has gone silent (no heartbeat) is forgotten"})
     max_transfers: int = field(default=256, metadata={"help": "most transfers in flight; more are refused"})
-    parallel_transfers: int = field(default=2, metadata={"help": "large transfers copying at once, over links whose backend has no turn of its own (tcp: one per pooled connection); others queue"})
+    parallel_transfers: int = field(default=2, metadata={
+        "help": "large transfers copying at once over links whose backend has no turn of its own (tcp has one per "
+                "pooled connection); others queue"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
