@@ -9,9 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,7 +273,7 @@ class Progress:
         self._landed: list[tuple[int, int]] = []  # list.append is atomic: no lock needed between copy threads
         self._landed_arrays: list[tuple[np.ndarray, np.ndarray]] = []
         self.cancelled = False
-        self._sockets: set[socket.socket] = set()
+        self._wakers: list[Callable[[], object]] = []
         self._lock = threading.Lock()
 
     def mark(self, run_index: int, nbytes: int) -> None:
@@ -288,25 +287,28 @@ class Progress:
         """Takes back a mark: the bytes arrived but turned out not to be the source's."""
         self._landed.append((run_index, -nbytes))
 
-    def attach(self, sock: socket.socket) -> None:
-        """A socket this transfer waits on: `cancel` shuts it down, which wakes a thread blocked on it."""
+    @contextlib.contextmanager
+    def on_cancel(self, wake: Callable[[], object]) -> Iterator[None]:
+        """While inside, `cancel` also calls `wake` (from the cancelling thread): for a backend that blocks where a
+        flag is not looked at (tcp shuts its socket down, which wakes the thread waiting on it). Called at once if
+        the transfer is already cancelled."""
         with self._lock:
-            self._sockets.add(sock)
-        if self.cancelled:
-            self.cancel()
-
-    def detach(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._sockets.discard(sock)
+            self._wakers.append(wake)
+        try:
+            if self.cancelled:
+                wake()
+            yield
+        finally:
+            with self._lock:
+                self._wakers.remove(wake)
 
     def cancel(self) -> None:
-        """The caller went away: copy loops stop at their next check, socket waits end now."""
+        """The caller went away: copy loops stop at their next check, blocked waits are woken now."""
         self.cancelled = True
         with self._lock:
-            sockets = list(self._sockets)
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            wakers = list(self._wakers)
+        for wake in wakers:
+            wake()
 
     def _per_run(self) -> np.ndarray:
         """Bytes landed per run (bincount, not np.add.at: the latter costs seconds for 2^20 runs, and a failure

@@ -103,3 +103,16 @@ def test_only_small_plans_with_few_runs_run_on_the_event_loop() -> None:
     many = np.random.default_rng(0).permutation(200_000).astype(np.uint64)
     assert not small_enough_for_the_loop(plan_blocks(tiny, tiny, many, many[::-1].copy(), LayerSelection()))
     assert small_enough_for_the_loop(plan_blocks(DESC, DESC, arr([0, 1]), arr([2, 3]), LayerSelection()))
+
+
+def test_cancel_wakes_what_waits_and_only_while_it_waits() -> None:
+    desc = CacheDesc(num_tensors=1, shape=(4, 8))
+    progress = Progress(plan_blocks(desc, desc, block_array([0], "s"), block_array([1], "d"), LayerSelection()))
+    woken: list[str] = []
+    with progress.on_cancel(lambda: woken.append("a")):
+        pass
+    with progress.on_cancel(lambda: woken.append("b")):
+        progress.cancel()
+        assert progress.cancelled and woken == ["b"]  # "a" had stopped waiting
+        with progress.on_cancel(lambda: woken.append("c")):  # already cancelled: woken at once
+            assert woken == ["b", "c"]

@@ -503,6 +503,11 @@ def _local_memory_gone(entry: CacheEntry, during: str) -> NoReturn:
          cache_id=entry.cache_id)
 
 
+def _shut_down(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
     pos = 0
     while pos < len(view):
@@ -673,12 +678,12 @@ class TcpChannel(PeerChannel):
     def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,
                        deadline: float) -> None:
         sock = self._acquire(deadline)
-        progress.attach(sock)
         ok = False
         try:
-            for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
-                op(sock, cache_id, local, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
-            ok = not progress.cancelled
+            with progress.on_cancel(lambda: _shut_down(sock)):  # wakes this thread if it waits on the socket
+                for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
+                    op(sock, cache_id, local, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
+                ok = not progress.cancelled
         except (OSError, ConnectionError) as e:
             if progress.cancelled:  # we shut the socket down ourselves: the link is fine
                 fail(LlmStatus.LLM_FAILED, "cancelled by the caller")
@@ -686,7 +691,6 @@ class TcpChannel(PeerChannel):
                 fail(LlmStatus.LLM_TIMEOUT, "deadline passed while moving blocks over tcp")
             fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
         finally:
-            progress.detach(sock)
             if ok:
                 self._release(sock)
             else:
