@@ -25,8 +25,8 @@ import numpy as np
 
 from kvbroker.types import TransferResult
 from kvbrokerd import blocklocks, devicemem
-from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
+from kvbrokerd.backends.local import LocalCopyChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links import Link, LinkTable
 from kvbrokerd.logs import LOG_CONTEXT
@@ -58,7 +58,6 @@ PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
 class Direction(enum.Enum):
     PULL = "pull"
     PUSH = "push"
-    COPY = "copy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +93,14 @@ class Job:
     direction: Direction
     plan: Plan
     local_cache_id: int
+    channel: PeerChannel
+    remote: RemoteCache
     link: Link | None = None
-    remote: RemoteCache | None = None
-    copy_src_cache_id: int = 0
+    """None for a local copy (its channel is this daemon's own)."""
 
     @property
     def backend(self) -> str:
-        return self.link.backend if self.link is not None else "local"
+        return self.channel.name
 
 
 class Deadline:
@@ -125,6 +125,7 @@ class TransferManager:
         # bytes over several threads or connections); the rest wait their turn in FIFO order. On a machine with few
         # cores, dozens of transfers copying at once only thrash: the same bytes take longer.
         self._gate = asyncio.Semaphore(parallel_transfers)
+        self._local = LocalCopyChannel(registry, parts_executor)
         self._channel_gates: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self.metrics = metrics
         self._registry = registry
@@ -166,14 +167,14 @@ class TransferManager:
         else:  # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
             plan = await asyncio.get_running_loop().run_in_executor(
                 self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, req.layers)
-        return Job(direction, plan, req.local_cache_id, link, remote)
+        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
         local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
                                                  req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
         plan = plan_cache(src, dst, req.src_batch_index, req.dst_batch_index, req.size, req.layers)
-        return Job(direction, plan, req.local_cache_id, link, remote)
+        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
 
     def prepare_copy(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
                      dst_blocks_list: Sequence[Sequence[int]]) -> Job:
@@ -195,16 +196,16 @@ class TransferManager:
         columns = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
         plan = Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in columns},
                     block_nbytes=dst.desc.block_nbytes)
-        return Job(Direction.COPY, plan, dst_cache_id, copy_src_cache_id=src_cache_id)
+        # A copy is a pull from this daemon itself.
+        return Job(Direction.PULL, plan, dst_cache_id, self._local, LocalCopyChannel.describe(src))
 
     # -- execution ---------------------------------------------------------------------------------------------------
     async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
         """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
         plan = job.plan if plan is None else plan
-        channel = job.link.channel if job.link is not None else None
-        on_loop = channel is not None and job.direction == Direction.PULL and channel.runs_on_loop(plan)
-        inline = (memcopy.small_enough_for_the_loop(plan) if job.direction == Direction.COPY else
-                  channel is not None and channel.runs_inline(plan))
+        channel = job.channel
+        on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)
+        inline = job.direction == Direction.PULL and channel.runs_inline(plan)
         if on_loop or inline:
             return await self._run(job, deadline, transfer_id, plan, on_loop, inline)
         gate = self._gate_of(channel)
@@ -220,10 +221,10 @@ class TransferManager:
         finally:
             gate.release()
 
-    def _gate_of(self, channel: PeerChannel | None) -> asyncio.Semaphore:
+    def _gate_of(self, channel: PeerChannel) -> asyncio.Semaphore:
         """The turn a transfer waits for: its link's own when its backend says how many keep it busy, else the
         daemon-wide one."""
-        if channel is None or channel.parallel_transfers is None:
+        if channel.parallel_transfers is None:
             return self._gate
         gate = self._channel_gates.get(channel)
         if gate is None:
@@ -247,9 +248,7 @@ class TransferManager:
         pinned: list[CacheEntry] = []
         try:
             pinned.append(self._registry.pin(job.local_cache_id))
-            if job.direction == Direction.COPY:
-                pinned.append(self._registry.pin(job.copy_src_cache_id))
-            call = self._operation(job, plan, progress, pinned, deadline)
+            call = self._operation(job, plan, progress, pinned[0], deadline)
         except BaseException:
             for entry in pinned:
                 self._registry.unpin(entry)
@@ -257,9 +256,8 @@ class TransferManager:
             raise
         work: asyncio.Future[int]
         if on_loop:
-            assert job.link is not None and job.link.channel is not None and job.remote is not None
-            work = asyncio.ensure_future(job.link.channel.pull_on_loop(job.remote, pinned[0], plan, progress,
-                                                                       deadline.at))
+            work = asyncio.ensure_future(job.channel.pull_on_loop(job.remote, pinned[0], plan, progress,
+                                                                  deadline.at))
         elif inline:
             work = asyncio.get_running_loop().create_future()
             try:
@@ -321,22 +319,17 @@ class TransferManager:
         return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
                                                    f"transfer {transfer_id}")
 
-    def _operation(self, job: Job, plan: Plan, progress: Progress, pinned: list[CacheEntry],
-                   deadline: Deadline) -> Callable[[], int]:
-        if job.direction == Direction.COPY:
-            # The pins keep both caches mapped, so raw addresses stay valid for the whole copy.
-            dst, src = pinned
-            return lambda: memcopy.copy_plan(src.endpoint(), dst.endpoint(), plan, progress, deadline.at,
-                                             self._parts_executor)
-        assert job.link is not None and job.link.channel is not None and job.remote is not None
-        channel, remote, local = job.link.channel, job.remote, pinned[0]
+    @staticmethod
+    def _operation(job: Job, plan: Plan, progress: Progress, local: CacheEntry, deadline: Deadline
+                   ) -> Callable[[], int]:
+        channel, remote = job.channel, job.remote
         if job.direction == Direction.PULL:
             return lambda: channel.pull(remote, local, plan, progress, deadline.at)
         return lambda: channel.push(local, remote, plan, progress, deadline.at)
 
     def _on_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress) -> None:
         if job.link is not None:
-            if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST and job.remote is not None:
+            if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST:
                 job.link.forget_cache(job.remote.cache_id)
             elif e.status == LlmStatus.LLM_LINK_FAILED:
                 job.link.mark_broken(e.message)
@@ -495,3 +488,9 @@ class Tracked:
         if self._token is not None:
             with contextlib.suppress(ValueError):  # an async generator closed from another context
                 LOG_CONTEXT.reset(self._token)
+
+
+def _channel_of(link: Link) -> PeerChannel:
+    if link.channel is None:  # pragma: no cover - a READY link has its channel
+        fail(LlmStatus.LLM_LINK_FAILED, f"link to cluster {link.remote_cluster_id} has no data channel")
+    return link.channel
