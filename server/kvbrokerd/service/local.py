@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import grpc.aio
-from google.protobuf.message import Message
 
 import kvbrokerd
 from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
@@ -314,7 +313,9 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                                     received_unix=n.received_unix) for n in got])
 
 
-_Summary = TypeVar("_Summary", bound=Message)
+# Constrained, not bound to Message: each response type's constructor is checked with the summary fields.
+_Summary = TypeVar("_Summary", broker_pb2.PullKvBlocksResponse, broker_pb2.PushKvBlocksResponse,
+                   broker_pb2.PullKvCacheResponse, broker_pb2.PushKvCacheResponse, broker_pb2.CopyKvBlocksResponse)
 
 
 def _size(size: int) -> int:
