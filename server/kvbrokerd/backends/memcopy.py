@@ -90,6 +90,26 @@ def maps_to_copy(stable: bool) -> bool:
     return stable or _safecopy is not None
 
 
+def copy_runs_available() -> bool:
+    return _safecopy is not None
+
+
+def copy_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
+    """`_safecopy.copy_runs` between raw addresses (uint64 arrays): raises RunFault(run, side) when a page of
+    either side vanished; every run before `run` landed. Only where `copy_runs_available()`."""
+    assert _safecopy is not None
+    try:
+        _safecopy.copy_runs(dst, src, n)
+    except _safecopy.FaultError as e:
+        raise RunFault(e.run, e.side) from None
+
+
+class RunFault(Exception):
+    def __init__(self, run: int, side: str) -> None:
+        super().__init__(f"the {side}'s memory vanished at run {run}")
+        self.run, self.side = run, side
+
+
 def small_enough_for_the_loop(plan: Plan) -> bool:
     return plan.total_bytes <= INLINE_MAX_BYTES and plan.num_runs <= INLINE_MAX_RUNS
 

@@ -34,7 +34,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import itertools
 import json
 import logging
 import math
@@ -52,7 +51,7 @@ import numpy as np
 
 from kvbroker.status import LlmError
 from kvbrokerd import blocklocks, linkauth
-from kvbrokerd.backends import sockio
+from kvbrokerd.backends import memcopy, sockio, staging
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -64,7 +63,7 @@ from kvbrokerd.backends.base import (
     run_parts,
 )
 from kvbrokerd.errors import LlmStatus, fail
-from kvbrokerd.planner import Pieces, Progress, Run
+from kvbrokerd.planner import Pieces, Progress
 
 if TYPE_CHECKING:
     from kvbrokerd.planner import Plan
@@ -372,10 +371,13 @@ class DataServer:
 
     def _serve_read(self, conn: socket.socket, version: int, entry: CacheEntry, runs: np.ndarray,
                     watch: sockio.Watch) -> None:
-        views = _views(entry, runs)
         total = int(runs["length"].sum())
         reply = memoryview(REPLY.pack(b"KVRS", 0, total))
         trailer = [memoryview(TRAILER.pack(b"KVEN", 0, total))] if version >= 2 else []
+        if trailer and entry.addresses and staging.worth_it(runs["length"]):
+            self._serve_read_staged(conn, entry, runs, reply, total, watch)
+            return
+        views = _views(entry, runs)
         try:
             # The reply, the bytes and the trailer in one gather: a small read reaches the reader in one segment
             # and wakes it once.
@@ -390,6 +392,34 @@ class DataServer:
                 raise ConnectionError("version 1 cannot report a failed read") from None
             sockio.send_zeros(conn, total - fault.done, watch)
             sockio.send_all(conn, TRAILER.pack(b"KVEN", int(LlmStatus.LLM_KV_CACHE_NOT_EXIST), fault.done), watch)
+
+    @staticmethod
+    def _serve_read_staged(conn: socket.socket, entry: CacheEntry, runs: np.ndarray, reply: memoryview, total: int,
+                           watch: sockio.Watch) -> None:
+        """_serve_read for small runs: gathered a chunk at a time into the staging buffer, one send per chunk."""
+        length = runs["length"].astype(np.uint64)
+        sent = 0
+        head: list[memoryview] = [reply]
+        for first, last, at in staging.chunks(length):
+            buf = staging.buffer()
+            n = int(at[-1] + length[last - 1])
+            try:
+                memcopy.copy_runs(staging.address(buf) + at,
+                                  _addresses(entry, runs["tensor"][first:last], runs["offset"][first:last]),
+                                  length[first:last])
+            except memcopy.RunFault as e:
+                log.warning("cache %d lost its memory while a peer read it (a segment shrank or vanished); the read "
+                            "fails, the link stays", entry.cache_id)
+                good = int(at[e.run]) if e.run else 0
+                sockio.send_views(conn, [*head, buf.data[:good]], watch)
+                sockio.send_zeros(conn, total - sent - good, watch)
+                sockio.send_all(conn, TRAILER.pack(b"KVEN", int(LlmStatus.LLM_KV_CACHE_NOT_EXIST), sent + good),
+                                watch)
+                return
+            done = last == len(length)
+            tail = [memoryview(TRAILER.pack(b"KVEN", 0, total))] if done else []
+            sockio.send_views(conn, [*head, buf.data[:n], *tail], watch)  # a small read: one segment
+            head, sent = [], sent + n
 
     def _serve_write(self, conn: socket.socket, entry: CacheEntry, runs: np.ndarray, watch: sockio.Watch) -> None:
         views = _views(entry, runs)
@@ -453,14 +483,16 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 # -- pulling side -------------------------------------------------------------------------------------------------
-_Op = Callable[[socket.socket, int, "CacheEntry", list[Run], Progress, float], None]
+_Op = Callable[[socket.socket, int, "CacheEntry", Pieces, Progress, float], None]
 
 
-def _request_frame(magic: bytes, cache_id: int, runs: list[tuple[int, int, int]], deadline: float) -> bytes:
-    frame = np.zeros(len(runs), dtype=RUN)
-    frame["tensor"], frame["offset"], frame["length"] = zip(*runs, strict=True)
+def _request_frame(magic: bytes, cache_id: int, tensor: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                   deadline: float) -> bytes:
+    """A request for the runs (tensor[i], offset[i], length[i]) of the peer's cache."""
+    frame = np.zeros(len(length), dtype=RUN)
+    frame["tensor"], frame["offset"], frame["length"] = tensor, offset, length
     budget_ms = min(max(1, math.ceil((deadline - time.monotonic()) * 1e3)), 0xFFFFFFFF)
-    return REQUEST.pack(magic, len(runs), cache_id, budget_ms, 0) + frame.tobytes()
+    return REQUEST.pack(magic, len(length), cache_id, budget_ms, 0) + frame.tobytes()
 
 
 def _refused(status: int, message: bytes | bytearray, what: str) -> NoReturn:
@@ -479,7 +511,7 @@ def _expect_ok(sock: socket.socket, what: str, watch: sockio.Watch) -> None:
         _refused(status, sockio.recv_bytes(sock, min(size, 1 << 16), watch), what)
 
 
-def _check_trailer(trailer: bytes | bytearray, runs: list[Run], progress: Progress, cache_id: int) -> None:
+def _check_trailer(trailer: bytes | bytearray, pieces: Pieces, progress: Progress, cache_id: int) -> None:
     """After a READ's payload: did every byte come from the source? Runs that did not are taken back from
     `progress` (the server padded them with zeros) and the read fails."""
     magic, status, valid = TRAILER.unpack(trailer)
@@ -487,15 +519,36 @@ def _check_trailer(trailer: bytes | bytearray, runs: list[Run], progress: Progre
         raise ConnectionError("bad trailer frame")
     if status == 0:
         return
-    for (idx, *_, n), end in zip(runs, itertools.accumulate(r[5] for r in runs), strict=True):
-        if end > valid:
-            progress.retract(idx, n)
+    bad = np.cumsum(pieces.length, dtype=np.uint64) > np.uint64(valid)
+    progress.mark_runs(pieces.run[bad], -pieces.length[bad].astype(np.int64))
     try:
         code = LlmStatus(status)
     except ValueError:
         code = LlmStatus.LLM_FAILED
     fail(code, _vanished(f"the peer's cache {cache_id}", "the read") + f"; {valid} bytes of the payload were good",
          cache_id=cache_id)
+
+
+def _addresses(entry: CacheEntry, tensor: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Raw addresses of runs of a mapped cache (its pin keeps them valid)."""
+    at: np.ndarray = np.asarray(entry.addresses, dtype=np.uint64)[tensor] + offset
+    return at
+
+
+def _read_staged(sock: socket.socket, dst: CacheEntry, pieces: Pieces, progress: Progress,
+                 watch: sockio.Watch) -> None:
+    """A READ's payload of small runs: a chunk at a time into the staging buffer, then into the cache in one copy."""
+    for first, last, at in staging.chunks(pieces.length):
+        buf = staging.buffer()
+        n = int(at[-1] + pieces.length[last - 1])
+        sockio.recv_exact(sock, buf.data[:n], watch)
+        try:
+            memcopy.copy_runs(_addresses(dst, pieces.dst_tensor[first:last], pieces.dst_offset[first:last]),
+                              staging.address(buf) + at, pieces.length[first:last])
+        except memcopy.RunFault as e:
+            progress.mark_runs(pieces.run[first : first + e.run], pieces.length[first : first + e.run])
+            _local_memory_gone(dst, "a pull")
+        progress.mark_runs(pieces.run[first:last], pieces.length[first:last])
 
 
 def _local_memory_gone(entry: CacheEntry, during: str) -> NoReturn:
@@ -551,11 +604,12 @@ class TcpChannel(PeerChannel):
                 sock = _fresh(self._loop_idle) or await self._connect_on_loop(loop)
                 ok = False
                 try:
-                    runs = plan.runs()
-                    frame = _request_frame(b"KVRQ", remote.cache_id, [(r[1], r[2], r[5]) for r in runs], deadline)
+                    pieces = Pieces.of(plan)
+                    frame = _request_frame(b"KVRQ", remote.cache_id, plan.src_tensor, plan.src_offset, plan.length,
+                                           deadline)
                     await loop.sock_sendall(sock, frame)
                     await self._expect_ok_on_loop(loop, sock)
-                    for idx, _, _, dt, do, n in runs:
+                    for idx, _, _, dt, do, n in pieces.runs():
                         try:
                             await _recv_exact_on_loop(loop, sock, dst.views[dt][do : do + n])
                         except OSError as e:
@@ -565,7 +619,7 @@ class TcpChannel(PeerChannel):
                         progress.mark(idx, n)
                     trailer = bytearray(TRAILER.size)
                     await _recv_exact_on_loop(loop, sock, memoryview(trailer))
-                    _check_trailer(trailer, runs, progress, remote.cache_id)
+                    _check_trailer(trailer, pieces, progress, remote.cache_id)
                     ok = True
                 finally:
                     if ok and not self._closed and len(self._loop_idle) < self._max:
@@ -668,21 +722,22 @@ class TcpChannel(PeerChannel):
             parts = 1 if plan.total_bytes < _SPLIT_MIN_BYTES else max(1, min(free, plan.num_runs))
             self._reserved += parts
         try:
-            run_parts(self._executor, lambda runs: self._on_connection(op, cache_id, local, runs, progress, deadline),
-                      [part.runs() for part in Pieces.of(plan).split(parts)])
+            run_parts(self._executor,
+                      lambda part: self._on_connection(op, cache_id, local, part, progress, deadline),
+                      Pieces.of(plan).split(parts))
         finally:
             with self._lock:
                 self._reserved -= parts
         return plan.total_bytes
 
-    def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, runs: list[Run], progress: Progress,
+    def _on_connection(self, op: _Op, cache_id: int, local: CacheEntry, pieces: Pieces, progress: Progress,
                        deadline: float) -> None:
         sock = self._acquire(deadline)
         ok = False
         try:
             with progress.on_cancel(lambda: _shut_down(sock)):  # wakes this thread if it waits on the socket
-                for i in range(0, len(runs), MAX_RUNS_PER_REQUEST):
-                    op(sock, cache_id, local, runs[i : i + MAX_RUNS_PER_REQUEST], progress, deadline)
+                for i in range(0, len(pieces), MAX_RUNS_PER_REQUEST):
+                    op(sock, cache_id, local, pieces.take(slice(i, i + MAX_RUNS_PER_REQUEST)), progress, deadline)
                 ok = not progress.cancelled
         except (OSError, ConnectionError) as e:
             if progress.cancelled:  # we shut the socket down ourselves: the link is fine
@@ -696,43 +751,59 @@ class TcpChannel(PeerChannel):
             else:
                 sock.close()  # Its stream position is unknown now; never reuse it.
 
-    def _read(self, sock: socket.socket, cache_id: int, dst: CacheEntry, runs: list[Run], progress: Progress,
+    def _read(self, sock: socket.socket, cache_id: int, dst: CacheEntry, pieces: Pieces, progress: Progress,
               deadline: float) -> None:
-        """READ: the peer sends the runs' source bytes; they land straight in the destination cache."""
+        """READ: the peer sends the runs' source bytes; they land in the destination cache, straight from the socket
+        or, when all runs are small, through the staging buffer."""
         _check_before_tls(sock, dst)
         watch = sockio.Watch(deadline)
-        sockio.send_all(sock, _request_frame(b"KVRQ", cache_id, [(r[1], r[2], r[5]) for r in runs], deadline),
-                        watch)
+        sockio.send_all(sock, _request_frame(b"KVRQ", cache_id, pieces.src_tensor, pieces.src_offset, pieces.length,
+                                             deadline), watch)
         _expect_ok(sock, "read", watch)
-        views = [dst.views[dt][do : do + n] for _, _, _, dt, do, n in runs]
+        if staging.worth_it(pieces.length) and dst.addresses:
+            _read_staged(sock, dst, pieces, progress, watch)
+        else:
+            views = [dst.views[dt][do : do + n] for _, _, _, dt, do, n in pieces.runs()]
+            last = len(views)
+
+            def landed(k: int) -> None:
+                if k < last:
+                    progress.mark(int(pieces.run[k]), int(pieces.length[k]))
+
+            try:
+                sockio.recv_views(sock, views, landed, watch)
+            except sockio.MemoryFault:
+                _local_memory_gone(dst, "a pull")
         trailer = bytearray(TRAILER.size)
-        last = len(runs)
+        sockio.recv_exact(sock, memoryview(trailer), watch)
+        _check_trailer(trailer, pieces, progress, cache_id)
 
-        def landed(k: int) -> None:
-            if k < last:
-                progress.mark(runs[k][0], runs[k][5])
-
-        try:
-            sockio.recv_views(sock, [*views, memoryview(trailer)], landed, watch)
-        except sockio.MemoryFault:
-            _local_memory_gone(dst, "a pull")
-        _check_trailer(trailer, runs, progress, cache_id)
-
-    def _write(self, sock: socket.socket, cache_id: int, src: CacheEntry, runs: list[Run], progress: Progress,
+    def _write(self, sock: socket.socket, cache_id: int, src: CacheEntry, pieces: Pieces, progress: Progress,
                deadline: float) -> None:
         """WRITE: the peer checks the destination runs first, then receives the bytes into its cache and acks."""
         _check_before_tls(sock, src)
         watch = sockio.Watch(deadline)
-        sockio.send_all(sock, _request_frame(b"KVWR", cache_id, [(r[3], r[4], r[5]) for r in runs], deadline),
-                        watch)
+        sockio.send_all(sock, _request_frame(b"KVWR", cache_id, pieces.dst_tensor, pieces.dst_offset, pieces.length,
+                                             deadline), watch)
         _expect_ok(sock, "write", watch)
         try:
-            sockio.send_views(sock, [src.views[st][so : so + n] for _, st, so, _, _, n in runs], watch)
+            if staging.worth_it(pieces.length) and src.addresses:
+                for first, last, at in staging.chunks(pieces.length):
+                    buf = staging.buffer()
+                    n = int(at[-1] + pieces.length[last - 1])
+                    try:
+                        memcopy.copy_runs(staging.address(buf) + at, _addresses(src, pieces.src_tensor[first:last],
+                                                                                pieces.src_offset[first:last]),
+                                          pieces.length[first:last])
+                    except memcopy.RunFault:
+                        _local_memory_gone(src, "a push")  # the connection closes mid-payload: the peer drops it
+                    sockio.send_all(sock, buf.data[:n], watch)
+            else:
+                sockio.send_views(sock, [src.views[st][so : so + n] for _, st, so, _, _, n in pieces.runs()], watch)
         except sockio.MemoryFault:
             _local_memory_gone(src, "a push")  # the connection closes mid-payload: the peer drops what it got
         _expect_ok(sock, "write", watch)
-        for idx, *_, n in runs:
-            progress.mark(idx, n)
+        progress.mark_runs(pieces.run, pieces.length)
 
     def close(self) -> None:
         with self._lock:
