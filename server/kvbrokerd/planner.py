@@ -255,7 +255,10 @@ class Pieces:
         total = int(ends[-1])
         cuts = np.unique((np.arange(1, parts, dtype=np.uint64) * np.uint64(total)) // np.uint64(parts))
         cuts = cuts[(cuts > 0) & (cuts < total)]
-        piece_starts = np.union1d(starts, cuts)
+        # Both are sorted: insert the cuts that fall inside a run (np.union1d would sort all 2^20 starts again).
+        at = np.searchsorted(starts, cuts)
+        inside = cuts[starts[np.minimum(at, len(starts) - 1)] != cuts]
+        piece_starts = np.insert(starts, np.searchsorted(starts, inside), inside)
         run = np.searchsorted(ends, piece_starts, side="right")
         lengths = np.diff(np.append(piece_starts, np.uint64(total)))
         pieces = Pieces(self.run[run], self.src_tensor[run], self.src_offset[run] + (piece_starts - starts[run]),
@@ -317,11 +320,12 @@ class Progress:
         if self._landed:
             idx, n = zip(*self._landed, strict=True)
             parts.append((np.asarray(idx, dtype=np.int64), np.asarray(n, dtype=np.int64)))
-        landed = np.zeros(self.plan.num_runs, dtype=np.int64)
-        for runs, nbytes in parts:
-            # float64 sums are exact below 2^53 bytes per run
-            landed += np.bincount(runs, weights=nbytes, minlength=self.plan.num_runs).astype(np.int64)
-        return landed
+        if not parts:
+            return np.zeros(self.plan.num_runs, dtype=np.int64)
+        runs = np.concatenate([r for r, _ in parts])  # one bincount: one per mark would cost marks x runs
+        nbytes = np.concatenate([n.astype(np.int64) for _, n in parts])
+        # float64 sums are exact below 2^53 bytes per run
+        return np.bincount(runs, weights=nbytes, minlength=self.plan.num_runs).astype(np.int64)
 
     @property
     def bytes_moved(self) -> int:

@@ -173,7 +173,8 @@ def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progres
             last = total
         else:
             reach = (int(ends[first - 1]) if first else 0) + CHUNK_BYTES
-            last = min(max(int(np.searchsorted(ends, reach, side="right")), first + 1), first + CHUNK_RUNS, total)
+            last = min(max(int(np.searchsorted(ends, np.uint64(reach), side="right")), first + 1), first + CHUNK_RUNS,
+                       total)
         chunk = slice(first, last)
         try:
             move(chunk)

@@ -36,7 +36,8 @@ def chunks(lengths: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
     first, total = 0, len(lengths)
     while first < total:
         base = int(ends[first - 1]) if first else 0
-        last = max(int(np.searchsorted(ends, base + STAGE_BYTES, side="right")), first + 1)
+        # A uint64 needle: a Python int would make numpy convert all of `ends` on every call.
+        last = max(int(np.searchsorted(ends, np.uint64(base + STAGE_BYTES), side="right")), first + 1)
         yield first, last, (ends[first:last] - lengths[first:last]) - np.uint64(base)
         first = last
 
