@@ -118,3 +118,50 @@ def test_source_memory_that_vanishes_mid_read_fails_exactly_the_runs_read_after_
     finally:
         src.close()
         dst.close()
+
+
+def _write(tmp_path: Path, truncate_to: int | None) -> tuple[Side, np.ndarray, Plan, Exception | None, bool]:
+    """The server's half of a WRITE of small runs (`_recv_staged`) fed over a socket pair."""
+    rng = np.random.default_rng(9)
+    dst = Side(tmp_path / "dst", COUNT * RUN, None)
+    payload = rng.integers(0, 256, COUNT * RUN, dtype=np.uint8)
+    _, plan, runs = _pieces(np.arange(COUNT), rng.permutation(COUNT))
+    runs["offset"] = plan.dst_offset  # the server writes into the destination's offsets
+    if truncate_to is not None:
+        os.ftruncate(dst.fd, truncate_to)
+    client, server = socket.socketpair()
+    sender = threading.Thread(target=lambda: client.sendall(payload.tobytes() + b"after"))
+    sender.start()
+    error: Exception | None = None
+    try:
+        watch = sockio.Watch(time.monotonic() + 20)
+        try:
+            tcp._recv_staged(server, cast(Any, dst.entry), runs, watch)
+        except sockio.MemoryFault as fault:
+            error = fault
+            sockio.drain(server, COUNT * RUN - fault.done, watch)
+        in_step = sockio.recv_bytes(server, 5, watch) == b"after"  # the stream is still in step
+    finally:
+        sender.join(10)
+        client.close()
+        server.close()
+    return dst, payload, plan, error, in_step
+
+
+def test_a_staged_write_lands_every_run_where_it_belongs(tmp_path: Path) -> None:
+    dst, payload, plan, error, in_step = _write(tmp_path, None)
+    try:
+        assert error is None and in_step
+        for i, do in enumerate(plan.dst_offset.tolist()):
+            assert np.array_equal(dst.array[do : do + RUN], payload[i * RUN : (i + 1) * RUN])
+    finally:
+        dst.close()
+
+
+def test_destination_memory_that_vanishes_mid_write_fails_it_and_keeps_the_stream_in_step(tmp_path: Path) -> None:
+    dst, _, _, error, in_step = _write(tmp_path, (COUNT * RUN // 3) // 4096 * 4096)
+    try:
+        assert isinstance(error, sockio.MemoryFault) and 0 < error.done <= COUNT * RUN, error
+        assert in_step, "the payload after the fault was not drained: the next request would be misread"
+    finally:
+        dst.close()

@@ -422,11 +422,13 @@ class DataServer:
             head, sent = [], sent + n
 
     def _serve_write(self, conn: socket.socket, entry: CacheEntry, runs: np.ndarray, watch: sockio.Watch) -> None:
-        views = _views(entry, runs)
         total = int(runs["length"].sum())
         sockio.send_all(conn, REPLY.pack(b"KVRS", 0, total), watch)
         try:
-            sockio.recv_views(conn, views, _ignore, watch)
+            if entry.addresses and staging.worth_it(runs["length"]):
+                _recv_staged(conn, entry, runs, watch)
+            else:
+                sockio.recv_views(conn, _views(entry, runs), _ignore, watch)
         except sockio.MemoryFault as fault:
             log.warning("cache %d lost its memory while a peer wrote into it (a segment shrank or vanished); the "
                         "write fails, the link stays", entry.cache_id)
@@ -439,6 +441,23 @@ class DataServer:
 
 def _ignore(_: int) -> None:
     pass
+
+
+def _recv_staged(conn: socket.socket, entry: CacheEntry, runs: np.ndarray, watch: sockio.Watch) -> None:
+    """A WRITE's payload of small runs, a chunk at a time into the staging buffer, then into the cache in one copy.
+    Raises MemoryFault (with the payload bytes read so far) if the cache's memory vanished."""
+    length = runs["length"].astype(np.uint64)
+    received = 0
+    for first, last, at in staging.chunks(length):
+        buf = staging.buffer()
+        n = int(at[-1] + length[last - 1])
+        sockio.recv_exact(conn, buf.data[:n], watch)
+        received += n
+        try:
+            memcopy.copy_runs(_addresses(entry, runs["tensor"][first:last], runs["offset"][first:last]),
+                              staging.address(buf) + at, length[first:last])
+        except memcopy.RunFault:
+            raise sockio.MemoryFault(received) from None
 
 
 def _check_before_tls(sock: socket.socket, entry: CacheEntry) -> None:
