@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -448,14 +448,20 @@ async def _concurrent_trials(target: str, index: Any, dst_id: int, chunks: list[
             if moved != pull_bytes:
                 raise RuntimeError(f"{len(chunks)} concurrent pulls moved {moved} bytes, expected {pull_bytes}")
 
-        await round_()  # warm-up (and channel set-up)
-        results = []
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                await round_()
-            results.append(gbps(reps * pull_bytes, time.perf_counter() - t0))
-        return results
+        return await timed_rounds(round_, reps, trials, pull_bytes)
+
+
+async def timed_rounds(round_: Callable[[], Awaitable[None]], reps: int, trials: int, round_bytes: int
+                       ) -> list[float]:
+    """GB/s of `trials` timed trials of `reps` rounds each, after one untimed warm-up round (and channel set-up)."""
+    await round_()
+    results = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            await round_()
+        results.append(gbps(reps * round_bytes, time.perf_counter() - t0))
+    return results
 
 
 _LOOP: list[asyncio.AbstractEventLoop] = []

@@ -27,7 +27,7 @@ from typing import Any
 
 import kvbench as kb
 import numpy as np
-from peer_common import fmt_size, gbps, median
+from peer_common import fmt_size, median
 
 BACKENDS = ("shm", "tcp")
 SCALE_TENSORS = 2
@@ -222,14 +222,7 @@ async def _fan_trials(target: str, pulls: list[tuple[Any, list[int], list[int]]]
             if moved != round_bytes:
                 raise RuntimeError(f"{len(pulls)} pulls moved {moved} bytes, expected {round_bytes}")
 
-        await round_()  # warm-up (and channel set-up)
-        results = []
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                await round_()
-            results.append(gbps(reps * round_bytes, time.perf_counter() - t0))
-        return results
+        return await kb.timed_rounds(round_, reps, trials, round_bytes)
 
 
 @contextmanager
