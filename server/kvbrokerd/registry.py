@@ -295,12 +295,21 @@ class Registry:
             with self._lock:
                 if entry.pins == 0:
                     del self._caches[cache_id]
-                    self._slots.discard(cache_id % self.max_caches)
                     break
             if time.monotonic() > deadline:
                 entry.closing = False
                 fail(LlmStatus.LLM_LINK_BUSY, f"cache {cache_id} is still in use by a transfer")
             await asyncio.sleep(0.005)
+        try:
+            # Off the event loop: an engine (nixl, hccl) deregisters on its own thread and may take a while, and
+            # unmapping a large cache takes time too. The slot stays reserved until then, so these hooks never
+            # meet a new cache in it.
+            await asyncio.get_running_loop().run_in_executor(None, self._tear_down, entry)
+        finally:
+            with self._lock:
+                self._slots.discard(cache_id % self.max_caches)
+
+    def _tear_down(self, entry: CacheEntry) -> None:
         self._removed(entry)
         self._release(entry)
 

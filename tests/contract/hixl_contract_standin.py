@@ -138,6 +138,8 @@ class Faults:
     """connect_async answers UNSUPPORTED: the adapter must fall back to a bounded connect."""
     register_delay_s: float = 0.0
     """register_mem takes this long (pinning a large region on a real NPU does), on the engine's thread."""
+    deregister_delay_s: float = 0.0
+    """deregister_mem takes this long, on the engine's thread."""
 
 
 FAULTS = Faults()
@@ -297,6 +299,7 @@ class Hixl:
     def deregister_mem(self, mem_handle: int, /) -> int:
         if not self._enter("deregister_mem"):
             return FAILED
+        time.sleep(FAULTS.deregister_delay_s)
         if self._regions.pop(mem_handle, None) is None:
             return PARAM_INVALID
         return SUCCESS

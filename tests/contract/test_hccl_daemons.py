@@ -99,6 +99,30 @@ async def test_a_slow_registration_never_blocks_the_event_loop(daemons: tuple[Da
             assert np.array_equal(tb[3], ta[2])
 
 
+async def test_a_slow_deregistration_never_blocks_the_event_loop(daemons: tuple[Daemon, Daemon]) -> None:
+    """Releasing a cache makes the engine deregister it (forget_cache), which may take long; the daemon goes on
+    answering meanwhile, and the release returns once the memory is really gone."""
+    src, dst = daemons
+    async with AsyncClient(src.local_address) as s, AsyncClient(dst.local_address) as d:
+        [linked] = await d.link_clusters([ClusterInfo(1, src.peer_address)])
+        assert linked.ok, linked
+        a, b = await s.allocate_cache(DESC), await d.allocate_cache(DESC)
+        await d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [0], [0], timeout=10)  # both sides registered
+        standin.FAULTS.deregister_delay_s = 1.0
+        started = time.monotonic()
+        release = asyncio.create_task(s.deallocate_cache(a))
+        answers, longest_gap, last = 0, 0.0, time.monotonic()
+        while not release.done():
+            await s.get_cluster_info(timeout=10)
+            answers += 1
+            longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
+            await asyncio.sleep(0.02)
+        await release
+        assert time.monotonic() - started >= 1.0
+        assert answers >= 10 and longest_gap < 0.5, f"{answers} answers; the event loop stalled {longest_gap:.2f} s"
+        assert await s.list_caches() == []
+
+
 async def test_a_cache_removed_while_it_registers_leaves_no_registration(daemons: tuple[Daemon, Daemon],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache stays pinned while the engine registers it: its removal waits, then deregisters it (never unmaps
