@@ -86,20 +86,26 @@ class Link:
         """The peer's description of `cache_id`, fetched once per link (ids are never reused by a daemon).
         Concurrent first transfers of a cache share one lookup, hence one RemoteCache: its identity keys the locks
         that keep two writes out of the same blocks (blocklocks.py), so two copies of it would let them tear."""
-        cached = self.remote_caches.get(cache_id)
-        if cached is not None:
-            return cached
-        lookup = self._lookups.get(cache_id)
-        if lookup is None:
-            lookup = self._lookups[cache_id] = asyncio.ensure_future(self._look_up(cache_id, timeout))
-            lookup.add_done_callback(lambda done: self._looked_up(cache_id, done))
-        # Each caller waits within its own deadline; one that gives up does not cancel the others' lookup.
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.shield(lookup)
-        except TimeoutError:
-            fail(LlmStatus.LLM_TIMEOUT, f"cluster {self.remote_cluster_id} did not answer the lookup of cache "
-                 f"{cache_id} in time")
+        deadline = time.monotonic() + timeout
+        while (cached := self.remote_caches.get(cache_id)) is None:
+            lookup = self._lookups.get(cache_id)
+            mine = lookup is None
+            if lookup is None:
+                lookup = self._lookups[cache_id] = asyncio.ensure_future(
+                    self._look_up(cache_id, max(0.001, deadline - time.monotonic())))
+                lookup.add_done_callback(lambda done: self._looked_up(cache_id, done))
+            # Each caller waits within its own deadline; one that gives up does not cancel the others' lookup.
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    return await asyncio.shield(lookup)
+            except TimeoutError:
+                fail(LlmStatus.LLM_TIMEOUT, f"cluster {self.remote_cluster_id} did not answer the lookup of cache "
+                     f"{cache_id} in time")
+            except LlmError as e:
+                # Another caller's lookup ran out of *its* time: ours is not over, so ask again.
+                if mine or e.status != LlmStatus.LLM_TIMEOUT or time.monotonic() >= deadline:
+                    raise
+        return cached
 
     def _looked_up(self, cache_id: int, done: asyncio.Future[RemoteCache]) -> None:
         if self._lookups.get(cache_id) is done:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmStatus, NotYetLinkError
+from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmError, LlmStatus, NotYetLinkError
 from kvbroker._local import LocalDaemon
 from tests.conftest import cluster_of
 
@@ -139,6 +140,21 @@ async def test_concurrent_first_transfers_of_a_remote_cache_share_one_descriptio
                 assert (await d.link_clusters([cluster_of(src)]))[0].ok
             assert daemon.node is not None
             link = daemon.node.links.get_ready(1)
+            # A caller with a short deadline starts the lookup while the peer is stopped; one with a long deadline
+            # joins it. The first times out; the second, whose own time is not over, still gets its answer.
+            late = s.allocate_cache(CacheDesc(num_tensors=1, shape=(4, 64)))
+            src.signal(signal.SIGSTOP)
+            try:
+                hasty = asyncio.ensure_future(link.remote_cache(late.cache_id, 0.3))
+                await asyncio.sleep(0.05)
+                patient = asyncio.ensure_future(link.remote_cache(late.cache_id, 10.0))
+                with pytest.raises(LlmError) as info:
+                    await hasty
+                assert info.value.status == LlmStatus.LLM_TIMEOUT
+            finally:
+                src.signal(signal.SIGCONT)
+            assert (await patient).cache_id == late.cache_id
+
             found = await asyncio.gather(*(link.remote_cache(target.cache_id, 10.0) for _ in range(6)))
             assert all(r is found[0] for r in found), "concurrent lookups made several descriptions of one cache"
             assert await link.remote_cache(target.cache_id, 10.0) is found[0]
