@@ -57,10 +57,6 @@ class Plan:
         # Asked several times per transfer (limits, inline choice, accounting); the arrays never change.
         return int(self.length.sum())
 
-    def runs(self) -> list[Run]:
-        return list(zip(range(self.num_runs), self.src_tensor.tolist(), self.src_offset.tolist(),
-                        self.dst_tensor.tolist(), self.dst_offset.tolist(), self.length.tolist(), strict=True))
-
 
 def block_array(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     """uint64 array of block indices; refuses values that are negative or do not fit 64 bits."""
@@ -283,12 +279,9 @@ class Progress:
         self._landed.append((run_index, nbytes))
 
     def mark_runs(self, runs: np.ndarray, nbytes: np.ndarray) -> None:
-        """`mark` for many runs (or pieces of runs) at once."""
+        """`mark` for many runs (or pieces of runs) at once; negative bytes take marks back (bytes that arrived but
+        turned out not to be the source's)."""
         self._landed_arrays.append((runs, nbytes))
-
-    def retract(self, run_index: int, nbytes: int) -> None:
-        """Takes back a mark: the bytes arrived but turned out not to be the source's."""
-        self._landed.append((run_index, -nbytes))
 
     @contextlib.contextmanager
     def on_cancel(self, wake: Callable[[], object]) -> Iterator[None]:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,6 +74,17 @@ async def test_two_daemons_pull_and_push_over_hccl(daemons: tuple[Daemon, Daemon
     assert {t for e, _, t in standin.CALLS if e == "127.0.0.1:26002"} == {"kvbroker-hixl-npu2_0"}
 
 
+async def _answers_while(client: AsyncClient, task: asyncio.Task[Any]) -> tuple[int, float]:
+    """Asks `client`'s daemon for its cluster info every 20 ms until `task` is done: (answers, longest gap in s)."""
+    answers, longest_gap, last = 0, 0.0, time.monotonic()
+    while not task.done():
+        await client.get_cluster_info(timeout=10)
+        answers += 1
+        longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
+        await asyncio.sleep(0.02)
+    return answers, longest_gap
+
+
 async def test_a_slow_registration_never_blocks_the_event_loop(daemons: tuple[Daemon, Daemon]) -> None:
     """A peer's GetCacheInfo registers the cache with the engine (describe_cache); that may take long (a large region
     on an NPU, or an engine thread busy with a link set-up), and the daemon goes on answering meanwhile."""
@@ -86,12 +98,7 @@ async def test_a_slow_registration_never_blocks_the_event_loop(daemons: tuple[Da
         standin.FAULTS.register_delay_s = 1.0
         started = time.monotonic()
         pull = asyncio.create_task(d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [2], [3], timeout=20))
-        answers, longest_gap, last = 0, 0.0, time.monotonic()
-        while not pull.done():
-            await s.get_cluster_info(timeout=10)
-            answers += 1
-            longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
-            await asyncio.sleep(0.02)
+        answers, longest_gap = await _answers_while(s, pull)
         assert (await pull).backend == "hccl"
         assert time.monotonic() - started >= 1.0  # the registration was slow, and the daemon answered meanwhile:
         assert answers >= 10 and longest_gap < 0.5, f"{answers} answers; the event loop stalled {longest_gap:.2f} s"
@@ -111,12 +118,7 @@ async def test_a_slow_deregistration_never_blocks_the_event_loop(daemons: tuple[
         standin.FAULTS.deregister_delay_s = 1.0
         started = time.monotonic()
         release = asyncio.create_task(s.deallocate_cache(a))
-        answers, longest_gap, last = 0, 0.0, time.monotonic()
-        while not release.done():
-            await s.get_cluster_info(timeout=10)
-            answers += 1
-            longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
-            await asyncio.sleep(0.02)
+        answers, longest_gap = await _answers_while(s, release)
         await release
         assert time.monotonic() - started >= 1.0
         assert answers >= 10 and longest_gap < 0.5, f"{answers} answers; the event loop stalled {longest_gap:.2f} s"

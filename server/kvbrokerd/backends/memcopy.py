@@ -214,16 +214,15 @@ class _Landed(Exception):
 
 
 def _safe_copy_runs(src: Endpoint, dst: Endpoint, src_at: np.ndarray, dst_at: np.ndarray, n: np.ndarray) -> None:
-    assert _safecopy is not None
     try:
-        _safecopy.copy_runs(dst_at, src_at, n)
+        copy_runs(dst_at, src_at, n)
         return
-    except _safecopy.FaultError as e:
-        side, run = e.side, e.run
+    except RunFault as e:
+        fault = e
     try:
-        (_source_shrank if side == "source" else _destination_vanished)(src if side == "source" else dst)
+        (_source_shrank if fault.side == "source" else _destination_vanished)(src if fault.side == "source" else dst)
     except LlmError as err:
-        raise _Landed(run, err) from None
+        raise _Landed(fault.run, err) from None
 
 
 def _memmove(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:

@@ -410,7 +410,7 @@ class DataServer:
             except memcopy.RunFault as e:
                 log.warning("cache %d lost its memory while a peer read it (a segment shrank or vanished); the read "
                             "fails, the link stays", entry.cache_id)
-                good = int(at[e.run]) if e.run else 0
+                good = int(at[e.run])  # the runs before the fault are the source's
                 sockio.send_views(conn, [*head, buf.data[:good]], watch)
                 sockio.send_zeros(conn, total - sent - good, watch)
                 sockio.send_all(conn, TRAILER.pack(b"KVEN", int(LlmStatus.LLM_KV_CACHE_NOT_EXIST), sent + good),
