@@ -438,8 +438,9 @@ class TransferManager:
         return result, [j.backend for j in jobs]
 
 
-# Transfer ids: 12 hex digits, a random per-process prefix and a counter (cheaper than a uuid per request, and
-# unique across daemons and restarts as far as logs need).
+# Transfer ids: a random per-process prefix and a counter, 12 hex digits for the first 16M transfers and longer
+# after (cheaper than a uuid per request; never repeated within a daemon's life, and distinct across daemons and
+# restarts as far as logs need).
 _ID_PREFIX = secrets.token_hex(3)
 _ID_COUNTER = itertools.count(1)
 
@@ -449,7 +450,7 @@ class Tracked:
     transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
 
     def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
-        self.id = f"{_ID_PREFIX}{next(_ID_COUNTER) & 0xFFFFFF:06x}"
+        self.id = f"{_ID_PREFIX}{next(_ID_COUNTER):06x}"
         self.op, self.peer, self.deadline = op, peer, deadline
         self.backend = "none"
         self.moved = 0
