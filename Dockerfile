@@ -31,7 +31,7 @@ RUN python3 -m venv /opt/kvbroker \
  && /opt/kvbroker/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvbroker/bin/pip install --find-links /wheels 'kvbroker[server]' \
  && /opt/kvbroker/bin/kvbrokerd --help > /dev/null \
- && /opt/kvbroker/bin/python -c "from kvbrokerd.backends import memcopy; print(memcopy.copy_path()[1])"
+ && /opt/kvbroker/bin/python -c "from kvbrokerd.backends.common import memcopy; print(memcopy.copy_path()[1])"
 
 # ---- runtime ----------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -17,7 +17,7 @@ median of --trials timed trials):
   nixl          NIXL 1.5.1 UCX READs, default UCX (same host; anonymous and /dev/shm memory) and UCX_TLS=tcp
   mooncake      Mooncake Transfer Engine tcp READs, batches of <= 2048 (bench/.venvs/mooncake)
   latency       one 64 KiB block pull, p50/p99, beside a bare gRPC Ping to the same daemon
-  planning      kvbrokerd.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
+  planning      kvbrokerd.transfers.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
   scale-blocks  one pull of 1 .. 1,048,576 small blocks, contiguous and scattered, with where its time goes (scale.py)
   scale-peers   the same bytes pulled from 1, 2, 4, 8, 16 linked peers at once, and the cost of a link (scale.py)
 Peers not installed are skipped with a message: `bash bench/setup_peers.sh` installs them.
@@ -685,7 +685,7 @@ def bench_kvbroker(cfg: Config, rep: Report) -> None:
 
 def bench_planning(cfg: Config, rep: Report) -> None:
     from kvbroker import CacheDesc, DataType
-    from kvbrokerd import planner
+    from kvbrokerd.transfers import planner
 
     tensors = 2 * PLAN_LAYERS
     num_blocks = 2 * max(PLAN_BLOCKS)

@@ -64,7 +64,7 @@ def _planning(block: int, num_blocks: int, s: np.ndarray, d: np.ndarray, reps: i
     """The planner alone, in this process: a valid plan, and the same lists refused by the duplicate check; their
     difference is the cost of the runs (coalescing and crossing with the tensors)."""
     from kvbroker import LlmError
-    from kvbrokerd import planner
+    from kvbrokerd.transfers import planner
 
     desc = kb.cache_desc(SCALE_TENSORS, num_blocks, block)
     sa = planner.block_array(s.tolist(), "src_blocks")

@@ -1,7 +1,7 @@
 """A raw client of a daemon's tcp data port, for tests that play a misbehaving (but linked) peer.
 
 It links to the daemon through the real Peer API (as a made-up cluster), then speaks the data-port frames of
-`kvbrokerd.backends.tcp` by hand: enough to stop reading mid-reply, hold connections open, or drip bytes.
+`kvbrokerd.backends.tcp.channel` by hand: enough to stop reading mid-reply, hold connections open, or drip bytes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import struct
 import numpy as np
 
 from kvbroker._local import LocalDaemon
-from kvbrokerd import linkauth
-from kvbrokerd.backends import tcp
+from kvbrokerd.backends.tcp import wire as tcp
+from kvbrokerd.links import linkauth
 from tests.peerkit import link_as, token_of
 
 

@@ -99,7 +99,7 @@ class FakeRuntime:
 
 def install() -> None:
     """Points kvbrokerd's CUDA importer at one FakeRuntime per process (for a daemon started by a test)."""
-    from kvbrokerd.backends import cudaipc
+    from kvbrokerd.backends.common import cudaipc
 
     runtime = FakeRuntime(log_path=os.environ.get("KVBROKER_FAKE_CUDA_LOG", ""))
     cudaipc.cuda_missing = lambda: None

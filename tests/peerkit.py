@@ -12,8 +12,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-from kvbrokerd import linkauth
-from kvbrokerd.inbound import PROTOCOL_VERSION, sign
+from kvbrokerd.links import linkauth
+from kvbrokerd.links.inbound import PROTOCOL_VERSION, sign
 
 
 def token_of(workdir: Path) -> bytes:
@@ -75,7 +75,7 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
     `description` and `caches` (by cache id)."""
 
     def __init__(self, cluster_id: int, token: bytes | None, description: peer_pb2.AuthenticateResponse) -> None:
-        from kvbrokerd.inbound import InboundTable
+        from kvbrokerd.links.inbound import InboundTable
 
         self.cluster_id = cluster_id
         self.description = description

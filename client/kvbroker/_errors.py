@@ -1,5 +1,5 @@
 """Turns a failed call to the daemon into the matching `LlmError` (the client's decoder; `read_failure` is shared
-with the daemon, which decodes its peers' answers in `kvbrokerd.links`)."""
+with the daemon, which decodes its peers' answers in `kvbrokerd.links.table`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvbrokerd import backends as _backends
-from kvbrokerd.backends.hccl_engine import DEFAULT_ENGINE_PORT, HcclSettings
+from kvbrokerd.backends.hccl.engine import DEFAULT_ENGINE_PORT, HcclSettings
 
 KNOWN_BACKENDS = tuple(_backends.MODULES)
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -120,7 +120,7 @@ class Config:
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: {self.log_format!r} — choose text or json")
         if self.peer_token_file:
-            from kvbrokerd.linkauth import TokenError, load_token
+            from kvbrokerd.links.linkauth import TokenError, load_token
 
             try:
                 load_token(self.peer_token_file)

@@ -19,22 +19,23 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvbrokerd import backends, linkauth
-from kvbrokerd.backends import memcopy
+from kvbrokerd import backends
 from kvbrokerd.backends.base import Backend, LocalContext
-from kvbrokerd.backends.tcp import TcpBackend
+from kvbrokerd.backends.common import memcopy
+from kvbrokerd.backends.tcp.backend import TcpBackend
 from kvbrokerd.config import Config
-from kvbrokerd.links import LinkTable
+from kvbrokerd.links import linkauth
+from kvbrokerd.links.table import LinkTable
 from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_use, unix_path
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
-from kvbrokerd.registry import Registry
+from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.sessions import SessionTable
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
-from kvbrokerd.sessions import SessionTable
 from kvbrokerd.tls import TlsMaterial
-from kvbrokerd.transfers import TransferManager
+from kvbrokerd.transfers.manager import TransferManager
 
 log = logging.getLogger(__name__)
 

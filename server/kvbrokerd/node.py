@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbrokerd.links import LinkTable
-from kvbrokerd.notifications import NotificationBox
-from kvbrokerd.registry import Registry
-from kvbrokerd.sessions import SessionTable
-from kvbrokerd.transfers import TransferManager
+from kvbrokerd.links.notifications import NotificationBox
+from kvbrokerd.links.table import LinkTable
+from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.sessions import SessionTable
+from kvbrokerd.transfers.manager import TransferManager
 
 
 @dataclass(eq=False)

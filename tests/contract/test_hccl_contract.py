@@ -24,13 +24,13 @@ import pytest
 
 from kvbroker.status import LlmError
 from kvbroker.types import CacheDesc
-from kvbrokerd.backends import hccl as hccl_module
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
-from kvbrokerd.backends.hccl import HcclBackend, HcclChannel, HcclSettings, llm_status
+from kvbrokerd.backends.hccl import backend as hccl_module
+from kvbrokerd.backends.hccl.backend import HcclBackend, HcclChannel, HcclSettings, llm_status
 from kvbrokerd.config import ConfigError, load
 from kvbrokerd.errors import LlmStatus
-from kvbrokerd.planner import LayerSelection, Plan, Progress, block_array, plan_blocks
-from kvbrokerd.registry import CacheEntry, Registry
+from kvbrokerd.registry.caches import CacheEntry, Registry
+from kvbrokerd.transfers.planner import LayerSelection, Plan, Progress, block_array, plan_blocks
 from tests.contract import hixl_contract_standin as standin
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 256))

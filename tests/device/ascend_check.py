@@ -114,7 +114,7 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 # -- part 1: two adapter processes ------------------------------------------------------------------------------------
 def _backend(device: int, engine: str, protocol: str, entries: list[Any]) -> Any:
     from kvbrokerd.backends.base import LocalContext
-    from kvbrokerd.backends.hccl import HcclBackend, HcclSettings
+    from kvbrokerd.backends.hccl.backend import HcclBackend, HcclSettings
 
     class Entries:  # the adapter prunes registrations of caches its registry no longer lists
         max_caches = 4096
@@ -132,7 +132,7 @@ def _backend(device: int, engine: str, protocol: str, entries: list[Any]) -> Any
 
 def _entry(cache_id: int, buf: NpuBuffer) -> Any:
     from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry.caches import CacheEntry
 
     desc = CacheDesc(num_tensors=1, shape=(buf.nbytes // BLOCK_BYTES, BLOCK_BYTES), data_type=DataType.UINT8,
                      placement=Placement.DEVICE)
@@ -172,8 +172,8 @@ def source_process(conn: multiprocessing.connection.Connection, device: int, eng
 def destination_process(conn: multiprocessing.connection.Connection, device: int, engine: str, protocol: str,
                         nbytes: int) -> None:
     from kvbrokerd.backends.base import PeerInfo, RemoteCache
-    from kvbrokerd.backends.hccl import HcclChannel
-    from kvbrokerd.planner import LayerSelection, Progress, block_array, plan_blocks
+    from kvbrokerd.backends.hccl.backend import HcclChannel
+    from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, plan_blocks
 
     results: dict[str, Any] = {}
     entries: list[Any] = []

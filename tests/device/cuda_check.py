@@ -52,7 +52,7 @@ def no_device_reason() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
     from kvbrokerd.backends import unavailable
-    from kvbrokerd.backends.cudaipc import cuda_missing
+    from kvbrokerd.backends.common.cudaipc import cuda_missing
 
     return cuda_missing() or unavailable("nixl")
 
@@ -78,7 +78,7 @@ def device_baselines(torch: Any, src: Any, dst: Any, rounds: int) -> dict[str, A
     sync = torch.cuda.synchronize
     out: dict[str, Any] = {"torch_copy_GBps": _gbps(src.numel(), _best(lambda: dst.copy_(src), rounds, sync))}
     try:
-        from kvbrokerd.backends.cudaipc import load_runtime
+        from kvbrokerd.backends.common.cudaipc import load_runtime
 
         rt, _ = load_runtime()
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice

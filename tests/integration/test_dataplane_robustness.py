@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvbroker import AsyncClient, Cache, CacheDesc, CacheIndex, Client, DataType, LinkState, LlmError, LlmStatus
 from kvbroker._local import LocalDaemon
 from kvbroker.types import TensorLocation
-from kvbrokerd.backends import tcp
+from kvbrokerd.backends.tcp import wire as tcp
 from tests import dataport
 from tests.conftest import cluster_of
 from tests.helpers import Allocations, fill, snapshot

@@ -22,7 +22,7 @@ from kvbroker import (
 )
 from kvbroker._local import LocalDaemon
 from kvbrokerd.backends import unavailable
-from kvbrokerd.backends.cudaipc import cuda_missing
+from kvbrokerd.backends.common.cudaipc import cuda_missing
 
 pytestmark = pytest.mark.skipif(unavailable("nixl") is not None, reason=str(unavailable("nixl")))
 
@@ -119,7 +119,7 @@ def test_the_refusal_is_logged_nowhere_as_a_crash(nixl_daemon: LocalDaemon, tmp_
 def test_listed_device_caches_keep_no_ipc_handle(tmp_path: Path) -> None:
     """Whoever holds a handle can map the model server's memory: the registry drops it once the backend imported it,
     so neither ListCaches nor a peer's GetCacheInfo can hand it on; a failed preparation lists nothing."""
-    from kvbrokerd.registry import Registry
+    from kvbrokerd.registry.caches import Registry
     from kvbrokerd.service.local import cache_info
 
     registry = Registry(tmp_path)
@@ -140,7 +140,7 @@ def test_listed_device_caches_keep_no_ipc_handle(tmp_path: Path) -> None:
 def test_a_peers_description_never_brings_a_handle_in() -> None:
     from kvbroker.convert import desc_to_pb, tensor_location_to_pb
     from kvbroker.v1 import peer_pb2
-    from kvbrokerd.links import Link
+    from kvbrokerd.links.table import Link
 
     resp = peer_pb2.GetCacheInfoResponse(cache_id=5, desc=desc_to_pb(DESC),
                                          tensors=[tensor_location_to_pb(t) for t in GOOD])

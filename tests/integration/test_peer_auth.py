@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LlmStatus, NotYetLinkError, ParamInvalidError
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc, types_pb2
-from kvbrokerd import linkauth
+from kvbrokerd.links import linkauth
 from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import fill

@@ -28,8 +28,8 @@ from kvbroker import (
 from kvbroker import convert as cv
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
-from kvbrokerd.registry import Registry
-from kvbrokerd.sessions import SessionTable
+from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.sessions import SessionTable
 from tests.conftest import cluster_of
 from tests.helpers import fill
 

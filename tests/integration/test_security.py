@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LlmStatus
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvbrokerd import linkauth
+from kvbrokerd.links import linkauth
 from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import fill

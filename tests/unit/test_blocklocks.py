@@ -1,4 +1,5 @@
-"""Destination-block claims (kvbrokerd.blocklocks): overlapping writers take turns, disjoint ones never wait."""
+"""Destination-block claims (kvbrokerd.transfers.blocklocks): overlapping writers take turns, disjoint ones
+never wait."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker import LlmError, LlmStatus
-from kvbrokerd import blocklocks
-from kvbrokerd.blocklocks import BlockLocks, run_cells
+from kvbrokerd.transfers import blocklocks
+from kvbrokerd.transfers.blocklocks import BlockLocks, run_cells
 
 BLOCK = 64
 TENSORS, BLOCKS = 4, 32

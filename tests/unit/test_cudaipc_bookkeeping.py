@@ -10,7 +10,7 @@ import pytest
 
 from kvbroker import LlmStatus
 from kvbroker.status import LlmError
-from kvbrokerd.backends.cudaipc import CudaIpcImporter, parse_device
+from kvbrokerd.backends.common.cudaipc import CudaIpcImporter, parse_device
 from tests.fakecuda import GPU0, GPU1, SIZE, FakeRuntime
 
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbrokerd import linkauth
-from kvbrokerd.backends import tcp
-from kvbrokerd.registry import Registry
+from kvbrokerd.backends.tcp import server as tcp
+from kvbrokerd.links import linkauth
+from kvbrokerd.registry.caches import Registry
 
 
 class _FailingListener:

@@ -12,8 +12,8 @@ import pytest
 from kvbroker import DeviceMemory, TensorLocation
 from kvbroker.device import ExportedAllocation, raw_locations, torch_locations
 from kvbrokerd.backends.base import Capabilities
-from kvbrokerd.devicemem import check_moves
 from kvbrokerd.errors import LlmError, LlmStatus
+from kvbrokerd.registry.devicemem import check_moves
 
 H1, H2 = b"1" * 64, b"2" * 64
 A1 = ExportedAllocation("cuda", "GPU-a", H1, 0x10000, 1 << 20)

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.types import CacheDesc, DataType
-from kvbrokerd.backends import memcopy
-from kvbrokerd.planner import LayerSelection, Pieces, Plan, Progress, plan_blocks
+from kvbrokerd.backends.common import memcopy
+from kvbrokerd.transfers.planner import LayerSelection, Pieces, Plan, Progress, plan_blocks
 
 
 def _plan(lengths: list[int]) -> Plan:

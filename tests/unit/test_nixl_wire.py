@@ -15,7 +15,8 @@ import pytest
 from kvbroker import CacheDesc, DataType, LlmError, LlmStatus, TensorLocation
 from kvbrokerd.backends import unavailable
 from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
-from kvbrokerd.backends.nixl import (
+from kvbrokerd.backends.nixl.agent import agent_name_of, llm_error
+from kvbrokerd.backends.nixl.backend import (
     CHUNK_BYTES,
     DESCRIPTION,
     NixlBackend,
@@ -24,8 +25,7 @@ from kvbrokerd.backends.nixl import (
     _chunks,
     _regions,
 )
-from kvbrokerd.backends.nixlagent import agent_name_of, llm_error
-from kvbrokerd.planner import LayerSelection, block_array, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)
 
@@ -159,7 +159,7 @@ def test_nixl_logs_through_the_daemons_handlers() -> None:
     of grpc_tools there), and checking that they are not is the next test's job."""
     check = (
         "import logging\n"
-        "from kvbrokerd.backends.nixlagent import load_api\n"
+        "from kvbrokerd.backends.nixl.agent import load_api\n"
         "load_api()\n"
         "log = logging.getLogger('nixl')\n"
         "assert log.handlers == [] and log.propagate and log.level == logging.WARNING, log\n"

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from kvbroker import LlmStatus
-from kvbrokerd import notifications
 from kvbrokerd.errors import LlmError
+from kvbrokerd.links import notifications
 
 
 def test_queued_bytes_are_bounded_and_freed_by_fetching(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import grpc.aio
 import pytest
 
 from kvbroker.status import LlmError, LlmStatus
-from kvbrokerd.links import PEER_FORGOT_LINK, peer_error
+from kvbrokerd.links.table import PEER_FORGOT_LINK, peer_error
 from kvbrokerd.service.errors import to_rpc_status
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
-from kvbrokerd.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -47,7 +47,7 @@ def test_plan_bytes_and_tensor_pairs() -> None:
 ])
 def test_refusals(src: list[int], dst: list[int], layers: LayerSelection, match: str) -> None:
     with pytest.raises(ParamInvalidError, match=match) as info:
-        from kvbrokerd.planner import check_block_lists
+        from kvbrokerd.transfers.planner import check_block_lists
 
         check_block_lists(arr(src), arr(dst))
         plan_blocks(DESC, DESC, arr(src), arr(dst), layers)
@@ -97,7 +97,7 @@ def test_plan_for_80_layers_4096_scattered_blocks() -> None:
 
 
 def test_only_small_plans_with_few_runs_run_on_the_event_loop() -> None:
-    from kvbrokerd.backends.memcopy import small_enough_for_the_loop
+    from kvbrokerd.backends.common.memcopy import small_enough_for_the_loop
 
     tiny = CacheDesc(num_tensors=2, shape=(200_000, 1), data_type=DataType.UINT8)
     many = np.random.default_rng(0).permutation(200_000).astype(np.uint64)

@@ -15,8 +15,8 @@ from kvbroker._errors import error_from_rpc
 from kvbroker.convert import blocks_to_runs, runs_to_blocks
 from kvbroker.status import ACCEPT_DETAILS_HEADER, LlmStatus
 from kvbrokerd.errors import LlmError
-from kvbrokerd.reports import GroupReport, TransferReport
 from kvbrokerd.service.errors import DEFAULT_DETAILS_BUDGET, details_budget, report_to_pb, to_rpc_status
+from kvbrokerd.transfers.reports import GroupReport, TransferReport
 
 blocks_st = st.lists(st.integers(0, 2**63), max_size=200)
 

@@ -330,7 +330,7 @@ def test_faulthandler_enabled_first_sees_nothing_of_a_guarded_fault(shm_dir: Pat
 def test_memcopy_says_which_copy_it_uses_and_falls_back_to_the_kernel(case: str) -> None:
     code = ("import logging, sys\n"
             "if sys.argv[1] == 'missing':\n    sys.modules['kvbrokerd._safecopy'] = None  # as if never built\n"
-            "from kvbrokerd.backends import memcopy\n"
+            "from kvbrokerd.backends.common import memcopy\n"
             "import json\n"
             "level, line = memcopy.copy_path()\n"
             "print(json.dumps({'level': logging.getLevelName(level), 'line': line,\n"
@@ -367,9 +367,9 @@ def test_the_daemon_logs_its_copy_path_at_start(tmp_path: Path, setting: str) ->
 STABLE_MEMORY_TRUNCATED = """
 import concurrent.futures, time
 from kvbroker.types import CacheDesc, DataType
-from kvbrokerd.backends import memcopy
+from kvbrokerd.backends.common import memcopy
 from kvbrokerd.errors import LlmError
-from kvbrokerd.planner import LayerSelection, Progress, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, Progress, plan_blocks
 
 shm, side = sys.argv[1], sys.argv[2]
 desc = CacheDesc(num_tensors=2, shape=(64, 256 << 10), data_type=DataType.UINT8)  # 32 MiB: two copy threads

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kvbroker.types import CacheDesc
-from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends.base import LocalContext
-from kvbrokerd.backends.liveslots import LiveSlots
-from kvbrokerd.registry import CacheEntry, Registry
+from kvbrokerd.backends.common.liveslots import LiveSlots
+from kvbrokerd.backends.shm import backend as shm_backend
+from kvbrokerd.registry.caches import CacheEntry, Registry
 
 DESC = CacheDesc(num_tensors=1, shape=(2, 64))
 

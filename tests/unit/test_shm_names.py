@@ -1,4 +1,4 @@
-"""Segment names, safe opening and instance locks (kvbrokerd.shmseg), and the shm backend's distrust of what a
+"""Segment names, safe opening and instance locks (kvbrokerd.registry.shmseg), and the shm backend's distrust of what a
 peer names: every check runs against real files in a private directory of /dev/shm."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvbroker.types import CacheDesc, DataType, TensorLocation
-from kvbrokerd import shmseg
-from kvbrokerd.backends import shm as shm_backend
 from kvbrokerd.backends.base import RemoteCache
-from kvbrokerd.backends.shm_control import NONCE_BYTES
+from kvbrokerd.backends.shm import backend as shm_backend
+from kvbrokerd.backends.shm.control import NONCE_BYTES
 from kvbrokerd.errors import LlmError, LlmStatus
+from kvbrokerd.registry import shmseg
 
 NOBODY = 65534
 
@@ -198,10 +198,10 @@ import concurrent.futures, os, sys, time
 from pathlib import Path
 import numpy as np
 from kvbroker.types import CacheDesc, DataType
-from kvbrokerd import shmseg
-from kvbrokerd.backends import memcopy
+from kvbrokerd.registry import shmseg
+from kvbrokerd.backends.common import memcopy
 from kvbrokerd.errors import LlmError
-from kvbrokerd.planner import LayerSelection, Progress, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, Progress, plan_blocks
 
 shm_dir, mode = Path(sys.argv[1]), sys.argv[2]
 desc = CacheDesc(num_tensors=1, shape=(16, 4096), data_type=DataType.UINT8)

@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 
 from kvbroker.status import LlmError, LlmStatus
-from kvbrokerd.backends import memcopy, sockio, staging, tcp
-from kvbrokerd.planner import Pieces, Plan, Progress
+from kvbrokerd.backends.common import memcopy, sockio, staging
+from kvbrokerd.backends.tcp import channel as tcp_channel
+from kvbrokerd.backends.tcp import server as tcp_server
+from kvbrokerd.backends.tcp import wire as tcp_wire
+from kvbrokerd.transfers.planner import Pieces, Plan, Progress
 
 pytestmark = pytest.mark.skipif(not memcopy.copy_runs_available(), reason="kvbrokerd._safecopy is not built here")
 RUN = 3000  # bytes a run: small, odd, and a chunk ends inside no run
@@ -48,7 +51,7 @@ def _pieces(src_order: np.ndarray, dst_order: np.ndarray) -> tuple[Pieces, Plan,
     zeros = np.zeros(len(n), dtype=np.uint32)
     plan = Plan(zeros, src_order.astype(np.uint64) * np.uint64(RUN), zeros,
                 dst_order.astype(np.uint64) * np.uint64(RUN), n, dst_order.astype(np.uint64), RUN)
-    runs = np.zeros(len(n), dtype=tcp.RUN)
+    runs = np.zeros(len(n), dtype=tcp_wire.RUN)
     runs["tensor"], runs["offset"], runs["length"] = 0, plan.src_offset, n
     return Pieces.of(plan), plan, runs
 
@@ -66,19 +69,19 @@ def _read(tmp_path: Path, truncate_to: int | None) -> tuple[Side, Side, Progress
     watch = sockio.Watch(time.monotonic() + 20)
 
     def serve() -> None:
-        reply = memoryview(tcp.REPLY.pack(b"KVRS", 0, total))
-        tcp.DataServer._serve_read_staged(server, cast(Any, src.entry), runs, reply, total, watch)
+        reply = memoryview(tcp_wire.REPLY.pack(b"KVRS", 0, total))
+        tcp_server.DataServer._serve_read_staged(server, cast(Any, src.entry), runs, reply, total, watch)
 
     thread = threading.Thread(target=serve)
     thread.start()
     progress = Progress(plan)
     error = None
     try:
-        tcp._expect_ok(client, "read", watch)
-        tcp._read_staged(client, cast(Any, dst.entry), pieces, progress, watch)
-        trailer = bytearray(tcp.TRAILER.size)
+        tcp_channel._expect_ok(client, "read", watch)
+        tcp_channel._read_staged(client, cast(Any, dst.entry), pieces, progress, watch)
+        trailer = bytearray(tcp_wire.TRAILER.size)
         sockio.recv_exact(client, memoryview(trailer), watch)
-        tcp._check_trailer(trailer, pieces, progress, 7)
+        tcp_channel._check_trailer(trailer, pieces, progress, 7)
     except LlmError as e:
         error = e
     finally:
@@ -136,7 +139,7 @@ def _write(tmp_path: Path, truncate_to: int | None) -> tuple[Side, np.ndarray, P
     try:
         watch = sockio.Watch(time.monotonic() + 20)
         try:
-            tcp._recv_staged(server, cast(Any, dst.entry), runs, watch)
+            tcp_server._recv_staged(server, cast(Any, dst.entry), runs, watch)
         except sockio.MemoryFault as fault:
             error = fault
             sockio.drain(server, COUNT * RUN - fault.done, watch)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvbrokerd import transfers
+from kvbrokerd.transfers import manager as transfers
 
 
 def _new_id() -> str:

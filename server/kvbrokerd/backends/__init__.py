@@ -11,10 +11,10 @@ import importlib
 from kvbrokerd.backends.base import Backend
 
 MODULES: dict[str, str] = {
-    "shm": "kvbrokerd.backends.shm",
-    "tcp": "kvbrokerd.backends.tcp",
-    "nixl": "kvbrokerd.backends.nixl",
-    "hccl": "kvbrokerd.backends.hccl",
+    "shm": "kvbrokerd.backends.shm.backend",
+    "tcp": "kvbrokerd.backends.tcp.backend",
+    "nixl": "kvbrokerd.backends.nixl.backend",
+    "hccl": "kvbrokerd.backends.hccl.backend",
 }
 """Backend name -> module, in the default order of preference."""
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheDesc, TensorLocation
-from kvbrokerd.backends.hccl_engine import HcclSettings
+from kvbrokerd.backends.hccl.engine import HcclSettings
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry, Registry
+    from kvbrokerd.registry.caches import CacheEntry, Registry
+    from kvbrokerd.transfers.planner import Plan, Progress
 
 
 _Part = TypeVar("_Part")

@@ -24,7 +24,7 @@ from kvbroker.convert import blocks_to_runs
 from kvbroker.status import ACCEPT_DETAILS_HEADER, ERROR_DOMAIN, grpc_code_for
 from kvbroker.v1 import errors_pb2
 from kvbrokerd.errors import LlmError, LlmStatus
-from kvbrokerd.reports import TransferReport
+from kvbrokerd.transfers.reports import TransferReport
 
 log = logging.getLogger(__name__)
 

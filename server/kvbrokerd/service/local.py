@@ -13,15 +13,16 @@ from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_locatio
 from kvbroker.status import LlmStatus
 from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from kvbrokerd import devicemem, notifications
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
-from kvbrokerd.links import PROTOCOL_VERSION
+from kvbrokerd.links import notifications
+from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
-from kvbrokerd.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
-from kvbrokerd.registry import CacheEntry, desc_from_wire
+from kvbrokerd.registry import devicemem
+from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
-from kvbrokerd.transfers import BlocksRequest, CacheRequest, Direction
+from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction
+from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0

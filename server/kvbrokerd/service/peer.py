@@ -8,7 +8,7 @@ import grpc.aio
 from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd.errors import LlmError
-from kvbrokerd.links import PROTOCOL_VERSION
+from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors
 

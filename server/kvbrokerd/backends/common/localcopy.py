@@ -10,12 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 from typing import TYPE_CHECKING
 
-from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
+from kvbrokerd.backends.common import memcopy
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry, Registry
+    from kvbrokerd.registry.caches import CacheEntry, Registry
+    from kvbrokerd.transfers.planner import Plan, Progress
 
 NAME = "local"
 

@@ -28,7 +28,6 @@ from kvbroker.convert import desc_from_pb
 from kvbroker.status import make_error, read_failure
 from kvbroker.types import DeviceMemory, LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-from kvbrokerd import linkauth
 from kvbrokerd.backends.base import (
     MAX_ADVERTISEMENT_BYTES,
     Backend,
@@ -38,7 +37,8 @@ from kvbrokerd.backends.base import (
     RemoteCache,
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail
-from kvbrokerd.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
+from kvbrokerd.links import linkauth
+from kvbrokerd.links.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
 
 log = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbrokerd import shmseg
-from kvbrokerd.backends import memcopy
 from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
-from kvbrokerd.backends.shm_control import CONTROL_SUFFIX, NONCE_BYTES, ShmControlPage
+from kvbrokerd.backends.common import memcopy
+from kvbrokerd.backends.shm.control import CONTROL_SUFFIX, NONCE_BYTES, ShmControlPage
 from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.registry import shmseg
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry.caches import CacheEntry
+    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvbrokerd.backends.base import run_parts
 from kvbrokerd.errors import LlmError, LlmStatus, fail
-from kvbrokerd.planner import Pieces, Plan, Progress
+from kvbrokerd.transfers.planner import Pieces, Plan, Progress
 
 # Below this many bytes a second copying thread costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20

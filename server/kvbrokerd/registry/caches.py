@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
-from kvbrokerd import shmseg
-from kvbrokerd.backends.memcopy import Endpoint
+from kvbrokerd.backends.common.memcopy import Endpoint
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
+from kvbrokerd.registry import shmseg
 
 log = logging.getLogger(__name__)
 

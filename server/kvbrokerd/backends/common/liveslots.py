@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvbrokerd.registry import CacheEntry, Registry
+    from kvbrokerd.registry.caches import CacheEntry, Registry
 
 
 class LiveSlots:

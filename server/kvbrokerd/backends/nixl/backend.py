@@ -40,8 +40,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbroker.types import CacheDesc, TensorLocation
-from kvbrokerd import devicemem
-from kvbrokerd.backends import cudaipc
 from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
@@ -52,8 +50,9 @@ from kvbrokerd.backends.base import (
     RemoteCache,
     engine_result,
 )
-from kvbrokerd.backends.liveslots import LiveSlots
-from kvbrokerd.backends.nixlagent import (
+from kvbrokerd.backends.common import cudaipc
+from kvbrokerd.backends.common.liveslots import LiveSlots
+from kvbrokerd.backends.nixl.agent import (
     IMPLEMENTATIONS,
     AgentThread,
     agent_name_of,
@@ -63,10 +62,11 @@ from kvbrokerd.backends.nixlagent import (
     load_api,
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
+from kvbrokerd.registry import devicemem
 
 if TYPE_CHECKING:
-    from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry.caches import CacheEntry
+    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

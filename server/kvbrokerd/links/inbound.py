@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 
 from kvbroker.v1 import peer_pb2
-from kvbrokerd import linkauth
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
+from kvbrokerd.links import linkauth
 
 log = logging.getLogger(__name__)
 

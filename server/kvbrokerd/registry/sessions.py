@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvbrokerd.errors import LlmError, param_invalid
 from kvbrokerd.limits import MAX_LEASE_TTL_S, MAX_SESSION_ID_BYTES, check_text
-from kvbrokerd.registry import Registry
+from kvbrokerd.registry.caches import Registry
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from kvbrokerd.backends.base import (
     PeerInfo,
     engine_result,
 )
-from kvbrokerd.backends.hccl_channel import HcclChannel
-from kvbrokerd.backends.hccl_engine import (
+from kvbrokerd.backends.hccl.channel import HcclChannel
+from kvbrokerd.backends.hccl.engine import (
     DEFAULT_ENGINE_PORT,
     NAME,
     EngineThread,
@@ -57,7 +57,7 @@ from kvbrokerd.backends.hccl_engine import (
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 
 if TYPE_CHECKING:
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry.caches import CacheEntry
 
 __all__ = ["BACKEND", "NAME", "HcclBackend", "HcclChannel", "HcclSettings", "hixl_name", "llm_status"]
 

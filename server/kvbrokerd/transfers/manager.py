@@ -24,14 +24,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvbroker.types import TransferResult
-from kvbrokerd import blocklocks, devicemem
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
-from kvbrokerd.backends.local import LocalCopyChannel
+from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
-from kvbrokerd.links import Link, LinkTable
+from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.metrics import Metrics
-from kvbrokerd.planner import (
+from kvbrokerd.registry import devicemem
+from kvbrokerd.registry.caches import CacheEntry, Registry
+from kvbrokerd.transfers import blocklocks
+from kvbrokerd.transfers.planner import (
     LayerSelection,
     Plan,
     Progress,
@@ -41,8 +43,7 @@ from kvbrokerd.planner import (
     plan_blocks,
     plan_cache,
 )
-from kvbrokerd.registry import CacheEntry, Registry
-from kvbrokerd.reports import GroupReport, TransferReport
+from kvbrokerd.transfers.reports import GroupReport, TransferReport
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvbrokerd.backends import memcopy
+from kvbrokerd.backends.common import memcopy
 
 STAGE_MAX_RUN = 64 << 10
 """Runs up to this size are staged (larger ones gain nothing: the per-run cost is small beside their bytes)."""

@@ -16,13 +16,13 @@ import numpy as np
 
 from kvbroker.status import LlmError
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
-from kvbrokerd.backends.hccl_engine import DISCONNECT_TIMEOUT_MS, NAME, hixl_name, llm_status
+from kvbrokerd.backends.hccl.engine import DISCONNECT_TIMEOUT_MS, NAME, hixl_name, llm_status
 from kvbrokerd.errors import LlmStatus, fail
 
 if TYPE_CHECKING:
-    from kvbrokerd.backends.hccl import HcclBackend
-    from kvbrokerd.planner import Plan, Progress
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.backends.hccl.backend import HcclBackend
+    from kvbrokerd.registry.caches import CacheEntry
+    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

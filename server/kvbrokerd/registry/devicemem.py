@@ -19,7 +19,7 @@ from kvbrokerd.limits import check_text
 
 if TYPE_CHECKING:
     from kvbrokerd.backends.base import Backend
-    from kvbrokerd.registry import CacheEntry
+    from kvbrokerd.registry.caches import CacheEntry
 
 KINDS = {"cuda": ("nixl", 64, 64), "npu": ("hccl", 1, 256)}
 """kind -> (the backend that serves it, smallest and largest IPC handle in bytes)."""

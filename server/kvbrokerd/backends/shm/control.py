@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbrokerd import shmseg
-from kvbrokerd.backends.liveslots import LiveSlots
+from kvbrokerd.backends.common.liveslots import LiveSlots
+from kvbrokerd.registry import shmseg
 
 if TYPE_CHECKING:
-    from kvbrokerd.registry import Registry
+    from kvbrokerd.registry.caches import Registry
 
 NONCE_BYTES = 16
 CONTROL_SUFFIX = "ctl"

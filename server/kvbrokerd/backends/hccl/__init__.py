@@ -1,0 +1,1 @@
+"""The hccl backend: CANN HIXL for Ascend NPU memory."""

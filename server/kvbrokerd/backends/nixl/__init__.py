@@ -1,0 +1,1 @@
+"""The nixl backend: NVIDIA NIXL (UCX) for host and CUDA memory."""

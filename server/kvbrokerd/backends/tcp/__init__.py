@@ -1,0 +1,1 @@
+"""The tcp backend: a zero-copy stream between hosts (wire format, data server, channel, backend)."""
