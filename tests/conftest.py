@@ -45,15 +45,22 @@ def cluster_of(d: LocalDaemon) -> ClusterInfo:
     return ClusterInfo(remote_cluster_id=d.cluster_id, remote_address=d.peer_address)
 
 
-_NIXL_MISSING = backends.unavailable("nixl")
-PAIR_BACKENDS = {"shm": 100, "tcp": 200, "nixl": 300}
+def _host_memory_backends() -> list[object]:
+    """Every registered backend that moves host memory: the shared backend suite runs over each, and one that
+    cannot run here (its engine or device missing) is skipped with the reason."""
+    params: list[object] = []
+    for name, cls in backends.loadable().items():
+        if "host" in cls.capabilities.memory_kinds:
+            reason = backends.unavailable(name)
+            params.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
+    return params
+
+
+PAIR_BACKENDS = {name: 100 * (i + 1) for i, name in enumerate(backends.registered())}
 """Backend of each linked pair -> the cluster id of its source daemon."""
 
 
-@pytest.fixture(scope="session", params=[
-    "shm", "tcp",
-    pytest.param("nixl", marks=pytest.mark.skipif(_NIXL_MISSING is not None, reason=str(_NIXL_MISSING))),
-])
+@pytest.fixture(scope="session", params=_host_memory_backends())
 def linked_pair(request: pytest.FixtureRequest, daemon_dir: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
     """(source daemon, destination daemon) linked dst -> src, both allowing only the parametrised backend."""
     first = PAIR_BACKENDS[request.param]

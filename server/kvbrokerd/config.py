@@ -19,9 +19,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvbrokerd import backends as _backends
-from kvbrokerd.backends.hccl.engine import DEFAULT_ENGINE_PORT, HcclSettings
+from kvbrokerd.backends.base import BackendSettings, DaemonFacts
 
-KNOWN_BACKENDS = tuple(_backends.MODULES)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -36,8 +35,7 @@ class Config:
                         metadata={"help": "local API address: unix:///path (default) or host:port"})
     peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
     advertise_address: str = field(default="", metadata={"help": "address peers should dial, if not peer_listen"})
-    data_port: int = field(default=0, metadata={"help": "tcp data-plane port on the peer host (0 = any free port)"})
-    backends: tuple[str, ...] = field(default=_backends.DEFAULT_BACKENDS,
+    backends: tuple[str, ...] = field(default_factory=_backends.default_backends,
                                       metadata={"help": "data-plane backends allowed, in order of preference"})
     shm_dir: str = field(default="/dev/shm", metadata={"help": "directory of POSIX shared-memory segments"})
     max_caches: int = field(default=4096, metadata={"help": "most caches this daemon holds at once"})
@@ -48,7 +46,6 @@ class Config:
     tls_cert: str = field(default="", metadata={"help": "PEM certificate of this daemon (mutual TLS on the peer API)"})
     tls_key: str = field(default="", metadata={"help": "PEM private key of tls_cert"})
     tls_ca: str = field(default="", metadata={"help": "PEM CA bundle that peers' certificates must chain to"})
-    data_tls: bool = field(default=False, metadata={"help": "TLS on tcp data connections too (needs tls_*)"})
     peer_token_file: str = field(default="", metadata={
         "help": "file holding the deployment's shared peer token (>= 16 bytes, not world-readable); peers prove "
                 "it by challenge-response and it never travels"})
@@ -63,22 +60,12 @@ class Config:
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
-    hccl_device: int = field(default=0, metadata={
-        "help": "hccl backend: the NPU its HIXL engine binds (logical id, as ASCEND_RT_VISIBLE_DEVICES numbers them)"})
-    hccl_engine: str = field(default="", metadata={
-        "help": "hccl backend: ip:port (or [v6]:port) peers dial for its HIXL engine, an IP literal (empty = the "
-                f"peer listener's IP, port {DEFAULT_ENGINE_PORT} + hccl_device)"})
-    hccl_options: dict[str, str] = field(default_factory=dict, metadata={
-        "help": "hccl backend: extra HIXL options passed to initialize (GlobalResourceConfig, LocalCommRes, "
-                "RdmaTrafficClass, ...): a JSON object of strings (a table in the config file); BufferPool and "
-                "AutoConnect are kvbroker's"})
-    hccl_connect_timeout_ms: int = field(default=3000, metadata={
-        "help": "hccl backend: longest HIXL link set-up in milliseconds (a transfer's deadline may cut it shorter)"})
+    backend_settings: dict[str, BackendSettings] = field(default_factory=lambda: _default_settings(), metadata={
+        "help": "each backend's own settings ([backend.NAME] tables; flags --NAME-FIELD)", "table": True})
 
-    def hccl_settings(self) -> HcclSettings:
-        """The hccl backend's settings (checked by `validate`)."""
-        return HcclSettings(device=self.hccl_device, engine=self.hccl_engine, options=dict(self.hccl_options),
-                            connect_timeout_ms=self.hccl_connect_timeout_ms)
+    def settings_of(self, backend: str) -> BackendSettings:
+        """Backend `backend`'s settings (its defaults where none were given)."""
+        return self.backend_settings.get(backend) or _backends.backend_class(backend).settings_type()
 
     def validate(self, *, require_auth: bool = True) -> Config:
         if self.listen.startswith("/"):  # a bare path means a unix socket, as the CLI's --target accepts it
@@ -86,8 +73,8 @@ class Config:
         if not 0 <= self.cluster_id < 2**64:
             raise ConfigError(f"cluster_id: {self.cluster_id} is not a uint64")
         if not self.backends or len(set(self.backends)) != len(self.backends):
-            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — name each of {KNOWN_BACKENDS} at "
-                              "most once")
+            raise ConfigError(f"backends: {','.join(self.backends) or '(empty)'} — name each of "
+                              f"{tuple(_backends.registered())} at most once")
         for name in self.backends:
             reason = _backends.unavailable(name)
             if reason:
@@ -98,8 +85,6 @@ class Config:
             value = getattr(self, name)
             if value and not _is_host_port(value):
                 raise ConfigError(f"{name}: {value!r} is not host:port")
-        if not 0 <= self.data_port < 65536:
-            raise ConfigError(f"data_port: {self.data_port} is not a port")
         for name in ("max_caches", "data_threads", "max_transfers", "parallel_transfers", "max_inflight_bytes",
                      "max_links"):
             if getattr(self, name) < 1:
@@ -113,8 +98,6 @@ class Config:
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"{name}: cannot read {path!r}")
-        if self.data_tls and not all(tls):
-            raise ConfigError("data_tls: needs tls_cert, tls_key and tls_ca")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r} — choose from {LOG_LEVELS}")
         if self.log_format not in ("text", "json"):
@@ -126,17 +109,19 @@ class Config:
                 load_token(self.peer_token_file)
             except TokenError as e:
                 raise ConfigError(f"peer_token_file: {e}") from None
+        if not self.peer_link_ttl >= 3.0:
+            raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
+        facts = DaemonFacts(peer_host=self.peer_listen.rpartition(":")[0].strip("[]"), mutual_tls=all(tls))
+        for name, settings in self.backend_settings.items():
+            try:
+                settings.check(facts)
+            except ValueError as e:
+                raise ConfigError(f"backend.{name}.{e}") from None
         if require_auth and not (self.peer_token_file or all(tls) or self.insecure_peers):
             raise ConfigError("peer authentication: give --peer-token-file FILE (a secret shared by the deployment's "
                               "daemons, e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`), or mutual "
                               "TLS with --tls-cert/--tls-key/--tls-ca, or --insecure-peers to accept any peer "
                               "(development only)")
-        if not self.peer_link_ttl >= 3.0:
-            raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
-        try:
-            self.hccl_settings().validated()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         return self
 
 
@@ -149,7 +134,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-_OPTIONS_EXAMPLE = '{"LocalCommRes": "{\\"version\\": \\"1.3\\"}"}'
+_OPTIONS_EXAMPLE = '{"Name": "value", "Other": "{\\"json\\": \\"quoted\\"}"}'
 
 
 def _string_table(name: str, raw: Any) -> dict[str, str]:
@@ -194,52 +179,136 @@ def _coerce(name: str, raw: Any, kind: Any) -> Any:
         raise ConfigError(f"{name}: {raw!r} is not a valid {kind}") from None
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One setting: a field of Config, or a field of a backend's settings (`backend` names it)."""
+
+    field: dataclasses.Field[Any]
+    backend: str = ""
+
+    @property
+    def stem(self) -> str:
+        """The flag's and the environment variable's stem: `data_threads`, `tcp_port`."""
+        return f"{self.backend}_{self.field.name}" if self.backend else self.field.name
+
+    @property
+    def label(self) -> str:
+        """How errors and the config file name it: `data_threads`, `backend.tcp.port`."""
+        return f"backend.{self.backend}.{self.field.name}" if self.backend else self.field.name
+
+    @property
+    def stems(self) -> tuple[str, ...]:
+        """The stem, then former names still accepted (`aliases` in the field's metadata)."""
+        return (self.stem, *(a for a in self.field.metadata.get("aliases", ()) if a != self.stem))
+
+
+def _options() -> list[_Option]:
+    options = [_Option(f) for f in dataclasses.fields(Config) if not f.metadata.get("table")]
+    for name, cls in _backends.loadable().items():
+        options += [_Option(f, name) for f in dataclasses.fields(cls.settings_type)]
+    return options
+
+
+def keys() -> dict[str, list[str]]:
+    """Every config file key by table: "" for the top level, "backend.NAME" for each backend with settings."""
+    tables: dict[str, list[str]] = {}
+    for opt in _options():
+        tables.setdefault(f"backend.{opt.backend}" if opt.backend else "", []).append(opt.field.name)
+    return tables
+
+
+def environment_variables() -> set[str]:
+    """The KVBROKER_* variables the daemon reads (current names; former names are accepted too)."""
+    return {"KVBROKER_CONFIG", *(f"KVBROKER_{opt.stem.upper()}" for opt in _options())}
+
+
+def _default_settings() -> dict[str, BackendSettings]:
+    return {name: cls.settings_type() for name, cls in _backends.loadable().items()}
+
+
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[Config, bool]:
     """(config, print_config) from the command line, `environ` and the TOML file named by --config/KVBROKER_CONFIG."""
     environ = os.environ if environ is None else environ
-    fields = [f for f in dataclasses.fields(Config)]
+    options = _options()
     parser = argparse.ArgumentParser(
         prog="kvbrokerd", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="kvbroker daemon: KV-cache block transfers between LLM serving nodes (LLM-DataDist semantics).",
-        epilog="Every option also has a KVBROKER_* environment variable and a key in the --config TOML file; options\n"
-               "win over the environment, which wins over the file. Example:\n"
+        epilog="Every option also has a KVBROKER_* environment variable and a key in the --config TOML file (a\n"
+               "backend's options in its [backend.NAME] table); options win over the environment, which wins over\n"
+               "the file. Example:\n"
                "  kvbrokerd --cluster-id 1 --peer-listen 0.0.0.0:7100 --peer-token-file /etc/kvbroker/token")
     parser.add_argument("--config", help="TOML file with any of the keys below (env: KVBROKER_CONFIG)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-    for f in fields:
+    for opt in options:
+        f = opt.field
         flag: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}  # `--x` = true
         value = _default(f)
         default = "" if value is dataclasses.MISSING else f" [default: {_render(value) or 'none'}]"
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                            help=f"{f.metadata['help']}{default} (env: KVBROKER_{f.name.upper()})", **flag)
-    args = parser.parse_args(argv)
+        prefix = f"{opt.backend} backend: " if opt.backend else ""
+        for i, stem in enumerate(opt.stems):
+            text = (f"{prefix}{f.metadata['help']}{default} (env: KVBROKER_{stem.upper()})" if i == 0 else
+                    f"former name of --{opt.stem.replace('_', '-')}")
+            parser.add_argument("--" + stem.replace("_", "-"), dest=f"{opt.label}#{i}", default=None, help=text,
+                                **flag)
+    args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
-    path = args.config or environ.get("KVBROKER_CONFIG")
+    path = args["config"] or environ.get("KVBROKER_CONFIG")
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config: cannot read {path}: {e}") from None
-        known = {f.name for f in fields}
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"config: unknown key {key!r} in {path}")
-            values[name] = value
-    for f in fields:
-        env = environ.get(f"KVBROKER_{f.name.upper()}")
-        if env is not None:
-            values[f.name] = env
-        cli = getattr(args, f.name)
-        if cli is not None:
-            values[f.name] = cli
+        values.update(_read_file(path, options))
+    for opt in options:
+        # the environment, then the command line; at each level a former name counts only without the current one
+        for given in ([environ.get(f"KVBROKER_{stem.upper()}") for stem in opt.stems],
+                      [args[f"{opt.label}#{i}"] for i in range(len(opt.stems))]):
+            value = next((v for v in given if v is not None), None)
+            if value is not None:
+                values[opt.label] = value
     if "cluster_id" not in values:
-        if not args.print_config:
+        if not args["print_config"]:
             raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
         values["cluster_id"] = 0  # --print-config shows the defaults even before an id is chosen
-    typed = {f.name: _coerce(f.name, values[f.name], f.type) for f in fields if f.name in values}
+    typed = {opt.label: _coerce(opt.label, values[opt.label], opt.field.type) for opt in options
+             if opt.label in values}
+    settings = _default_settings()
+    for name, cls in _backends.loadable().items():
+        own = {opt.field.name: typed.pop(opt.label) for opt in options if opt.backend == name and opt.label in typed}
+        settings[name] = cls.settings_type(**own)
     # --print-config shows a config that still lacks peer authentication (it is how one finds out what to add).
-    return Config(**typed).validate(require_auth=not args.print_config), bool(args.print_config)
+    return (Config(**typed, backend_settings=settings).validate(require_auth=not args["print_config"]),
+            bool(args["print_config"]))
+
+
+def _read_file(path: str, options: Sequence[_Option]) -> dict[str, Any]:
+    """The values of a TOML config file by option label; an unknown key or backend is an error."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config: cannot read {path}: {e}") from None
+    by_key: dict[str, _Option] = {}
+    for opt in options:
+        for stem in opt.stems if not opt.backend else opt.field.metadata.get("aliases", ()):
+            by_key[stem] = opt
+    values: dict[str, Any] = {}
+    tables = data.pop("backend", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"config: backend in {path} is not a table of backends' tables ([backend.NAME])")
+    for key, value in data.items():
+        known = by_key.get(key.replace("-", "_"))
+        if known is None:
+            raise ConfigError(f"config: unknown key {key!r} in {path}")
+        values.setdefault(known.label, value)  # [backend.NAME] tables win over former top-level names
+    for backend, table in tables.items():
+        fields = {o.field.name: o for o in options if o.backend == backend}
+        if not fields and backend not in _backends.registered():
+            raise ConfigError(f"config: unknown backend {backend!r} in [backend] of {path} (known: "
+                              f"{', '.join(_backends.registered())})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: backend.{backend} in {path} is not a table")
+        for key, value in table.items():
+            field_opt = fields.get(key.replace("-", "_"))
+            if field_opt is None:
+                raise ConfigError(f"config: unknown key {key!r} in [backend.{backend}] of {path}")
+            values[field_opt.label] = value
+    return values
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
@@ -257,21 +326,26 @@ def _render(value: Any) -> str:
 
 
 def to_toml(config: Config) -> str:
-    lines = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, tuple):
-            rendered = "[" + ", ".join(_toml_string(v) for v in value) + "]"
-        elif isinstance(value, dict):
-            rendered = "{" + ", ".join(f"{_toml_string(k)} = {_toml_string(v)}" for k, v in value.items()) + "}"
-        elif isinstance(value, bool):
-            rendered = str(value).lower()
-        elif isinstance(value, int | float):
-            rendered = str(value)
-        else:
-            rendered = _toml_string(value)
-        lines.append(f"{f.name} = {rendered}  # {f.metadata['help']}")
+    lines = [f"{f.name} = {_toml_value(getattr(config, f.name))}  # {f.metadata['help']}"
+             for f in dataclasses.fields(config) if not f.metadata.get("table")]
+    for name, settings in config.backend_settings.items():
+        fields = dataclasses.fields(settings)
+        if fields:
+            lines += ["", f"[backend.{name}]"]
+            lines += [f"{f.name} = {_toml_value(getattr(settings, f.name))}  # {f.metadata['help']}" for f in fields]
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_string(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_string(k)} = {_toml_string(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return str(value)
+    return _toml_string(value)
 
 
 def _toml_string(value: str) -> str:

@@ -22,7 +22,6 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd import backends
 from kvbrokerd.backends.base import Backend, LocalContext
 from kvbrokerd.backends.common import memcopy
-from kvbrokerd.backends.tcp.backend import TcpBackend
 from kvbrokerd.config import Config
 from kvbrokerd.links import linkauth
 from kvbrokerd.links.table import LinkTable
@@ -88,7 +87,7 @@ class Daemon:
             # anything, so many concurrent transfers cannot starve their own parts (a deadlock with one pool).
             self._executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-transfer")
             self._parts_executor = concurrent.futures.ThreadPoolExecutor(cfg.data_threads, "kvbroker-part")
-            tls = TlsMaterial.from_config(cfg)
+            tls = TlsMaterial.load(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
             if cfg.insecure_peers and not (cfg.peer_token_file or tls):
                 log.warning("--insecure-peers: ANY process that reaches the peer port can link to this daemon and "
                             "read or write its caches; use --peer-token-file or mutual TLS outside development")
@@ -96,8 +95,7 @@ class Daemon:
                 cfg.cluster_id, epoch, {},
                 token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink, shm_dir=Path(cfg.shm_dir),
-                inbound_ttl_s=cfg.peer_link_ttl)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl)
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -106,12 +104,11 @@ class Daemon:
             self._sessions = SessionTable(self._registry)
             self._sessions.start()
             peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
-            ctx = LocalContext(
-                cluster_id=cfg.cluster_id, registry=self._registry, shm_dir=Path(cfg.shm_dir), peer_host=peer_host,
-                parts_executor=self._parts_executor, secret_for=self._links.secret_for, data_port=cfg.data_port,
-                data_server_tls=tls.data_server_context() if tls and cfg.data_tls else None,
-                data_client_tls=tls.data_client_context() if tls and cfg.data_tls else None, hccl=cfg.hccl_settings())
             for name in cfg.backends:
+                ctx = LocalContext(
+                    cluster_id=cfg.cluster_id, registry=self._registry, shm_dir=Path(cfg.shm_dir),
+                    peer_host=peer_host, parts_executor=self._parts_executor, secret_for=self._links.secret_for,
+                    settings=cfg.settings_of(name), tls=tls)
                 backend = backends.backend_class(name)(ctx)
                 self._backends.append(backend)
                 try:
@@ -120,10 +117,8 @@ class Daemon:
                     raise ListenError(f"cannot start the {name} data plane: {e.strerror or e}") from None
                 self._registry.on_remove.append(backend.forget_cache)  # engines drop their registrations
             self._links.backends = {b.name: b for b in self._backends}
-            tcp = self._links.backends.get("tcp")
-            data_address = f":{tcp.port}" if isinstance(tcp, TcpBackend) else ""
-            node = Node(cfg.cluster_id, epoch, "", data_address, cfg.backends, self._registry, self._links,
-                        transfers, self._sessions)
+            node = Node(cfg.cluster_id, epoch, "", cfg.backends, self._registry, self._links, transfers,
+                        self._sessions)
             peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
                                           tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
@@ -140,8 +135,9 @@ class Daemon:
             await self.stop(grace=0)
             raise
         log.log(*memcopy.copy_path())
-        log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, data %s, backends %s", cfg.cluster_id,
-                 self.local_address, self.peer_address, node.data_address or "-", ",".join(cfg.backends))
+        log.info("kvbrokerd ready: cluster %d, local API %s, peer API %s, backends %s", cfg.cluster_id,
+                 self.local_address, self.peer_address,
+                 ",".join(f"{b.name}{'=' + b.endpoint if b.endpoint else ''}" for b in self._backends))
 
     async def _set_health(self, *, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -269,14 +265,12 @@ def _claim_addresses(cfg: Config) -> None:
     else:
         check_tcp_free(cfg.listen, "local API")
     check_tcp_free(cfg.peer_listen, "peer API")
-    if "tcp" in cfg.backends and cfg.data_port:
-        check_tcp_free(_host_port(cfg.peer_listen.rpartition(":")[0].strip("[]"), cfg.data_port), "tcp data plane")
+    peer_host = cfg.peer_listen.rpartition(":")[0].strip("[]")
+    for name in cfg.backends:
+        for address, what in backends.backend_class(name).listen_addresses(cfg.settings_of(name), peer_host):
+            check_tcp_free(address, what)
     if cfg.metrics_listen:
         check_tcp_free(cfg.metrics_listen, "metrics")
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _remove_socket(listen: str) -> None:

@@ -16,7 +16,6 @@ class Node:
     cluster_id: int
     epoch: str
     peer_address: str
-    data_address: str
     backends: tuple[str, ...]
     registry: Registry
     links: LinkTable

@@ -1,4 +1,5 @@
-"""Mutual TLS material from the config: gRPC credentials for the peer API, ssl contexts for data connections."""
+"""Mutual TLS material from the files the config names: gRPC credentials for the peer API, ssl contexts for data
+connections."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from kvbrokerd.config import Config
 
 
 @dataclass(frozen=True)
@@ -19,12 +18,13 @@ class TlsMaterial:
     paths: tuple[str, str, str]
 
     @classmethod
-    def from_config(cls, config: Config) -> TlsMaterial | None:
-        if not config.tls_cert:
+    def load(cls, cert: str, key: str, ca: str) -> TlsMaterial | None:
+        """The material in PEM files `cert`, `key` and `ca` (None when no certificate is configured)."""
+        if not cert:
             return None
-        paths = (config.tls_cert, config.tls_key, config.tls_ca)
-        cert, key, ca = (Path(p).read_bytes() for p in paths)
-        return cls(cert, key, ca, paths)
+        paths = (cert, key, ca)
+        cert_pem, key_pem, ca_pem = (Path(p).read_bytes() for p in paths)
+        return cls(cert_pem, key_pem, ca_pem, paths)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """The peer API: a peer must present a certificate that chains to our CA."""

@@ -62,7 +62,7 @@ class Node:
 
     def describe(self, entry: CacheEntry) -> RemoteCache:
         """What a peer's GetCacheInfo gives it (the backend's part through describe_cache)."""
-        return RemoteCache(entry.cache_id, entry.desc, entry.tensors, str(self.registry.shm_dir),
+        return RemoteCache(entry.cache_id, entry.desc, entry.tensors,
                            backend_info={"hccl": asyncio.run(self.backend.describe_cache(entry))})
 
 
@@ -86,7 +86,7 @@ def nodes(hixl: object, tmp_path: Path) -> Iterator[tuple[Node, Node]]:
 
 
 def link(src: Node, dst: Node) -> HcclChannel:
-    channel = dst.backend.connect(PeerInfo(1, "127.0.0.1:7100", b"k" * 32), src.backend.advertise())
+    channel = asyncio.run(dst.backend.connect(PeerInfo(1, "127.0.0.1:7100", b"k" * 32), src.backend.advertise()))
     assert isinstance(channel, HcclChannel)
     return channel
 
@@ -151,14 +151,15 @@ def test_engine_is_initialised_with_the_pool_off_on_its_own_thread(nodes: tuple[
 def test_operator_options_pass_through_but_the_pool_and_auto_connect_stay_ours(nodes: tuple[Node, Node]) -> None:
     config, _ = load(["--cluster-id", "1", "--insecure-peers", "--hccl-device", "3", "--hccl-engine", "10.0.0.5:27000",
                       "--hccl-options", json.dumps({"LocalCommRes": '{"version":"1.3"}'})], {})
-    settings = config.hccl_settings()
+    settings = config.settings_of("hccl")
+    assert isinstance(settings, HcclSettings)
     assert (settings.device, settings.engine) == (3, "10.0.0.5:27000")
     assert settings.options == {"LocalCommRes": '{"version":"1.3"}'}
     for bad in ({"BufferPool": "4:8"}, {"AutoConnect": "1"}):
-        with pytest.raises(ConfigError, match=r"hccl_options: .* cannot be set"):
+        with pytest.raises(ConfigError, match=r"backend.hccl.options: .* cannot be set"):
             load(["--cluster-id", "1", "--insecure-peers", "--hccl-options", json.dumps(bad)], {})
-        ctx = dataclasses.replace(nodes[0].backend.ctx, hccl=HcclSettings(device=9, options=bad))
-        with pytest.raises(OSError, match="hccl_options"):  # settings that bypass the config are checked too
+        ctx = dataclasses.replace(nodes[0].backend.ctx, settings=HcclSettings(device=9, options=bad))
+        with pytest.raises(OSError, match="options"):  # settings that bypass the config are checked too
             asyncio.run(HcclBackend(ctx).start())
     assert sorted(standin.live_engines()) == sorted(n.backend.local_engine for n in nodes)  # none started
 
@@ -371,7 +372,7 @@ def test_malformed_cache_descriptions_fail_that_transfer(nodes: tuple[Node, Node
                                                          status: LlmStatus) -> None:
     a, b = nodes
     src = a.cache()
-    remote = RemoteCache(src.cache_id, src.desc, src.tensors, "", backend_info={} if info is None else {"hccl": info})
+    remote = RemoteCache(src.cache_id, src.desc, src.tensors, backend_info={} if info is None else {"hccl": info})
     with pytest.raises(LlmError) as err:
         pull(link(a, b), a, src, b.cache(), remote=remote)
     assert err.value.status == status
@@ -386,7 +387,7 @@ def test_malformed_cache_descriptions_fail_that_transfer(nodes: tuple[Node, Node
 def test_unusable_advertisements_are_refused(nodes: tuple[Node, Node], advert: bytes) -> None:
     _, b = nodes
     with pytest.raises(BackendUnusable):
-        b.backend.connect(PeerInfo(1, "127.0.0.1:7100", b"k" * 32), advert)
+        asyncio.run(b.backend.connect(PeerInfo(1, "127.0.0.1:7100", b"k" * 32), advert))
 
 
 # -- registration lifetime and tear-down ----------------------------------------------------------------------------

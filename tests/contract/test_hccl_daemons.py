@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvbroker import AsyncClient, CacheDesc, CacheIndex, ClusterInfo, LlmError
+from kvbrokerd.backends.hccl.engine import HcclSettings
 from kvbrokerd.config import load
 from kvbrokerd.daemon import Daemon
 from tests.contract import hixl_contract_standin as standin
@@ -39,7 +40,7 @@ async def daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
                               "--peer-listen", "127.0.0.1:0", "--backends", "hccl,tcp", "--insecure-peers",
                               "--shm-dir", str(tmp_path / f"shm{n}"), "--hccl-device", str(n)],
                              environ={"KVBROKER_HCCL_CONNECT_TIMEOUT_MS": "2000"})
-            assert config.hccl_connect_timeout_ms == 2000
+            assert config.settings_of("hccl") == HcclSettings(device=n, connect_timeout_ms=2000)
             daemon = Daemon(config)
             made.append(daemon)
             await daemon.start()

@@ -194,12 +194,12 @@ def destination_process(conn: multiprocessing.connection.Connection, device: int
         dst = _entry(10, dst_buf)
         entries.append(dst)
         backend.registration(dst)  # before the link, as HIXL wants
-        channel = backend.connect(PeerInfo(1, "127.0.0.1:0", b""), advert)
+        channel = asyncio.run(backend.connect(PeerInfo(1, "127.0.0.1:0", b""), advert))
         assert isinstance(channel, HcclChannel)
         blocks = nbytes // BLOCK_BYTES
 
         def remote_of(cache_id: int, info: bytes) -> Any:
-            return RemoteCache(cache_id, dst.desc, (), "", backend_info={"hccl": info})
+            return RemoteCache(cache_id, dst.desc, (), backend_info={"hccl": info})
 
         first = remote_of(1, description)
         order = np.random.default_rng(SEED).permutation(blocks)

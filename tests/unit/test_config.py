@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbrokerd.backends.hccl.engine import HcclSettings
+from kvbrokerd.backends.tcp.backend import TcpSettings
 from kvbrokerd.config import ConfigError, load, to_toml
 
 
@@ -68,7 +70,8 @@ def test_precedence_flags_env_file(tmp_path: Path) -> None:
     (["--cluster-id", "1", "--backends", "rdma"], "backends"),
     (["--cluster-id", "1", "--peer-listen", "nohost"], "peer_listen"),
     (["--cluster-id", "1", "--log-level", "loud"], "log_level"),
-    (["--cluster-id", "1", "--data-port", "70000"], "data_port"),
+    (["--cluster-id", "1", "--data-port", "70000"], "backend.tcp.port"),
+    (["--cluster-id", "1", "--tcp-port", "70000"], "backend.tcp.port"),
 ])
 def test_bad_values_name_the_field(args: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -94,7 +97,7 @@ def test_booleans_are_parsed_not_truthy(args: list[str], env: dict[str, str], ex
     pem.write_text("-")
     tls = ["--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", str(pem)]
     config, _ = load(["--cluster-id", "1", *tls, *args], env)
-    assert config.data_tls is expected
+    assert config.settings_of("tcp") == TcpSettings(tls=expected)
 
 
 def test_tls_needs_all_three_files(tmp_path: Path) -> None:
@@ -104,7 +107,7 @@ def test_tls_needs_all_three_files(tmp_path: Path) -> None:
         load(["--cluster-id", "1", "--tls-cert", str(pem)], {})
     with pytest.raises(ConfigError, match="tls_ca: cannot read"):
         load(["--cluster-id", "1", "--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", "/nope.pem"], {})
-    with pytest.raises(ConfigError, match="data_tls"):
+    with pytest.raises(ConfigError, match=r"backend\.tcp\.tls"):
         load(["--cluster-id", "1", "--data-tls"], {})
 
 
@@ -117,12 +120,14 @@ def test_hccl_settings_from_flags_env_and_file(tmp_path: Path) -> None:
     env = {"KVBROKER_CONFIG": str(toml), "KVBROKER_HCCL_DEVICE": "2",
            "KVBROKER_HCCL_OPTIONS": json.dumps(options)}
     config, _ = load(["--insecure-peers", "--hccl-connect-timeout-ms", "5000"], env)
-    settings = config.hccl_settings()
+    settings = config.settings_of("hccl")
+    assert isinstance(settings, HcclSettings)
     assert (settings.device, settings.engine, settings.connect_timeout_ms) == (2, "10.0.0.5:26000", 5000)
     assert settings.options == options  # the environment's JSON beats the file's table
     config, _ = load(["--insecure-peers"], {"KVBROKER_CONFIG": str(toml)})
-    assert config.hccl_options == {"LocalCommRes": '{"version":"1.3"}'}  # a TOML table
-    assert load(["--cluster-id", "1", "--insecure-peers"], {})[0].hccl_settings().options == {}
+    assert config.settings_of("hccl") == HcclSettings(engine="10.0.0.5:26000",  # options: a TOML table
+                                                      options={"LocalCommRes": '{"version":"1.3"}'})
+    assert load(["--cluster-id", "1", "--insecure-peers"], {})[0].settings_of("hccl") == HcclSettings()
 
 
 def test_print_config_round_trips_through_the_config_file(tmp_path: Path) -> None:
@@ -132,21 +137,21 @@ def test_print_config_round_trips_through_the_config_file(tmp_path: Path) -> Non
     toml = tmp_path / "printed.toml"
     toml.write_text(to_toml(config))
     again, _ = load(["--config", str(toml)], {})
-    assert again == config and again.hccl_options == options
+    assert again == config and again.settings_of("hccl") == HcclSettings(engine="[fd00::5]:26001", options=options)
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--hccl-device", "-1"], "hccl_device: -1 is not a device id"),
-    (["--hccl-device", "npu0"], "hccl_device: 'npu0' is not a valid int"),
-    (["--hccl-engine", "npu-host:26000"], "hccl_engine: 'npu-host:26000' is not ip:port"),
-    (["--hccl-engine", "0.0.0.0:26000"], "hccl_engine: .* wildcard"),
-    (["--hccl-engine", "10.0.0.5"], "hccl_engine: .* needs a port"),
-    (["--hccl-connect-timeout-ms", "0"], r"hccl_connect_timeout_ms: 0 is not in \[1, 600000\]"),
-    (["--hccl-options", "[1]"], "hccl_options: want an object of strings"),
-    (["--hccl-options", '{"RdmaTrafficClass": 132}'], "hccl_options: want an object of strings"),
-    (["--hccl-options", "{oops"], "hccl_options: not JSON"),
-    (["--hccl-options", '{"BufferPool": "4:8"}'], "hccl_options: BufferPool cannot be set"),
-    (["--hccl-options", '{"AutoConnect": "1"}'], "hccl_options: AutoConnect cannot be set"),
+    (["--hccl-device", "-1"], "backend.hccl.device: -1 is not a device id"),
+    (["--hccl-device", "npu0"], "backend.hccl.device: 'npu0' is not a valid int"),
+    (["--hccl-engine", "npu-host:26000"], "backend.hccl.engine: 'npu-host:26000' is not ip:port"),
+    (["--hccl-engine", "0.0.0.0:26000"], "backend.hccl.engine: .* wildcard"),
+    (["--hccl-engine", "10.0.0.5"], "backend.hccl.engine: .* needs a port"),
+    (["--hccl-connect-timeout-ms", "0"], r"backend.hccl.connect_timeout_ms: 0 is not in \[1, 600000\]"),
+    (["--hccl-options", "[1]"], "backend.hccl.options: want an object of strings"),
+    (["--hccl-options", '{"RdmaTrafficClass": 132}'], "backend.hccl.options: want an object of strings"),
+    (["--hccl-options", "{oops"], "backend.hccl.options: not JSON"),
+    (["--hccl-options", '{"BufferPool": "4:8"}'], "backend.hccl.options: BufferPool cannot be set"),
+    (["--hccl-options", '{"AutoConnect": "1"}'], "backend.hccl.options: AutoConnect cannot be set"),
 ])
 def test_bad_hccl_settings_name_the_field(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -156,5 +161,5 @@ def test_bad_hccl_settings_name_the_field(args: list[str], message: str) -> None
 def test_a_bad_hccl_table_in_the_file_names_the_field(tmp_path: Path) -> None:
     toml = tmp_path / "kv.toml"
     toml.write_text("cluster_id = 1\ninsecure_peers = true\n[hccl_options]\nRdmaTrafficClass = 132\n")
-    with pytest.raises(ConfigError, match="hccl_options: want an object of strings"):
+    with pytest.raises(ConfigError, match=r"backend\.hccl\.options: want an object of strings"):
         load(["--config", str(toml)], {})

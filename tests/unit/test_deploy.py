@@ -30,7 +30,7 @@ from kvbrokerd import config
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
-FIELDS = {f.name: f for f in dataclasses.fields(config.Config)}
+FIELDS = {f.name: f for f in dataclasses.fields(config.Config) if not f.metadata.get("table")}
 # Variables a model-server container reads (the client side), not daemon config.
 CLIENT_VARS = {"KVBROKER_TARGET", "KVBROKER_A", "KVBROKER_B"}
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())  # 1.29: the first with native sidecar containers
@@ -67,12 +67,22 @@ def test_example_config_has_every_key_with_its_default(tmp_path: Path) -> None:
     cfg, print_config = config.load(["--config", str(path)], {"KVBROKER_PEER_TOKEN_FILE": str(token)})
     assert not print_config
     text = path.read_text()
-    keys = re.findall(r"^([a-z_]+) = ", text, re.MULTILINE)
-    assert sorted(keys) == sorted(FIELDS), "deploy/kvbroker.toml must list exactly the Config fields"
+    found: dict[str, list[str]] = {}
+    table = ""
+    for line in text.splitlines():
+        if m := re.match(r"^\[([a-z_.]+)\]$", line):
+            table = m.group(1)
+        elif m := re.match(r"^([a-z_]+) = ", line):
+            found.setdefault(table, []).append(m.group(1))
+    expected = config.keys()
+    assert {t: sorted(k) for t, k in found.items()} == {t: sorted(k) for t, k in expected.items() if k}, \
+        "deploy/kvbroker.toml must list exactly the config keys, each backend's in its [backend.NAME] table"
     for name, f in FIELDS.items():
         if name not in ("cluster_id", "peer_token_file"):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             assert getattr(cfg, name) == default, f"{name}: the example should show the default {default!r}"
+    for backend in cfg.backend_settings:
+        assert cfg.settings_of(backend) == type(cfg.settings_of(backend))(), f"[backend.{backend}]: not the defaults"
     lines = text.splitlines()
     for i, line in enumerate(lines):  # every key is documented: a comment right above it (or above its group)
         if re.match(r"^[a-z_]+ = ", line):
@@ -179,7 +189,7 @@ def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) 
     doc = _docs(path)[0]
     broker = _broker(doc)
     env = _k8s_env(broker, "10.1.2.3", tmp_path)
-    assert {k for k in env if k.startswith("KVBROKER_")} <= {f"KVBROKER_{n.upper()}" for n in FIELDS}
+    assert {k for k in env if k.startswith("KVBROKER_")} <= config.environment_variables()
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "kvbrokerd").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvbrokerd --print-config "$@"\n')
@@ -232,7 +242,7 @@ def test_compose_has_two_brokers_and_a_demo_client(tmp_path: Path) -> None:
     ids = set()
     for name in ("broker-a", "broker-b"):
         env = {k: str(v) for k, v in services[name]["environment"].items()}
-        assert set(env) <= {f"KVBROKER_{n.upper()}" for n in FIELDS}
+        assert set(env) <= config.environment_variables()
         assert services[name]["depends_on"]["peer-token"]["condition"] == "service_completed_successfully"
         mount = env.pop("KVBROKER_PEER_TOKEN_FILE").rpartition("/")[0]
         assert any(v.startswith("peer-token:" + mount) for v in services[name]["volumes"])

@@ -90,7 +90,7 @@ def test_importing_kvbroker_device_imports_no_torch_nor_cuda() -> None:
 
 class _Backend:
     name = "shm"
-    memory_kinds = Capabilities(True, True).memory_kinds
+    memory_kinds = Capabilities().memory_kinds
 
 
 def test_a_transfer_over_a_backend_that_cannot_move_the_memory_is_refused() -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
+from kvbrokerd.registry.endpoint import Endpoint
 from kvbrokerd.transfers.planner import LayerSelection, Pieces, Plan, Progress, plan_blocks
 
 
@@ -40,9 +41,9 @@ def test_split_covers_every_byte_of_every_run_once_in_balanced_parts(lengths: li
         assert sum(g[2] for g in got) == n
 
 
-def _endpoint(buf: np.ndarray, desc: CacheDesc, label: str) -> memcopy.Endpoint:
+def _endpoint(buf: np.ndarray, desc: CacheDesc, label: str) -> Endpoint:
     base = buf.ctypes.data
-    return memcopy.Endpoint(label, [base + i * desc.tensor_nbytes for i in range(desc.num_tensors)], [], [], True,
+    return Endpoint(label, [base + i * desc.tensor_nbytes for i in range(desc.num_tensors)], [], [], True,
                             lambda: None)
 
 

@@ -48,18 +48,18 @@ def _backend() -> NixlBackend:
     return NixlBackend(cast(LocalContext, ctx))
 
 
-def test_an_advertisement_must_name_the_peers_own_agent() -> None:
+async def test_an_advertisement_must_name_the_peers_own_agent() -> None:
     backend = _backend()
     peer = PeerInfo(cluster_id=7, peer_address="127.0.0.1:1", secret=b"s" * 32)
     for advert in (b"", b"not nixl", metadata(b"kvbroker-9-00aa"), metadata(b"kvbroker-7-../x"),
                    metadata(b"kvbroker-70-00aa")):
         with pytest.raises(BackendUnusable):
-            backend.connect(peer, advert)
+            await backend.connect(peer, advert)
 
 
 def _remote(info: bytes, desc: CacheDesc = DESC) -> RemoteCache:
     return RemoteCache(cache_id=42, desc=desc, tensors=(TensorLocation("s", 0), TensorLocation("s", 4096)),
-                       shm_dir="/dev/shm", backend_info={"nixl": info})
+                       backend_info={"nixl": info})
 
 
 def _description(count: int = 2, nbytes: int = DESC.tensor_nbytes, magic: bytes = b"KVNX",

@@ -368,6 +368,7 @@ STABLE_MEMORY_TRUNCATED = """
 import concurrent.futures, time
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
+from kvbrokerd.registry.endpoint import Endpoint
 from kvbrokerd.errors import LlmError
 from kvbrokerd.transfers.planner import LayerSelection, Progress, plan_blocks
 
@@ -376,7 +377,7 @@ desc = CacheDesc(num_tensors=2, shape=(64, 256 << 10), data_type=DataType.UINT8)
 n = desc.num_tensors * desc.tensor_nbytes
 src, dst = segment(shm + "/src", n, filled=True), segment(shm + "/dst", n)
 def side_of(seg, label):  # daemon-owned memory (memmove's rule), no size re-check: it shrinks after the check
-    return memcopy.Endpoint(label, [seg[3], seg[3] + desc.tensor_nbytes], [seg[0]] * 2, [0, desc.tensor_nbytes],
+    return Endpoint(label, [seg[3], seg[3] + desc.tensor_nbytes], [seg[0]] * 2, [0, desc.tensor_nbytes],
                             True, lambda: None)
 os.ftruncate((src if side == "source" else dst)[0], desc.tensor_nbytes + 40 * (256 << 10))
 blocks = np.arange(64, dtype=np.uint64)

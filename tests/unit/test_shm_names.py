@@ -164,7 +164,7 @@ def test_peer_segments_must_be_plain_files_of_the_peer_owner(shm_dir: Path, tmp_
                  shmseg.segment_name("99999999", "c1"): LlmStatus.LLM_LINK_FAILED,
                  "missing": LlmStatus.LLM_KV_CACHE_NOT_EXIST}
         for segment, status in cases.items():
-            remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation(segment, 0),), shm_dir="/")
+            remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation(segment, 0),))
             for writable in (False, True):
                 with pytest.raises(LlmError) as err:
                     shm_backend._Opened.open(remote, control, shm_dir, writable=writable)
@@ -184,7 +184,7 @@ def test_peer_tensor_count_must_match_its_description(shm_dir: Path) -> None:
         assert control is not None
         _file(shm_dir / "model", 8192)
         desc = CacheDesc(num_tensors=2, shape=(4, 1024), data_type=DataType.UINT8)
-        remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation("model", 0),), shm_dir="")
+        remote = RemoteCache(cache_id=1, desc=desc, tensors=(TensorLocation("model", 0),))
         with pytest.raises(LlmError) as err:
             shm_backend._Opened.open(remote, control, shm_dir, writable=False)
         assert err.value.status == LlmStatus.LLM_LINK_FAILED and "located 1" in err.value.message

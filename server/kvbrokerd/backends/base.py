@@ -1,9 +1,12 @@
 """The data-plane interface every backend implements, and the remote-cache view backends read from.
 
-A backend is one module that defines `BACKEND`, a subclass of `Backend` (and is named in backends/__init__.py). The
-daemon makes one instance per allowed backend (`--backends`), starts it, and puts what `advertise()` returns in the
-link handshake; a peer that finds the same backend name calls `connect()` with those bytes and gets the
-`PeerChannel` its transfers run on, or a reason why not. `describe_cache()` adds per-backend bytes to a cache's
+A backend describes itself: its `Backend` subclass names it, declares its capabilities (the memory kinds it moves
+and, for device kinds, the IPC handles it imports) and its own settings (a `BackendSettings` dataclass that the
+daemon exposes as flags, `KVBROKER_<NAME>_*` variables and a `[backend.<name>]` table). Built-in backends are
+listed in backends/__init__.py; others register through the `kvbrokerd.backends` entry point group. The daemon
+makes one instance per allowed backend (`--backends`), starts it, and puts what `advertise()` returns in the link
+handshake; a peer that finds the same backend name awaits `connect()` with those bytes and gets the `PeerChannel`
+its transfers run on, or a reason why not. `describe_cache()` adds per-backend bytes to a cache's
 description for peers (e.g. a device engine's registration of its memory); it runs on the event loop, so a backend
 whose engine thread does the work awaits it there (`engine_result`) instead of blocking the loop.
 """
@@ -14,7 +17,6 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
-import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,14 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheDesc, TensorLocation
-from kvbrokerd.backends.hccl.engine import HcclSettings
 
 if TYPE_CHECKING:
     from kvbrokerd.registry.caches import CacheEntry, Registry
+    from kvbrokerd.tls import TlsMaterial
     from kvbrokerd.transfers.planner import Plan, Progress
 
 
-_Part = TypeVar("_Part")
 _Result = TypeVar("_Result")
 
 
@@ -40,7 +41,6 @@ class RemoteCache:
     cache_id: int
     desc: CacheDesc
     tensors: tuple[TensorLocation, ...]
-    shm_dir: str
     backend_info: dict[str, bytes] = field(default_factory=dict)
     """What each of the peer's backends added to the description (Backend.describe_cache), untrusted."""
     backend_state: dict[str, Any] = field(default_factory=dict)
@@ -48,11 +48,43 @@ class RemoteCache:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceKind:
+    """A device memory kind a backend imports from a model server by IPC handle."""
+
+    name: str
+    """"cuda", "npu", ...: what a registration's DeviceMemory.kind says."""
+    handle_bytes: tuple[int, int]
+    """Smallest and largest IPC handle of this kind, in bytes (checked before the backend sees a registration)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
-    same_host_only: bool
-    one_sided_read: bool
     memory_kinds: frozenset[str] = frozenset({"host"})
     """Memory kinds this backend reads and writes ("host"; device kinds "cuda", "npu")."""
+    device_kinds: tuple[DeviceKind, ...] = ()
+    """The device kinds of `memory_kinds` that it imports (RegisterKvCache of device memory), with their handles."""
+
+
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What a backend's settings may be checked against at start-up."""
+
+    peer_host: str
+    """Host of the peer listener."""
+    mutual_tls: bool
+    """The daemon has mutual TLS material (--tls-cert/--tls-key/--tls-ca)."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """A backend's own settings. Subclasses are frozen dataclasses whose fields carry `metadata={"help": ...}` (and
+    optionally `"aliases": (...)`, former top-level names still accepted); each field is settable as
+    `--<backend>-<field>`, `KVBROKER_<BACKEND>_<FIELD>` or `<field>` in the `[backend.<backend>]` table, and shown
+    by `--print-config`. Field types: int, float, bool, str, dict[str, str]."""
+
+    def check(self, daemon: DaemonFacts) -> None:
+        """Raises ValueError when a value cannot work, its message starting with the field's name ("port: ...");
+        called at start-up for every backend."""
 
 
 MAX_ADVERTISEMENT_BYTES = 64 << 10
@@ -75,11 +107,10 @@ class LocalContext:
     parts_executor: concurrent.futures.Executor
     secret_for: Callable[[bytes], bytes | None]
     """Link secret by link id (any thread), for backends that authenticate their own connections."""
-    data_port: int = 0
-    data_server_tls: ssl.SSLContext | None = None
-    data_client_tls: ssl.SSLContext | None = None
-    hccl: HcclSettings = field(default_factory=HcclSettings)
-    """The hccl backend's settings (the daemon's hccl_* config fields)."""
+    settings: BackendSettings = field(default_factory=BackendSettings)
+    """This backend's own settings (its `settings_type`), validated."""
+    tls: TlsMaterial | None = None
+    """The daemon's mutual TLS material, for backends that secure their own connections."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +129,9 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
-    extra: ClassVar[str] = ""
-    """The pip extra that installs what this backend needs, when it needs more than the server's dependencies."""
+    settings_type: ClassVar[type[BackendSettings]] = BackendSettings
+    default: ClassVar[bool] = False
+    """Allowed when the daemon's --backends is not given (in the order backends are listed)."""
 
     def __init__(self, ctx: LocalContext) -> None:
         self.ctx = ctx
@@ -115,6 +147,17 @@ class Backend(abc.ABC):
         """Why this backend cannot run on this machine (a library is missing), or None."""
         return None
 
+    @classmethod
+    def listen_addresses(cls, settings: BackendSettings, peer_host: str) -> list[tuple[str, str]]:
+        """(host:port, what) this backend will listen on with `settings`, checked free before the daemon starts
+        anything (a port of 0 need not be listed)."""
+        return []
+
+    @property
+    def endpoint(self) -> str:
+        """Where this backend serves, for the daemon's start-up line ("" when it serves nothing of its own)."""
+        return ""
+
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Starts what the backend serves (a listener, an engine); raises OSError when it cannot."""
 
@@ -128,9 +171,10 @@ class Backend(abc.ABC):
         """What a peer needs to reach us through this backend (opaque to the handshake; never pickled)."""
 
     @abc.abstractmethod
-    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+    async def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         """A channel to `peer` from its advertisement `info` (untrusted bytes: parse defensively), or
-        BackendUnusable with the reason."""
+        BackendUnusable with the reason. Awaited on the event loop: work that waits (an engine thread loading the
+        peer's metadata) is awaited with a bound, never waited for on the loop thread."""
 
     async def describe_cache(self, entry: CacheEntry) -> bytes:
         """Per-backend bytes a peer needs to address `entry` (empty: the generic description suffices).
@@ -212,20 +256,3 @@ async def engine_result(future: concurrent.futures.Future[_Result]) -> _Result:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([waiter])
         raise
-
-
-def run_parts(executor: concurrent.futures.Executor, work: Callable[[_Part], None], parts: list[_Part]) -> None:
-    """Runs work(part) for every part, the first on this thread and the others on `executor`, and returns only
-    when every one has stopped (callers unpin memory after that); then raises the first error, if any."""
-    futures = [executor.submit(work, p) for p in parts[1:]]
-    errors: list[BaseException] = []
-    try:
-        work(parts[0])
-    except BaseException as e:
-        errors.append(e)
-    concurrent.futures.wait(futures)
-    for f in futures:
-        if f.exception() is not None:
-            errors.append(f.exception())  # type: ignore[arg-type]
-    if errors:
-        raise errors[0]

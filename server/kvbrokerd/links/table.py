@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -68,7 +67,6 @@ class Link:
     final: bool = False
     heartbeat: asyncio.Task[None] | None = None
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    shm_dir: Path = Path("/dev/shm")
 
     def signed(self, method: str, request: Message) -> Message:
         sign(request, method, self.secret, linkauth.link_id(self.secret), next(self._seq))
@@ -144,7 +142,7 @@ class Link:
                  f"unusably: {e}")
         # Segment names are resolved in OUR shm dir: a peer never names a path on this host.
         info = {name: bytes(v) for name, v in resp.backend_info.items() if len(v) <= MAX_ADVERTISEMENT_BYTES}
-        return RemoteCache(cache_id=cache_id, desc=desc, shm_dir=str(self.shm_dir), tensors=tensors,
+        return RemoteCache(cache_id=cache_id, desc=desc, tensors=tensors,
                            backend_info=info)
 
     def forget_cache(self, cache_id: int) -> None:
@@ -213,7 +211,7 @@ def peer_error(e: grpc.aio.AioRpcError, cluster_id: int, what: str, *, linking: 
 class LinkTable:
     def __init__(self, cluster_id: int, epoch: str, backends: Mapping[str, Backend], *, token: bytes | None = None,
                  credentials: grpc.ChannelCredentials | None = None, max_links: int = MAX_LINKS,
-                 auto_relink: bool = False, shm_dir: Path = Path("/dev/shm"), inbound_ttl_s: float | None = None
+                 auto_relink: bool = False, inbound_ttl_s: float | None = None
                  ) -> None:
         """`backends`: this daemon's started backends, in order of preference."""
         self.cluster_id = cluster_id
@@ -223,7 +221,6 @@ class LinkTable:
         self.auto_relink = auto_relink
         self.epoch = epoch
         self.backends = dict(backends)
-        self.shm_dir = shm_dir
         self.links: dict[int, Link] = {}
         self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
                                     **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
@@ -249,7 +246,7 @@ class LinkTable:
             fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
         if len(self.links) >= self.max_links:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({self.max_links})")
-        link = self.links[cluster_id] = Link(cluster_id, address, shm_dir=self.shm_dir)
+        link = self.links[cluster_id] = Link(cluster_id, address)
         try:
             await self._handshake(link, timeout)
         except BaseException:
@@ -311,11 +308,11 @@ class LinkTable:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where} sent an instance epoch longer than {MAX_EPOCH_BYTES} bytes")
         link.remote_epoch = resp.instance_epoch
         link.secret = linkauth.derive_link_secret(self._key, bound)
-        link.channel, link.backend = self._choose_backend(link, resp)
+        link.channel, link.backend = await self._choose_backend(link, resp)
         link.state = LinkState.READY
         link.last_seen = time.time()
 
-    def _choose_backend(self, link: Link, resp: peer_pb2.AuthenticateResponse) -> tuple[PeerChannel, str]:
+    async def _choose_backend(self, link: Link, resp: peer_pb2.AuthenticateResponse) -> tuple[PeerChannel, str]:
         """The first backend of our order that the peer serves and that can reach it; every other one's reason goes
         into the failure."""
         peer = PeerInfo(link.remote_cluster_id, link.remote_address, link.secret)
@@ -329,7 +326,7 @@ class LinkTable:
                 reasons.append(f"{name}: advertisement larger than {MAX_ADVERTISEMENT_BYTES} bytes")
                 continue
             try:
-                return backend.connect(peer, bytes(info)), name
+                return await backend.connect(peer, bytes(info)), name
             except BackendUnusable as e:
                 log.info("cluster %d: backend %s unusable (%s); trying the next", link.remote_cluster_id, name, e)
                 reasons.append(f"{name}: {e}")

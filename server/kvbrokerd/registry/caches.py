@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
-from kvbrokerd.backends.common.memcopy import Endpoint
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 from kvbrokerd.registry import shmseg
+from kvbrokerd.registry.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from kvbrokerd.backends.base import Backend
     from kvbrokerd.registry.caches import CacheEntry
 
-KINDS = {"cuda": ("nixl", 64, 64), "npu": ("hccl", 1, 256)}
-"""kind -> (the backend that serves it, smallest and largest IPC handle in bytes)."""
 MAX_DEVICE_NAME = 64
 
 
@@ -30,7 +28,11 @@ def is_device(tensors: Sequence[TensorLocation]) -> bool:
     return any(t.device is not None for t in tensors)
 
 
-def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
+DeviceKinds = Mapping[str, tuple[str, tuple[int, int]]]
+"""Device memory kind -> (the backend that imports it, its IPC handle sizes): `kvbrokerd.backends.device_kinds()`."""
+
+
+def validate(desc: CacheDesc, tensors: Sequence[TensorLocation], known: DeviceKinds) -> str:
     """Checks a device registration before anything is imported; returns its memory kind."""
     if len(tensors) != desc.num_tensors:
         param_invalid(f"{len(tensors)} tensor locations for num_tensors={desc.num_tensors}")
@@ -40,9 +42,9 @@ def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
     if len(kinds) != 1:
         param_invalid(f"one memory kind per cache, got {sorted(kinds)}")
     kind = kinds.pop()
-    if kind not in KINDS:
-        param_invalid(f"unknown device memory kind {kind!r} (known: {', '.join(KINDS)})")
-    _, smallest, largest = KINDS[kind]
+    if kind not in known:
+        param_invalid(f"unknown device memory kind {kind!r} (known: {', '.join(known)})")
+    _, (smallest, largest) = known[kind]
     for i, t in enumerate(tensors):
         d = t.device
         assert d is not None
@@ -69,14 +71,14 @@ def validate(desc: CacheDesc, tensors: Sequence[TensorLocation]) -> str:
 
 
 def register(desc: CacheDesc, tensors: Sequence[TensorLocation], backends: Mapping[str, Backend],
-             owner: str) -> CacheEntry:
+             owner: str, known: DeviceKinds) -> CacheEntry:
     """Validates, then hands the registration to the backend that serves its memory kind. A daemon that runs the
     backend meant for the kind, which cannot serve it here, lets that backend refuse: it knows what is missing."""
-    kind = validate(desc, tensors)
+    kind = validate(desc, tensors, known)
     for backend in backends.values():
         if kind in backend.memory_kinds:
             return backend.import_device_cache(desc, tensors, owner)
-    serving = KINDS[kind][0]
+    serving = known[kind][0]
     if serving in backends:
         return backends[serving].import_device_cache(desc, tensors, owner)
     fail(LlmStatus.LLM_FEATURE_NOT_ENABLED, f"no backend of this daemon moves {kind} memory (it runs "

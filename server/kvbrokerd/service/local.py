@@ -13,6 +13,7 @@ from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_locatio
 from kvbroker.status import LlmStatus
 from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
+from kvbrokerd import backends as backend_index
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import notifications
@@ -134,7 +135,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
             # Opening IPC handles and registering device memory with an engine can take a while: off the event loop.
             entry = await asyncio.to_thread(devicemem.register, _desc(request.desc),  # type: ignore[arg-type]
-                                            tensors, self.node.links.backends, owner=request.session_id)
+                                            tensors, self.node.links.backends, owner=request.session_id,
+                                            known=backend_index.device_kinds())
         else:
             entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
                                                 owner=request.session_id)

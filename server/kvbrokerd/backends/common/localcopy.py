@@ -31,7 +31,7 @@ class LocalCopyChannel(PeerChannel):
     @staticmethod
     def describe(entry: CacheEntry) -> RemoteCache:
         """One of our caches as the far side of a copy."""
-        return RemoteCache(cache_id=entry.cache_id, desc=entry.desc, tensors=entry.tensors, shm_dir="")
+        return RemoteCache(cache_id=entry.cache_id, desc=entry.desc, tensors=entry.tensors)
 
     def runs_inline(self, plan: Plan) -> bool:
         return memcopy.small_enough_for_the_loop(plan)

@@ -29,14 +29,14 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 from typing import NoReturn
 
 import numpy as np
 
-from kvbrokerd.backends.base import run_parts
+from kvbrokerd.backends.common.parts import run_parts
 from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.registry.endpoint import Endpoint
 from kvbrokerd.transfers.planner import Pieces, Plan, Progress
 
 # Below this many bytes a second copying thread costs more than it saves.
@@ -112,27 +112,6 @@ class RunFault(Exception):
 
 def small_enough_for_the_loop(plan: Plan) -> bool:
     return plan.total_bytes <= INLINE_MAX_BYTES and plan.num_runs <= INLINE_MAX_RUNS
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One side of a copy: where each tensor's bytes are, in this process and in their segment files."""
-
-    label: str
-    """Names the memory in errors ("cache 12", "remote cache 7 of cluster 2")."""
-    addresses: list[int]
-    """Base address of each tensor's mapping here (needed of a destination, and of a source that `maps_to_copy`);
-    empty when not mapped."""
-    fds: list[int]
-    """Descriptor of each tensor's segment file."""
-    offsets: list[int]
-    """Offset of each tensor in its segment file."""
-    stable: bool
-    """Only daemons can resize this memory: memmove may touch it."""
-    check: Callable[[], None]
-    """Raises LlmError when a segment is now smaller than the tensors in it need."""
-    holds: object = None
-    """Whatever keeps the descriptors and mappings above open: held for as long as the endpoint is used."""
 
 
 def base_address(buffer: mmap.mmap) -> int:

@@ -29,7 +29,7 @@ import secrets
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvbroker.status import LlmError
 from kvbroker.types import CacheDesc, Placement, TensorLocation
@@ -37,6 +37,7 @@ from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
     Capabilities,
+    DeviceKind,
     LocalContext,
     PeerChannel,
     PeerInfo,
@@ -63,7 +64,8 @@ __all__ = ["BACKEND", "NAME", "HcclBackend", "HcclChannel", "HcclSettings", "hix
 
 log = logging.getLogger(__name__)
 
-CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"npu", "host"}))
+CAPABILITIES = Capabilities(memory_kinds=frozenset({"npu", "host"}),
+                            device_kinds=(DeviceKind("npu", handle_bytes=(1, 256)),))  # an IPC export key
 ADVERT_VERSION = 1
 _ACL_REPEAT_INITIALIZE = 100002
 _ACL_IPC_IMPORT_ENABLE_PEER_ACCESS = 1
@@ -117,11 +119,11 @@ class HcclBackend(Backend):
 
     name = NAME
     capabilities = CAPABILITIES
-    extra = ""  # HIXL and pyACL come with the CANN toolkit, not from pip
+    settings_type = HcclSettings
 
     def __init__(self, ctx: LocalContext, settings: HcclSettings | None = None) -> None:
         super().__init__(ctx)
-        self.settings = settings or ctx.hccl
+        self.settings = settings or cast(HcclSettings, ctx.settings)
         self.local_engine = ""
         self.hixl: Any = None
         self._acl: Any = None
@@ -152,9 +154,10 @@ class HcclBackend(Backend):
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         try:
-            settings = self.settings.validated()
+            settings = self.settings
+            settings.check()  # settings that bypass the daemon's config (tests, embedders) are checked too
             if settings.engine:
-                self.local_engine = engine_id(*parse_engine(settings.engine, "hccl_engine"))
+                self.local_engine = engine_id(*parse_engine(settings.engine, "engine"))
             else:
                 ip, _ = parse_engine(f"{self.ctx.peer_host}:1", "the peer listener's host (set --hccl-engine)")
                 self.local_engine = engine_id(ip, DEFAULT_ENGINE_PORT + settings.device)
@@ -267,7 +270,7 @@ class HcclBackend(Backend):
     def advertise(self) -> bytes:
         return json.dumps({"v": ADVERT_VERSION, "engine": self.local_engine, "epoch": self.epoch}).encode()
 
-    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+    async def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         if not self.serving:
             raise BackendUnusable("our HIXL engine is not running")
         try:

@@ -8,10 +8,11 @@ import ctypes
 import ipaddress
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvbrokerd.backends.base import BackendSettings, DaemonFacts
 from kvbrokerd.errors import LlmStatus
 
 NAME = "hccl"
@@ -51,33 +52,36 @@ def llm_status(hixl: Any, code: int) -> LlmStatus:
 
 # -- settings -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class HcclSettings:
-    """The hccl backend's settings: the daemon's `hccl_*` config fields (flags, KVBROKER_HCCL_* and TOML keys)."""
+class HcclSettings(BackendSettings):
+    """The hccl backend's settings: flags --hccl-*, KVBROKER_HCCL_* and the [backends.hccl] table."""
 
-    device: int = 0
-    """NPU (logical id, as ASCEND_RT_VISIBLE_DEVICES numbers them) this daemon's engine binds."""
-    engine: str = ""
-    """`ip:port` of this daemon's HIXL engine, as peers dial it ("" = the peer listener's IP, port 26000 + device)."""
-    options: Mapping[str, str] = field(default_factory=dict)
-    """Extra HIXL options (GlobalResourceConfig, LocalCommRes, RdmaTrafficClass, ...) passed to initialize."""
-    connect_timeout_ms: int = 3000
-    """Longest a link set-up may take (a transfer's own deadline may cut it shorter)."""
+    device: int = field(default=0, metadata={
+        "help": "the NPU its HIXL engine binds (logical id, as ASCEND_RT_VISIBLE_DEVICES numbers them)",
+        "aliases": ("hccl_device",)})
+    engine: str = field(default="", metadata={
+        "help": "ip:port (or [v6]:port) peers dial for its HIXL engine, an IP literal (empty = the peer listener's IP, "
+                f"port {DEFAULT_ENGINE_PORT} + device)", "aliases": ("hccl_engine",)})
+    options: dict[str, str] = field(default_factory=dict, metadata={
+        "help": "extra HIXL options passed to initialize (GlobalResourceConfig, LocalCommRes, RdmaTrafficClass, ...): "
+                "a JSON object of strings (a table in the config file); BufferPool and AutoConnect are kvbroker's",
+        "aliases": ("hccl_options",)})
+    connect_timeout_ms: int = field(default=3000, metadata={
+        "help": "longest HIXL link set-up in milliseconds (a transfer's deadline may cut it shorter)",
+        "aliases": ("hccl_connect_timeout_ms",)})
 
-    def validated(self) -> HcclSettings:
-        """Itself, or ValueError naming the daemon's config field (Config.hccl_*) that holds the bad value."""
+    def check(self, daemon: DaemonFacts | None = None) -> None:
         if not 0 <= self.device < 1024:
-            raise ValueError(f"hccl_device: {self.device} is not a device id (0..1023)")
+            raise ValueError(f"device: {self.device} is not a device id (0..1023)")
         if self.engine:
-            parse_engine(self.engine, "hccl_engine")
+            parse_engine(self.engine, "engine")
         if not 1 <= self.connect_timeout_ms <= 600_000:
-            raise ValueError(f"hccl_connect_timeout_ms: {self.connect_timeout_ms} is not in [1, 600000]")
+            raise ValueError(f"connect_timeout_ms: {self.connect_timeout_ms} is not in [1, 600000]")
         # kvbroker makes and remakes links itself (registration epochs): an engine that links on its own could link
         # before a registration and never show the peer that memory. And the pool must stay off (module docstring).
         for key, why in (("AutoConnect", "kvbroker links engines itself, after registering"),
                          ("BufferPool", 'kvbroker keeps it "0:0" so unregistered memory fails instead of staging')):
             if key in self.options:
-                raise ValueError(f"hccl_options: {key} cannot be set ({why})")
-        return self
+                raise ValueError(f"options: {key} cannot be set ({why})")
 
 
 def parse_engine(value: str, what: str) -> tuple[str, int]:

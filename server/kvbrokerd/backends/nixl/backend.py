@@ -23,6 +23,8 @@ beyond loopback either. Variables already set are kept.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import ipaddress
@@ -44,6 +46,7 @@ from kvbrokerd.backends.base import (
     Backend,
     BackendUnusable,
     Capabilities,
+    DeviceKind,
     LocalContext,
     PeerChannel,
     PeerInfo,
@@ -71,7 +74,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = "nixl"
-CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=True, memory_kinds=frozenset({"host", "cuda"}))
+CAPABILITIES = Capabilities(memory_kinds=frozenset({"host", "cuda"}),
+                            device_kinds=(DeviceKind("cuda", handle_bytes=(64, 64)),))  # a cudaIpcMemHandle_t
+CONNECT_TIMEOUT_S = 10.0
+"""Longest the agent thread may take to load a peer's agent (it may be busy with a large registration)."""
 """cuda: only where cuda-python, a CUDA device and NIXL's VRAM support are all there (`NixlBackend.memory_kinds`)."""
 INSTALL = "pip install 'kvbroker[nixl]' && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 MAX_PREPPED_DESCRIPTORS = 1 << 20
@@ -419,12 +425,16 @@ class NixlChannel(PeerChannel):
         self._agent.submit(close)
 
 
+def _close_unused(future: concurrent.futures.Future[NixlChannel]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
 class NixlBackend(Backend):
     """Advertises this daemon's NIXL agent; a peer loads it and reads or writes our registered caches directly."""
 
     name = NAME
     capabilities = CAPABILITIES
-    extra = "nixl"
 
     def __init__(self, ctx: LocalContext) -> None:
         super().__init__(ctx)
@@ -513,7 +523,7 @@ class NixlBackend(Backend):
     def advertise(self) -> bytes:
         return self._metadata
 
-    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+    async def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         try:
             name = agent_name_of(info)
         except ValueError as e:
@@ -530,8 +540,16 @@ class NixlBackend(Backend):
             channel = self._peers[name] = NixlChannel(self, name, info)
             return channel
 
+        future = self.agent.submit(load)
         try:
-            return self.agent.call(load)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), CONNECT_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if not future.cancel():  # it loads later: close what nobody will use
+                future.add_done_callback(_close_unused)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise BackendUnusable(f"NIXL did not load the peer's agent within {CONNECT_TIMEOUT_S:g} s (its agent "
+                                  "thread is busy)") from None
         except LlmError as e:
             raise BackendUnusable(e.message) from None
         except Exception as e:

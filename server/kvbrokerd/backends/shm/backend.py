@@ -37,6 +37,7 @@ from kvbrokerd.backends.common import memcopy
 from kvbrokerd.backends.shm.control import CONTROL_SUFFIX, NONCE_BYTES, ShmControlPage
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.registry import shmseg
+from kvbrokerd.registry.endpoint import Endpoint
 
 if TYPE_CHECKING:
     from kvbrokerd.registry.caches import CacheEntry
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = "shm"
-CAPABILITIES = Capabilities(same_host_only=True, one_sided_read=True)
 _MAX_CONTROL_SLOTS = 1 << 24
 _WRITABLE = NAME + ":rw"
 
@@ -117,7 +117,7 @@ def probe(segment_name: str, nonce: bytes, shm_dir: Path) -> PeerControl | None:
 class _Opened:
     """A remote cache's segments, open here (read-only for pulls, read-write for pushes), as a copy endpoint."""
 
-    def __init__(self, segments: dict[str, shmseg.Segment], endpoint: memcopy.Endpoint) -> None:
+    def __init__(self, segments: dict[str, shmseg.Segment], endpoint: Endpoint) -> None:
         self.segments = segments  # a copy holds this object: the descriptors stay open while it runs
         self.endpoint = endpoint
 
@@ -161,7 +161,7 @@ class _Opened:
                     fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{label}: segment {name!r} shrank to {size} bytes, the "
                          f"cache needs {extent} (its owner truncated it)", cache_id=remote.cache_id)
 
-        endpoint = memcopy.Endpoint(
+        endpoint = Endpoint(
             label=label, addresses=[bases[t.segment] + t.offset for t in remote.tensors] if bases else [],
             fds=[segments[t.segment].fd for t in remote.tensors], offsets=[t.offset for t in remote.tensors],
             stable=stable, check=check, holds=segments)
@@ -206,7 +206,7 @@ class ShmChannel(PeerChannel):
                  cache_id=remote.cache_id)
 
     def _transfer(self, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float,
-                  endpoints: Callable[[], tuple[memcopy.Endpoint, memcopy.Endpoint]]) -> int:
+                  endpoints: Callable[[], tuple[Endpoint, Endpoint]]) -> int:
         self._check_peer(remote)
         src, dst = endpoints()
         landed: list[tuple[np.ndarray, np.ndarray]] = []
@@ -250,7 +250,8 @@ class ShmBackend(Backend):
     the page by that name in its OWN shm dir and finds the nonce shares our host memory."""
 
     name = NAME
-    capabilities = CAPABILITIES
+    capabilities = Capabilities()
+    default = True
     control: ShmControlPage | None = None
     """Published by `start`, removed by `close`."""
 
@@ -267,7 +268,7 @@ class ShmBackend(Backend):
             return b""
         return json.dumps({"segment": self.control.name, "nonce": self.control.nonce.hex()}).encode()
 
-    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+    async def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         try:
             ad = json.loads(info)
             segment, nonce = str(ad["segment"]), bytes.fromhex(str(ad["nonce"]))

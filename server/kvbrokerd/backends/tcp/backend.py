@@ -5,33 +5,42 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbrokerd.backends.base import (
     Backend,
+    BackendSettings,
     BackendUnusable,
     Capabilities,
+    DaemonFacts,
     LocalContext,
     PeerChannel,
     PeerInfo,
 )
-from kvbrokerd.backends.tcp.channel import (
-    TcpChannel,
-)
-from kvbrokerd.backends.tcp.server import (
-    DataServer,
-)
-from kvbrokerd.backends.tcp.wire import (
-    NAME,
-)
+from kvbrokerd.backends.tcp.channel import TcpChannel
+from kvbrokerd.backends.tcp.server import DataServer
+from kvbrokerd.backends.tcp.wire import NAME
 
 if TYPE_CHECKING:
-    pass
-
+    from kvbrokerd.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
-CAPABILITIES = Capabilities(same_host_only=False, one_sided_read=False)
+
+@dataclass(frozen=True)
+class TcpSettings(BackendSettings):
+    port: int = field(default=0, metadata={
+        "help": "data-plane port on the peer host (0 = any free port)", "aliases": ("data_port",)})
+    tls: bool = field(default=False, metadata={
+        "help": "TLS on data connections too (needs the daemon's tls_*)", "aliases": ("data_tls",)})
+
+    def check(self, daemon: DaemonFacts) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a port")
+        if self.tls and not daemon.mutual_tls:
+            raise ValueError("tls: needs tls_cert, tls_key and tls_ca")
 
 
 class TcpBackend(Backend):
@@ -39,16 +48,41 @@ class TcpBackend(Backend):
     peer API on (an advertisement never names a host)."""
 
     name = NAME
-    capabilities = CAPABILITIES
+    capabilities = Capabilities()
+    settings_type = TcpSettings
+    default = True
 
     def __init__(self, ctx: LocalContext) -> None:
         super().__init__(ctx)
         self.server: DataServer | None = None
+        self._client_tls: ssl.SSLContext | None = None
+
+    @property
+    def settings(self) -> TcpSettings:
+        assert isinstance(self.ctx.settings, TcpSettings)
+        return self.ctx.settings
+
+    @classmethod
+    def listen_addresses(cls, settings: BackendSettings, peer_host: str) -> list[tuple[str, str]]:
+        assert isinstance(settings, TcpSettings)
+        if not settings.port:
+            return []
+        return [(f"[{peer_host}]:{settings.port}" if ":" in peer_host else f"{peer_host}:{settings.port}",
+                 "tcp data plane")]
+
+    @property
+    def endpoint(self) -> str:
+        return f":{self.port}"
+
+    def _tls(self) -> TlsMaterial | None:
+        return self.ctx.tls if self.settings.tls else None
 
     async def start(self) -> None:
-        self.server = DataServer(self.ctx.registry, self.ctx.secret_for, self.ctx.peer_host, self.ctx.data_port,
-                                 tls=self.ctx.data_server_tls)
+        tls = self._tls()
+        self.server = DataServer(self.ctx.registry, self.ctx.secret_for, self.ctx.peer_host, self.settings.port,
+                                 tls=tls.data_server_context() if tls else None)
         self.server.start()
+        self._client_tls = tls.data_client_context() if tls else None
 
     @property
     def serving(self) -> bool:
@@ -61,7 +95,7 @@ class TcpBackend(Backend):
     def advertise(self) -> bytes:
         return json.dumps({"port": self.port}).encode()
 
-    def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
+    async def connect(self, peer: PeerInfo, info: bytes) -> PeerChannel:
         try:
             port = json.loads(info)["port"]
         except (ValueError, TypeError, KeyError) as e:
@@ -69,7 +103,7 @@ class TcpBackend(Backend):
         if type(port) is not int or not 0 < port < 65536:
             raise BackendUnusable(f"invalid tcp data port {str(port)[:20]!r}")
         host = peer.peer_address.rpartition(":")[0].strip("[]")
-        return TcpChannel(host, port, peer.secret, self.ctx.parts_executor, tls=self.ctx.data_client_tls)
+        return TcpChannel(host, port, peer.secret, self.ctx.parts_executor, tls=self._client_tls)
 
     def close(self) -> None:
         if self.server is not None:

@@ -19,9 +19,9 @@ import numpy as np
 from kvbrokerd.backends.base import (
     PeerChannel,
     RemoteCache,
-    run_parts,
 )
 from kvbrokerd.backends.common import memcopy, sockio, staging
+from kvbrokerd.backends.common.parts import run_parts
 from kvbrokerd.backends.tcp.wire import (
     HELLO,
     MAX_RUNS_PER_REQUEST,

@@ -1,0 +1,27 @@
+"""Where a cache's bytes are: what a copy needs to know of either side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One side of a copy: where each tensor's bytes are, in this process and in their segment files."""
+
+    label: str
+    """Names the memory in errors ("cache 12", "remote cache 7 of cluster 2")."""
+    addresses: list[int]
+    """Base address of each tensor's mapping here (needed of a destination, and of a source that `maps_to_copy`);
+    empty when not mapped."""
+    fds: list[int]
+    """Descriptor of each tensor's segment file."""
+    offsets: list[int]
+    """Offset of each tensor in its segment file."""
+    stable: bool
+    """Only daemons can resize this memory: memmove may touch it."""
+    check: Callable[[], None]
+    """Raises LlmError when a segment is now smaller than the tensors in it need."""
+    holds: object = None
+    """Whatever keeps the descriptors and mappings above open: held for as long as the endpoint is used."""
