@@ -17,7 +17,7 @@ import threading
 import types
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -195,7 +195,8 @@ class _Call(Generic[_R]):
     """Seconds; None: the client's default (`_Calls._deadline` checks and fills it in)."""
 
 
-_Spec = Callable[Concatenate["_Calls", _P], _Call[_R]]
+if TYPE_CHECKING:
+    _Spec = Callable[Concatenate["_Calls", _P], _Call[_R]]
 
 
 class _Rpc(Generic[_P, _R]):
@@ -213,7 +214,8 @@ class _Rpc(Generic[_P, _R]):
         signature = inspect.signature(spec)
         returns = str(signature.return_annotation)
         # Annotations are strings (`from __future__ import annotations`): "_Call[X]" -> "X".
-        assert returns.startswith("_Call[") and returns.endswith("]"), f"{self.name} must return a _Call"
+        if not (returns.startswith("_Call[") and returns.endswith("]")):
+            raise TypeError(f"the table's {self.name} must be annotated to return a _Call[...]")
         self.signature = signature.replace(return_annotation=returns[len("_Call["):-1])
 
         def blocking(client: Client, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
