@@ -17,7 +17,7 @@ import threading
 import types
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -182,7 +182,7 @@ _R = TypeVar("_R")
 _P = ParamSpec("_P")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Call(Generic[_R]):
     """One unary call, ready to send: what a row of the table makes of its arguments."""
 
@@ -254,14 +254,11 @@ class _Rpc(Generic[_P, _R]):
     def __get__(self, obj: Client, owner: type[Any] | None = None) -> Callable[_P, _R]: ...
 
     def __get__(self, obj: object, owner: type[Any] | None = None) -> Any:
-        cls = type(obj) if owner is None else owner
-        if issubclass(cls, AsyncClient):
-            fn = self.awaitable
-        elif issubclass(cls, Client):
-            fn = self.blocking
-        else:
-            return self  # the table itself (`_Calls.<name>`)
-        return fn if obj is None else types.MethodType(fn, obj)
+        # Only `_Calls.<name>` (the row itself) comes here: each client class holds the row's plain function, put
+        # there by `_Calls.__init_subclass__`. These overloads tell the type checker what that function is.
+        if obj is None:
+            return self
+        return types.MethodType(self.awaitable if isinstance(obj, _Calls) and obj._awaits else self.blocking, obj)
 
 
 def _rpc(*, session: bool = False) -> Callable[[_Spec[_P, _R]], _Rpc[_P, _R]]:
@@ -274,7 +271,18 @@ def _rpc(*, session: bool = False) -> Callable[[_Spec[_P, _R]], _Rpc[_P, _R]]:
 class _Calls:
     """The state both clients share and the table of calls: one `@_rpc` method per RPC, with the public signature
     and docstring, whose body builds the request and says how to decode the response. `Client` and `AsyncClient`
-    add only how they wait (`_call`, `_start_keepalive`, `close`) and their own extras."""
+    add only how they wait (`_call`, `_run`, `_start_keepalive`, `close`) and their own extras."""
+
+    _awaits: ClassVar[bool] = False
+    """The class's calls are coroutines (AsyncClient)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives the new client class each row as a plain function (blocking or coroutine, per `_awaits`), unless
+        it or a class between it and `_Calls` defines that method itself."""
+        super().__init_subclass__(**kwargs)
+        for name, row in vars(_Calls).items():
+            if isinstance(row, _Rpc) and inspect.getattr_static(cls, name) is row:
+                setattr(cls, name, row.awaitable if cls._awaits else row.blocking)
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
@@ -864,6 +872,8 @@ class Client(_Calls):
 class AsyncClient(_Calls):
     """asyncio client: every call of the table (`CALLS`) as a coroutine method with the same signature as
     `Client`'s, plus `pull_kv_blocks_stream`. Use `async with` or `await close()`."""
+
+    _awaits = True
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
