@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from kvbroker._bench import DaemonPair
+
 BENCH_DIR = Path(__file__).resolve().parent
 PEERS_DIR = BENCH_DIR / "peers"
 sys.path.insert(0, str(PEERS_DIR))
@@ -331,42 +333,11 @@ def check_cache(src: list[np.ndarray], dst: list[np.ndarray], sperm: np.ndarray,
                 raise AssertionError(f"tensor {t}: dst block {dperm[i]} differs from src block {sperm[i]}")
 
 
-class KvPair:
+class KvPair(DaemonPair):
     """Two LocalDaemons forced to one backend, the pulling one (cluster 2) linked to the source (cluster 1)."""
 
     def __init__(self, workdir: Path, backend: str, timeout: float) -> None:
-        from kvbroker._local import LocalDaemon
-
-        self.backend = backend
-        self.timeout = timeout
-        self.src_daemon = LocalDaemon(workdir / backend, 1, backends=(backend,))
-        self.dst_daemon = LocalDaemon(workdir / backend, 2, backends=(backend,))
-
-    def __enter__(self) -> KvPair:
-        from kvbroker import ClusterInfo
-
-        self.src_daemon.start()
-        try:
-            self.dst_daemon.start()
-        except BaseException:
-            self.src_daemon.stop()
-            raise
-        self.src = self.src_daemon.client(timeout=self.timeout)
-        self.dst = self.dst_daemon.client(timeout=self.timeout)
-        link = self.dst.link_clusters([ClusterInfo(remote_cluster_id=1, remote_address=self.src_daemon.peer_address)],
-                                      timeout=10.0)[0]
-        if not link.ok:
-            raise RuntimeError(f"link failed: {link.status.name}: {link.message}")
-        got = self.dst.list_links()[0].backend
-        if got != self.backend:
-            raise RuntimeError(f"link uses backend {got!r}, expected {self.backend!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for c in (self.src, self.dst):
-            c.close()
-        self.dst_daemon.stop()
-        self.src_daemon.stop()
+        super().__init__(workdir / backend, backend, timeout, link_timeout=10.0)
 
     @contextlib.contextmanager
     def caches(self, desc: Any) -> Iterator[tuple[Any, Any]]:

@@ -19,30 +19,23 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-import numpy as np
-
+from kvbroker._bench import BenchError, Progress, plan_bench, render_bench, run_bench
 from kvbroker._client import Client
+from kvbroker._format import fmt_gbps, fmt_size, table
 from kvbroker.status import LlmError, LlmStatus
-from kvbroker.types import CacheDesc, CacheIndex, ClusterInfo, ClusterResult, DataType, KvCacheExtParam
+from kvbroker.types import CacheIndex, ClusterInfo, ClusterResult, KvCacheExtParam
 
 DEFAULT_TARGET = "unix:///run/kvbroker/kvbroker.sock"
 KNOWN_BACKENDS = ("shm", "tcp")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
-
-
-class CliError(Exception):
-    """A failure outside the daemon (e.g. a bench daemon that would not start): printed, exit 1."""
 
 
 # ----------------------------------------------------------------------------------------------- argument types
@@ -111,21 +104,6 @@ def parse_backends(value: str) -> list[str]:
     if bad or not backends:
         raise argparse.ArgumentTypeError(f"{value!r}: choose from {','.join(KNOWN_BACKENDS)}")
     return backends
-
-
-def fmt_size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_gbps(gbps: float) -> str:
-    """GB/s with two decimals, or as many as two significant digits need: a small pull shows 0.0031, not 0.00."""
-    if gbps <= 0 or gbps >= 0.01:
-        return f"{gbps:.2f}"
-    decimals = min(9, 1 - math.floor(math.log10(gbps)))
-    return f"{gbps:.{decimals}f}"
 
 
 # -------------------------------------------------------------------------------------------------- hints
@@ -209,36 +187,30 @@ def _report_wrong_target(args: argparse.Namespace, err: TextIO) -> None:
 # ------------------------------------------------------------------------------------------ table commands
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in [header, *rows])
-
-
 def _status(args: argparse.Namespace) -> int:
     with Client(args.target, timeout=args.timeout) as c:
         info = c.get_cluster_info()
-    print(_table([[str(info.cluster_id), info.version, info.peer_address, ",".join(info.backends),
-                   str(info.num_caches), str(info.num_links), info.instance_epoch]],
-                 ["CLUSTER", "VERSION", "PEER ADDRESS", "BACKENDS", "CACHES", "LINKS", "EPOCH"]))
+    print(table([[str(info.cluster_id), info.version, info.peer_address, ",".join(info.backends),
+                  str(info.num_caches), str(info.num_links), info.instance_epoch]],
+                ["CLUSTER", "VERSION", "PEER ADDRESS", "BACKENDS", "CACHES", "LINKS", "EPOCH"]))
     return 0
 
 
 def _caches(args: argparse.Namespace) -> int:
     with Client(args.target, timeout=args.timeout) as c:
         caches = c.list_caches()
-    print(_table([[str(r.cache_id), str(r.desc.num_tensors), "x".join(map(str, r.desc.shape)), r.desc.data_type.name,
-                   f"{r.desc.tensor_nbytes * r.desc.num_tensors / 2**20:.1f}",
-                   "daemon" if r.daemon_owned else "caller"] for r in caches],
-                 ["ID", "TENSORS", "SHAPE", "DTYPE", "MIB", "MEMORY"]))
+    print(table([[str(r.cache_id), str(r.desc.num_tensors), "x".join(map(str, r.desc.shape)), r.desc.data_type.name,
+                  f"{r.desc.tensor_nbytes * r.desc.num_tensors / 2**20:.1f}",
+                  "daemon" if r.daemon_owned else "caller"] for r in caches],
+                ["ID", "TENSORS", "SHAPE", "DTYPE", "MIB", "MEMORY"]))
     return 0
 
 
 def _links(args: argparse.Namespace) -> int:
     with Client(args.target, timeout=args.timeout) as c:
         links = c.list_links()
-    print(_table([[str(link.remote_cluster_id), link.remote_address, link.state.name, link.backend, link.reason]
-                  for link in links], ["CLUSTER", "ADDRESS", "STATE", "BACKEND", "REASON"]))
+    print(table([[str(link.remote_cluster_id), link.remote_address, link.state.name, link.backend, link.reason]
+                 for link in links], ["CLUSTER", "ADDRESS", "STATE", "BACKEND", "REASON"]))
     return 0
 
 
@@ -301,188 +273,13 @@ def _pull(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**dataclasses.asdict(result), "seconds": elapsed, "gbps": gbps}))
         return 0
-    print(_table([[result.transfer_id, str(result.bytes_moved), fmt_size(result.bytes_moved), result.backend,
-                   str(result.num_runs), f"{elapsed * 1e3:.2f}", fmt_gbps(gbps)]],
-                 ["TRANSFER ID", "BYTES", "SIZE", "BACKEND", "RUNS", "MS", "GB/S"]))
+    print(table([[result.transfer_id, str(result.bytes_moved), fmt_size(result.bytes_moved), result.backend,
+                  str(result.num_runs), f"{elapsed * 1e3:.2f}", fmt_gbps(gbps)]],
+                ["TRANSFER ID", "BYTES", "SIZE", "BACKEND", "RUNS", "MS", "GB/S"]))
     return 0
 
 
 # --------------------------------------------------------------------------------------------------- bench
-
-
-class Progress:
-    """A plain-text progress bar on a stream: redrawn in place on a terminal, one line per 10 % otherwise."""
-
-    WIDTH = 30
-
-    def __init__(self, stream: TextIO, total: int, enabled: bool = True) -> None:
-        self.stream = stream
-        self.total = max(1, total)
-        self.done = 0
-        self.enabled = enabled
-        self.tty = stream.isatty()
-        self._last_draw = 0.0
-        self._last_decile = -1
-        self._bar = ""
-        """The bar now drawn in place on the terminal ("" = none)."""
-
-    def advance(self, n: int, label: str) -> None:
-        self.done = min(self.total, self.done + n)
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        filled = int(frac * self.WIDTH)
-        line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {frac * 100:5.1f}%  {label}"
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_draw >= 0.1 or self.done == self.total:
-                self.stream.write("\r" + line + "\x1b[K")
-                self.stream.flush()
-                self._last_draw = now
-                self._bar = line
-        elif int(frac * 10) != self._last_decile:
-            self._last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-            self.stream.flush()
-
-    def note(self, text: str) -> None:
-        """A line of its own: on a terminal it replaces the bar, which is redrawn below it."""
-        if not self.enabled:
-            return
-        if self._bar:
-            self.stream.write("\r\x1b[K" + text + "\n" + self._bar)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self._bar:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._bar = ""
-
-
-@dataclasses.dataclass
-class BenchPoint:
-    backend: str
-    block_size: int
-    tensors: int
-    blocks_per_pull: int
-    pulls: int
-    bytes: int = 0
-    seconds: float = 0.0
-    latencies_ms: list[float] = dataclasses.field(default_factory=list)
-    verified: bool = False
-
-    @property
-    def bytes_per_pull(self) -> int:
-        return self.tensors * self.blocks_per_pull * self.block_size
-
-    def summary(self) -> dict[str, Any]:
-        lat = sorted(self.latencies_ms)
-
-        def pct(p: float) -> float:
-            return lat[min(len(lat) - 1, max(0, math.ceil(p / 100 * len(lat)) - 1))] if lat else 0.0
-
-        return {"backend": self.backend, "block_size": self.block_size, "tensors": self.tensors,
-                "blocks_per_pull": self.blocks_per_pull, "bytes_per_pull": self.bytes_per_pull, "pulls": self.pulls,
-                "bytes": self.bytes, "seconds": self.seconds,
-                "gbps": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
-                "latency_ms": {"p50": pct(50), "p99": pct(99), "max": lat[-1] if lat else 0.0},
-                "verified": self.verified}
-
-
-def plan_bench(backends: Sequence[str], block_sizes: Sequence[int], total_bytes: int, tensors: int,
-               pull_bytes: int) -> list[BenchPoint]:
-    """One point per (backend, block size): pulls of every block of a `tensors`-tensor cache of about `pull_bytes`
-    (at most `total_bytes`), repeated until `total_bytes` moved."""
-    points = []
-    for backend in backends:
-        for block in block_sizes:
-            blocks = max(1, min(pull_bytes, total_bytes) // (tensors * block))
-            pulls = max(1, math.ceil(total_bytes / (tensors * blocks * block)))
-            points.append(BenchPoint(backend, block, tensors, blocks, pulls))
-    return points
-
-
-def run_bench(points: list[BenchPoint], progress: Progress, timeout: float, seed: int = 7,
-              log: Callable[[str], None] = lambda _: None, metrics_listen: str = "") -> list[BenchPoint]:
-    """Runs each point between two fresh local daemons that allow only its backend: a verified warm-up pull of
-    scattered blocks (source and destination orders are two random permutations), then the timed pulls.
-    `metrics_listen`: the pulling daemon's Prometheus endpoint (one backend after the other on the same address)."""
-    from kvbroker._local import DaemonStartError, LocalDaemon
-
-    rng = np.random.default_rng(seed)
-    by_backend: dict[str, list[BenchPoint]] = {}
-    for p in points:
-        by_backend.setdefault(p.backend, []).append(p)
-    with tempfile.TemporaryDirectory(prefix="kvbroker-bench-") as tmp:
-        for n, (backend, group) in enumerate(by_backend.items()):
-            src_d = LocalDaemon(Path(tmp) / backend, 2 * n + 1, backends=(backend,))
-            dst_d = LocalDaemon(Path(tmp) / backend, 2 * n + 2, backends=(backend,),
-                                extra_args=["--metrics-listen", metrics_listen] if metrics_listen else [])
-            try:
-                with contextlib.ExitStack() as daemons:
-                    # Each daemon is stopped on the way out even when Ctrl-C lands while it is still starting.
-                    for d in (src_d, dst_d):
-                        daemons.callback(d.stop)
-                        d.start()
-                    sc = daemons.enter_context(src_d.client(timeout))
-                    dc = daemons.enter_context(dst_d.client(timeout))
-                    link = dc.link_clusters([ClusterInfo(src_d.cluster_id, src_d.peer_address)], timeout=timeout)[0]
-                    if not link.ok:
-                        raise LlmError(link.status, f"linking the bench daemons: {link.message}")
-                    chosen = next(lk.backend for lk in dc.list_links() if lk.remote_cluster_id == src_d.cluster_id)
-                    log(f"{backend}: daemons {src_d.peer_address} -> {dst_d.peer_address}, link over {chosen!r}")
-                    if metrics_listen:
-                        log(f"{backend}: metrics of the pulling daemon on http://{metrics_listen}/metrics")
-                    for p in group:
-                        _bench_point(p, sc, dc, src_d.cluster_id, rng, progress)
-            except DaemonStartError as e:
-                raise CliError(f"a bench daemon did not start: {e}") from None
-    return points
-
-
-def _bench_point(p: BenchPoint, sc: Client, dc: Client, src_cluster: int, rng: np.random.Generator,
-                 progress: Progress) -> None:
-    # The caches are released after a point so that the next one has the memory; on a failure or Ctrl-C, stopping
-    # the bench's private daemons releases them (a release call to a daemon that is going away would only fail).
-    desc = CacheDesc(num_tensors=p.tensors, shape=(p.blocks_per_pull, p.block_size), data_type=DataType.UINT8)
-    src = sc.allocate_cache(desc)
-    dst = dc.allocate_cache(desc)
-    for t in src.tensors:
-        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
-    sperm = rng.permutation(p.blocks_per_pull).tolist()
-    dperm = rng.permutation(p.blocks_per_pull).tolist()
-    index = CacheIndex(src_cluster, src.cache_id)
-    dc.pull_kv_blocks(index, dst, sperm, dperm)  # warm-up, verified
-    for s, d in zip(src.tensors, dst.tensors, strict=True):
-        if not np.array_equal(d[dperm], s[sperm]):
-            raise CliError(f"{p.backend}: pulled bytes differ from the source (block size {p.block_size})")
-    p.verified = True
-    label = f"{p.backend} {fmt_size(p.block_size)} blocks"
-    start = time.perf_counter()
-    for _ in range(p.pulls):
-        t0 = time.perf_counter()
-        result = dc.pull_kv_blocks(index, dst, sperm, dperm)
-        t1 = time.perf_counter()
-        p.latencies_ms.append((t1 - t0) * 1e3)
-        p.bytes += result.bytes_moved
-        progress.advance(result.bytes_moved, f"{label}  {fmt_gbps(p.bytes / max(t1 - start, 1e-9) / 1e9)} GB/s")
-    p.seconds = time.perf_counter() - start
-    dc.deallocate_cache(dst)
-    sc.deallocate_cache(src)
-
-
-def render_bench(points: Sequence[BenchPoint]) -> str:
-    rows = []
-    for p in points:
-        s = p.summary()
-        rows.append([p.backend, fmt_size(p.block_size), str(p.tensors), str(p.blocks_per_pull), str(p.pulls),
-                     fmt_size(p.bytes), f"{p.seconds:.3f}", fmt_gbps(s["gbps"]), f"{s['latency_ms']['p50']:.2f}",
-                     f"{s['latency_ms']['p99']:.2f}", "yes" if p.verified else "no"])
-    return _table(rows, ["BACKEND", "BLOCK", "TENSORS", "BLOCKS/PULL", "PULLS", "MOVED", "SECONDS", "GB/S",
-                         "P50 MS", "P99 MS", "VERIFIED"])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -626,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _report(e.status, e.message, args, sys.stderr)
             return 1
-    except (CliError, RuntimeError) as e:
+    except (BenchError, RuntimeError) as e:
         if not _interrupted.is_set():
             print(f"error: {e}", file=sys.stderr)
             return 1

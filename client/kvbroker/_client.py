@@ -1,18 +1,23 @@
 """`Client` (blocking) and `AsyncClient` (asyncio): the model server's handle on its node's kvbrokerd.
 
-Both build the same requests and decode the same responses (`_Calls`); only the way they wait differs.
-Constructors do no I/O: the channel is created on first use (inside the running loop, for `AsyncClient`).
+Both are built from one table of calls (`_Calls`): one method per RPC, with the public signature and docstring, that
+builds the request and says how to decode the response. `Client` runs a row and returns its result, `AsyncClient`
+awaits it; only the way they wait differs (`CALLS` names the rows). Constructors do no I/O: the channel is created on
+first use (inside the running loop, for `AsyncClient`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import inspect
 import json
 import threading
+import types
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -111,17 +116,6 @@ def _rpc_deadline(handshake_timeout: float | None) -> float | None:
     return None if handshake_timeout is None else handshake_timeout + LINK_CALL_MARGIN_S
 
 
-def _notification_request(cluster_id: int, topic: str, payload: bytes) -> broker_pb2.SendNotificationRequest:
-    return broker_pb2.SendNotificationRequest(cluster_id=cluster_id, topic=topic, payload=bytes(payload))
-
-
-def _fetch_request(topic: str, max_count: int, wait: float) -> broker_pb2.FetchNotificationsRequest:
-    if not 0 <= wait <= 30 or not 0 < max_count <= 65536:
-        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"wait must be in [0, 30] s and max_count in "
-                                f"[1, 65536], got wait={wait}, max_count={max_count}")
-    return broker_pb2.FetchNotificationsRequest(topic=topic, max_count=max_count, wait_ms=int(wait * 1000))
-
-
 def _notification(n: broker_pb2.Notification) -> Notification:
     return Notification(n.cluster_id, n.topic, bytes(n.payload), n.received_unix)
 
@@ -132,86 +126,164 @@ def _check_size(size: int) -> None:
         raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"size must be -1 or > 0 bytes per tensor, got {size}")
 
 
+def _blocks(blocks: Sequence[int]) -> list[int]:
+    return [int(b) for b in blocks]
+
+
+def _pull_request(src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
+                  dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvBlocksRequest:
+    return broker_pb2.PullKvBlocksRequest(
+        src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
+        src_blocks=_blocks(src_blocks), dst_blocks=_blocks(dst_blocks), ext_param=cv.ext_param_to_pb(ext_param))
+
+
+def _push_request(src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                  dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvBlocksRequest:
+    return broker_pb2.PushKvBlocksRequest(
+        src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
+        src_blocks=_blocks(src_blocks), dst_blocks=_blocks(dst_blocks), ext_param=cv.ext_param_to_pb(ext_param))
+
+
+def _batch_request(groups: Sequence[PullBlocks | PushBlocks]) -> broker_pb2.TransferKvBlocksBatchRequest:
+    req = broker_pb2.TransferKvBlocksBatchRequest()
+    for g in groups:
+        if isinstance(g, PullBlocks):
+            req.groups.add(pull=_pull_request(g.src_cache_index, g.dst_cache, g.src_blocks, g.dst_blocks,
+                                              g.ext_param))
+        else:
+            req.groups.add(push=_push_request(g.src_cache, g.dst_cache_index, g.src_blocks, g.dst_blocks,
+                                              g.ext_param))
+    return req
+
+
+def _batch_result(resp: broker_pb2.TransferKvBlocksBatchResponse) -> TransferResult:
+    return TransferResult(bytes_moved=resp.bytes_moved, backend=",".join(resp.backends),
+                          transfer_id=resp.transfer_id, num_runs=resp.num_runs)
+
+
+def _progress(msg: broker_pb2.PullKvBlocksProgress) -> LayerLanded | TransferResult:
+    if msg.HasField("result"):
+        return cv.transfer_result_from_pb(msg.result)
+    return LayerLanded(layer=msg.layer, layer_bytes=msg.layer_bytes)
+
+
+def _nothing(resp: object) -> None:
+    return None
+
+
+def _cluster_results(resp: broker_pb2.LinkClustersResponse | broker_pb2.UnlinkClustersResponse
+                     ) -> list[ClusterResult]:
+    return [cv.cluster_result_from_pb(r) for r in resp.results]
+
+
+# ------------------------------------------------------------------------------------------- the table of calls
+
+_R = TypeVar("_R")
+_P = ParamSpec("_P")
+
+
+@dataclasses.dataclass(slots=True)
+class _Call(Generic[_R]):
+    """One unary call, ready to send: what a row of the table makes of its arguments."""
+
+    method: str
+    """The RPC's name in kvbroker.v1.KvBroker."""
+    request: Any
+    decode: Callable[[Any], _R]
+    """Turns the response message into the method's return value."""
+    timeout: float | None
+    """Seconds; None: the client's default (`_Calls._deadline` checks and fills it in)."""
+
+
+if TYPE_CHECKING:
+    _Spec = Callable[Concatenate["_Calls", _P], _Call[_R]]
+
+
+class _Rpc(Generic[_P, _R]):
+    """A row of the table: a method of `_Calls` whose body builds the `_Call` (request, response decoder, deadline)
+    and whose signature and docstring are the public method's. On `Client` it reads as a blocking method, on
+    `AsyncClient` as a coroutine method with the same signature; both run the same row.
+
+    `session`: the call creates a cache the client's session owns, so the session's keep-alive starts (and sets the
+    lease) first."""
+
+    def __init__(self, spec: _Spec[_P, _R], session: bool) -> None:
+        self.spec = spec
+        self.session = session
+        self.name = spec.__name__
+        signature = inspect.signature(spec)
+        returns = str(signature.return_annotation)
+        # Annotations are strings (`from __future__ import annotations`): "_Call[X]" -> "X".
+        if not (returns.startswith("_Call[") and returns.endswith("]")):
+            raise TypeError(f"the table's {self.name} must be annotated to return a _Call[...]")
+        self.signature = signature.replace(return_annotation=returns[len("_Call["):-1])
+
+        def blocking(client: Client, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            if session:
+                client._start_keepalive()
+            return client._run(spec(client, *args, **kwargs))
+
+        async def awaitable(client: AsyncClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            if session:
+                await client._start_keepalive()
+            return await client._run(spec(client, *args, **kwargs))
+
+        self.blocking = self._named(blocking, "Client")
+        self.awaitable = self._named(awaitable, "AsyncClient")
+
+    def _named(self, fn: Callable[..., Any], owner: str) -> Any:
+        fn.__name__ = self.name
+        fn.__qualname__ = f"{owner}.{self.name}"
+        fn.__doc__ = self.spec.__doc__
+        fn.__module__ = self.spec.__module__
+        fn.__signature__ = self.signature  # type: ignore[attr-defined]
+        return fn
+
+    @overload
+    def __get__(self, obj: None, owner: type[AsyncClient]
+                ) -> Callable[Concatenate[AsyncClient, _P], Coroutine[Any, Any, _R]]: ...
+
+    @overload
+    def __get__(self, obj: None, owner: type[Client]) -> Callable[Concatenate[Client, _P], _R]: ...
+
+    @overload
+    def __get__(self, obj: AsyncClient, owner: type[Any] | None = None
+                ) -> Callable[_P, Coroutine[Any, Any, _R]]: ...
+
+    @overload
+    def __get__(self, obj: Client, owner: type[Any] | None = None) -> Callable[_P, _R]: ...
+
+    def __get__(self, obj: object, owner: type[Any] | None = None) -> Any:
+        # Only `_Calls.<name>` (the row itself) comes here: each client class holds the row's plain function, put
+        # there by `_Calls.__init_subclass__`. These overloads tell the type checker what that function is.
+        if obj is None:
+            return self
+        return types.MethodType(self.awaitable if isinstance(obj, _Calls) and obj._awaits else self.blocking, obj)
+
+
+def _rpc(*, session: bool = False) -> Callable[[_Spec[_P, _R]], _Rpc[_P, _R]]:
+    def row(spec: _Spec[_P, _R]) -> _Rpc[_P, _R]:
+        return _Rpc(spec, session)
+
+    return row
+
+
 class _Calls:
-    """Request builders and response decoders shared by both clients."""
+    """The state both clients share and the table of calls: one `@_rpc` method per RPC, with the public signature
+    and docstring, whose body builds the request and says how to decode the response. `Client` and `AsyncClient`
+    add only how they wait (`_call`, `_run`, `_start_keepalive`, `close`) and their own extras."""
 
-    @staticmethod
-    def pull_kv_blocks(
-        src_cache_index: CacheIndex,
-        dst_cache: CacheRef,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        ext_param: KvCacheExtParam | None,
-    ) -> broker_pb2.PullKvBlocksRequest:
-        return broker_pb2.PullKvBlocksRequest(
-            src_cache_index=cv.cache_index_to_pb(src_cache_index),
-            dst_cache_id=_cache_id(dst_cache),
-            src_blocks=[int(b) for b in src_blocks],
-            dst_blocks=[int(b) for b in dst_blocks],
-            ext_param=cv.ext_param_to_pb(ext_param),
-        )
+    _awaits: ClassVar[bool] = False
+    """The class's calls are coroutines (AsyncClient)."""
 
-    @staticmethod
-    def pull_kv_cache(src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int, size: int,
-                      ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvCacheRequest:
-        _check_size(size)
-        return broker_pb2.PullKvCacheRequest(
-            src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
-            batch_index=batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives the new client class each row as a plain function (blocking or coroutine, per `_awaits`), unless
+        it or a class between it and `_Calls` defines that method itself."""
+        super().__init_subclass__(**kwargs)
+        for name, row in vars(_Calls).items():
+            if isinstance(row, _Rpc) and inspect.getattr_static(cls, name) is row:
+                setattr(cls, name, row.awaitable if cls._awaits else row.blocking)
 
-    @staticmethod
-    def push_kv_blocks(src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvBlocksRequest:
-        return broker_pb2.PushKvBlocksRequest(
-            src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
-            src_blocks=[int(b) for b in src_blocks], dst_blocks=[int(b) for b in dst_blocks],
-            ext_param=cv.ext_param_to_pb(ext_param))
-
-    @staticmethod
-    def push_kv_cache(src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
-                      ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvCacheRequest:
-        _check_size(size)
-        return broker_pb2.PushKvCacheRequest(
-            src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
-            src_batch_index=src_batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
-
-    @staticmethod
-    def copy_kv_blocks(src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
-                       dst_blocks_list: Sequence[Sequence[int]]) -> broker_pb2.CopyKvBlocksRequest:
-        return broker_pb2.CopyKvBlocksRequest(
-            src_cache_id=_cache_id(src_cache), dst_cache_id=_cache_id(dst_cache),
-            src_blocks=[int(b) for b in src_blocks],
-            dst_blocks_list=[broker_pb2.BlockList(blocks=[int(b) for b in lst]) for lst in dst_blocks_list])
-
-    @staticmethod
-    def batch(groups: Sequence[PullBlocks | PushBlocks]) -> broker_pb2.TransferKvBlocksBatchRequest:
-        req = broker_pb2.TransferKvBlocksBatchRequest()
-        for g in groups:
-            if isinstance(g, PullBlocks):
-                req.groups.add(pull=_Calls.pull_kv_blocks(g.src_cache_index, g.dst_cache, g.src_blocks,
-                                                          g.dst_blocks, g.ext_param))
-            else:
-                req.groups.add(push=_Calls.push_kv_blocks(g.src_cache, g.dst_cache_index, g.src_blocks,
-                                                          g.dst_blocks, g.ext_param))
-        return req
-
-    @staticmethod
-    def progress(msg: broker_pb2.PullKvBlocksProgress) -> LayerLanded | TransferResult:
-        if msg.HasField("result"):
-            return cv.transfer_result_from_pb(msg.result)
-        return LayerLanded(layer=msg.layer, layer_bytes=msg.layer_bytes)
-
-    @staticmethod
-    def register(desc: CacheDesc, tensors: Sequence[TensorLocation], session_id: str
-                 ) -> broker_pb2.RegisterKvCacheRequest:
-        return broker_pb2.RegisterKvCacheRequest(
-            desc=cv.desc_to_pb(desc), tensors=[cv.tensor_location_to_pb(t) for t in tensors], session_id=session_id)
-
-
-_Stub = TypeVar("_Stub")
-
-
-class _Base(Generic[_Stub]):
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
         """`target`: "unix:///path/to/kvbroker.sock" or "host:port". `timeout`: default deadline of every call.
@@ -225,7 +297,7 @@ class _Base(Generic[_Stub]):
         self.default_timeout = timeout
         self.lease_ttl = lease_ttl
         self.session_id = uuid.uuid4().hex if lease_ttl is not None else ""
-        self._stub: _Stub | None = None
+        self._stub: broker_pb2_grpc.KvBrokerStub | None = None
         self._mapped: dict[int, Cache] = {}
 
     def _keepalive_request(self) -> broker_pb2.KeepAliveRequest:
@@ -254,9 +326,439 @@ class _Base(Generic[_Stub]):
         if cache is not None:
             cache.close()
 
+    def _adopt(self, resp: broker_pb2.AllocateCacheResponse | broker_pb2.RegisterKvCacheResponse) -> Cache:
+        """Maps a cache the daemon just created for this client; `close()` unmaps it."""
+        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
+        self._mapped[cache.cache_id] = cache
+        return cache
 
-class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
-    """Blocking client. Use as a context manager or call `close()`."""
+    # ------------------------------------------------------------------------------------------------ the table
+
+    @_rpc()
+    def get_cluster_info(self, *, timeout: float | None = None) -> _Call[ClusterStatus]:
+        """The daemon's identity and counts.
+
+        Args:
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Its cluster id, version, peer address, backends, instance epoch, cache and link counts.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        return _Call("GetClusterInfo", broker_pb2.GetClusterInfoRequest(), cv.cluster_status_from_pb, timeout)
+
+    @_rpc()
+    def ping(self, *, timeout: float | None = None) -> _Call[None]:
+        """Checks that the daemon answers.
+
+        Args:
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the daemon has answered.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        return _Call("Ping", broker_pb2.PingRequest(), _nothing, timeout)
+
+    @_rpc(session=True)
+    def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> _Call[Cache]:
+        """Allocates daemon-owned shared memory for a cache and maps it in this process.
+
+        The cache belongs to this client's session (see `lease_ttl`); the first such call starts the keep-alive.
+
+        Args:
+            desc: the cache's tensors: how many, their shape (blocks first) and data type.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            The mapped cache: `cache_id`, `desc`, and `tensors`, numpy views over the shared memory.
+
+        Raises:
+            ParamInvalidError: `desc` or `timeout` is invalid.
+            OutOfMemoryError: the daemon is out of memory or cache slots.
+            OSError: the cache's shared memory could not be mapped here.
+            LlmError: any other failure, as the subclass of its status (LLM_FAILED: the daemon is unreachable).
+        """
+        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
+        return _Call("AllocateCache", req, self._adopt, timeout)
+
+    @_rpc()
+    def deallocate_cache(self, cache: CacheRef, *, timeout: float | None = None) -> _Call[None]:
+        """Releases a cache made by `allocate_cache`, unmapping it here first.
+
+        Args:
+            cache: the cache, or its id.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the daemon has released the cache.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0, or the cache is caller-owned (use `unregister_kv_cache`).
+            KvCacheNotExistError: the daemon has no such cache.
+            LlmError: a transfer kept using the cache past the deadline (LLM_LINK_BUSY), or any other failure, as
+                the subclass of its status (LLM_FAILED: the daemon is unreachable).
+        """
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        return _Call("DeallocateCache", broker_pb2.DeallocateCacheRequest(cache_id=cache_id), _nothing, timeout)
+
+    @_rpc(session=True)
+    def register_kv_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], *,
+                          timeout: float | None = None) -> _Call[Cache]:
+        """Registers the caller's memory (one location per tensor) as a cache and returns it mapped.
+
+        The cache belongs to this client's session (see `lease_ttl`); the first such call starts the keep-alive.
+
+        Args:
+            desc: the cache's tensors: how many, their shape (blocks first) and data type.
+            tensors: where each tensor lives: a shared memory segment and offset, or device memory.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            The cache; host memory is mapped (`tensors`), device memory is not (the caller has it).
+
+        Raises:
+            ParamInvalidError: `desc`, `tensors` or `timeout` is invalid.
+            FeatureNotEnabledError: device memory that no backend of the daemon can import.
+            OutOfMemoryError: the daemon is out of cache slots.
+            OSError: the cache's shared memory could not be mapped here.
+            LlmError: any other failure, as the subclass of its status (LLM_FAILED: the daemon is unreachable).
+        """
+        req = broker_pb2.RegisterKvCacheRequest(desc=cv.desc_to_pb(desc),
+                                                tensors=[cv.tensor_location_to_pb(t) for t in tensors],
+                                                session_id=self.session_id)
+        return _Call("RegisterKvCache", req, self._adopt, timeout)
+
+    @_rpc()
+    def unregister_kv_cache(self, cache: CacheRef, *, timeout: float | None = None) -> _Call[None]:
+        """Unregisters a cache made by `register_kv_cache`, unmapping it here first; the memory stays the caller's.
+
+        Args:
+            cache: the cache, or its id.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the daemon has let go of the memory.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0, or the cache is daemon-owned (use `deallocate_cache`).
+            KvCacheNotExistError: the daemon has no such cache.
+            LlmError: a transfer kept using the cache past the deadline (LLM_LINK_BUSY), or any other failure, as
+                the subclass of its status (LLM_FAILED: the daemon is unreachable).
+        """
+        cache_id = _cache_id(cache)
+        self._forget(cache_id)
+        return _Call("UnregisterKvCache", broker_pb2.UnregisterKvCacheRequest(cache_id=cache_id), _nothing, timeout)
+
+    @_rpc()
+    def list_caches(self, *, timeout: float | None = None) -> _Call[list[CacheRecord]]:
+        """The daemon's caches, whoever made them.
+
+        Args:
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            One record per cache: id, description, tensor locations, owner and lease.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        return _Call("ListCaches", broker_pb2.ListCachesRequest(),
+                     lambda resp: [cv.cache_record_from_pb(c) for c in resp.caches], timeout)
+
+    @_rpc()
+    def link_clusters(self, clusters: Sequence[ClusterInfo], *,
+                      timeout: float | None = None) -> _Call[list[ClusterResult]]:
+        """Links the daemon to each cluster (LLM-DataDist LinkLlmClusters); the handshakes run concurrently.
+
+        Args:
+            clusters: at most 16 remote clusters: id and peer address (host:port) each.
+            timeout: seconds each handshake may take (LLM-DataDist's timeout_in_millis); the call itself gets a
+                few seconds more, so that the per-cluster results come back. Default: the client's `timeout`.
+
+        Returns:
+            One result per cluster; like LLM-DataDist, a cluster that fails to link does not raise.
+
+        Raises:
+            ClusterNumExceedLimitError: more than 16 clusters (refused before any call).
+            ParamInvalidError: `timeout` is not > 0, or an address is too long.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
+        return _Call("LinkClusters", req, _cluster_results, _rpc_deadline(timeout))
+
+    @_rpc()
+    def unlink_clusters(self, clusters: Sequence[ClusterInfo], *, force: bool = False,
+                        timeout: float | None = None) -> _Call[list[ClusterResult]]:
+        """Unlinks the daemon from each cluster (LLM-DataDist UnlinkLlmClusters).
+
+        Args:
+            clusters: at most 16 remote clusters; the id names the link (the address is not used).
+            force: drop the link here even if the remote daemon does not answer.
+            timeout: seconds each remote unlink may take; the call itself gets a few seconds more, so that the
+                per-cluster results come back. Default: the client's `timeout`.
+
+        Returns:
+            One result per cluster (e.g. LLM_NOT_YET_LINK for a cluster that was not linked); failures do not raise.
+
+        Raises:
+            ClusterNumExceedLimitError: more than 16 clusters (refused before any call).
+            ParamInvalidError: `timeout` is not > 0, or an address is too long.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
+        return _Call("UnlinkClusters", req, _cluster_results, _rpc_deadline(timeout))
+
+    @_rpc()
+    def send_notification(self, cluster_id: int, topic: str, payload: bytes, *,
+                          timeout: float | None = None) -> _Call[None]:
+        """Sends `payload` on `topic` to the daemon of `cluster_id`, whose clients get it with
+        `fetch_notifications(topic)`.
+
+        Args:
+            cluster_id: a cluster this daemon is linked to.
+            topic: at most 128 bytes.
+            payload: at most 64 KiB.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the remote daemon has queued the notification.
+
+        Raises:
+            ParamInvalidError: `topic`, `payload` or `timeout` is out of bounds.
+            NotYetLinkError: this daemon has no ready link to `cluster_id`.
+            LlmError: any other failure, as the subclass of its status (LLM_FAILED: the daemon is unreachable).
+        """
+        req = broker_pb2.SendNotificationRequest(cluster_id=cluster_id, topic=topic, payload=bytes(payload))
+        return _Call("SendNotification", req, _nothing, timeout)
+
+    @_rpc()
+    def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
+                            timeout: float | None = None) -> _Call[list[Notification]]:
+        """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once.
+
+        Args:
+            topic: the topic the peers sent on.
+            max_count: at most this many (1 to 65536).
+            wait: seconds (0 to 30) to wait for the first when there are none.
+            timeout: deadline in seconds (default: the client's `timeout`, or `wait` plus a margin when that is
+                longer).
+
+        Returns:
+            Up to `max_count` notifications; empty when none came within `wait`.
+
+        Raises:
+            ParamInvalidError: `wait`, `max_count` or `timeout` is out of bounds (refused before any call).
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        if not 0 <= wait <= 30 or not 0 < max_count <= 65536:
+            raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"wait must be in [0, 30] s and max_count in "
+                                    f"[1, 65536], got wait={wait}, max_count={max_count}")
+        req = broker_pb2.FetchNotificationsRequest(topic=topic, max_count=max_count, wait_ms=int(wait * 1000))
+        return _Call("FetchNotifications", req, lambda resp: [_notification(n) for n in resp.notifications],
+                     self._fetch_deadline(timeout, wait))
+
+    @_rpc()
+    def list_links(self, *, timeout: float | None = None) -> _Call[list[LinkInfo]]:
+        """The daemon's links to other clusters (LLM-DataDist query_register_mem_status).
+
+        Args:
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            One entry per link, by remote cluster id: address, state (LINKING, READY, BROKEN, ...), backend.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED) or did not answer in time (LlmTimeoutError).
+        """
+        return _Call("ListLinks", broker_pb2.ListLinksRequest(),
+                     lambda resp: [cv.link_info_from_pb(link) for link in resp.links], timeout)
+
+    @_rpc()
+    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
+                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                       timeout: float | None = None) -> _Call[TransferResult]:
+        """Pulls blocks of a linked cluster's cache into blocks of a local cache (LLM-DataDist PullKvBlocks).
+
+        Args:
+            src_cache_index: the remote cache: its cluster id and cache id.
+            dst_cache: the local destination cache, or its id.
+            src_blocks: source block indices; `src_blocks[i]` lands in `dst_blocks[i]`.
+            dst_blocks: destination block indices, as many as `src_blocks`.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: blocks, layer ranges or `timeout` out of range; nothing was moved.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the source cluster is not linked.
+            LlmTimeoutError: the deadline passed; `failed_dst_blocks` (and `details["transfer_report"]`) say
+                which destination blocks may be incomplete.
+            LlmError: any other failure, as the subclass of its status, with the same report.
+        """
+        req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
+    def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0, size: int = -1,
+                      ext_param: KvCacheExtParam | None = None, *,
+                      timeout: float | None = None) -> _Call[TransferResult]:
+        """Pulls one batch row of a linked cluster's cache into a row of a local cache (LLM-DataDist PullKvCache).
+
+        Args:
+            src_cache_index: the remote cache and its row (`batch_index`).
+            dst_cache: the local destination cache, or its id.
+            batch_index: the destination row.
+            size: bytes per tensor to pull from the start of the row; -1: the whole row.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: `size` is 0 or below -1 (refused before any call), or rows, sizes, layer ranges or
+                `timeout` are out of range.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the source cluster is not linked.
+            LlmTimeoutError: the deadline passed.
+            LlmError: any other failure, as the subclass of its status.
+        """
+        _check_size(size)
+        req = broker_pb2.PullKvCacheRequest(
+            src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
+            batch_index=batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
+        return _Call("PullKvCache", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
+    def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                       timeout: float | None = None) -> _Call[TransferResult]:
+        """Writes blocks of a local cache into blocks of a linked cluster's cache (LLM-DataDist PushKvBlocks).
+
+        Args:
+            src_cache: the local source cache, or its id.
+            dst_cache_index: the remote cache: its cluster id and cache id.
+            src_blocks: source block indices; `src_blocks[i]` lands in `dst_blocks[i]`.
+            dst_blocks: destination block indices, as many as `src_blocks`.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: blocks, layer ranges or `timeout` out of range; nothing was moved.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the destination cluster is not linked.
+            LlmTimeoutError: the deadline passed; `failed_dst_blocks` says which remote blocks may be incomplete.
+            LlmError: any other failure, as the subclass of its status, with the same report.
+        """
+        req = _push_request(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
+        return _Call("PushKvBlocks", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
+    def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                      size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                      timeout: float | None = None) -> _Call[TransferResult]:
+        """Writes one batch row of a local cache into a row of a linked cluster's cache (LLM-DataDist PushKvCache).
+
+        Args:
+            src_cache: the local source cache, or its id.
+            dst_cache_index: the remote cache and its row (`batch_index`).
+            src_batch_index: the source row.
+            size: bytes per tensor to push from the start of the row; -1: the whole row.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: `size` is 0 or below -1 (refused before any call), or rows, sizes, layer ranges or
+                `timeout` are out of range.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the destination cluster is not linked.
+            LlmTimeoutError: the deadline passed.
+            LlmError: any other failure, as the subclass of its status.
+        """
+        _check_size(size)
+        req = broker_pb2.PushKvCacheRequest(
+            src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
+            src_batch_index=src_batch_index, size=size, ext_param=cv.ext_param_to_pb(ext_param))
+        return _Call("PushKvCache", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
+    def copy_kv_blocks(self, src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
+                       dst_blocks_list: Sequence[Sequence[int]], *,
+                       timeout: float | None = None) -> _Call[TransferResult]:
+        """Copies blocks between two local caches, once into each destination list (LLM-DataDist V1 CopyKvBlocks),
+        e.g. to fork a partly filled block for prefix sharing.
+
+        Args:
+            src_cache: the local source cache, or its id.
+            dst_cache: the local destination cache (may be the source), or its id.
+            src_blocks: source block indices.
+            dst_blocks_list: one or more lists of destination blocks, each as long as `src_blocks`.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: blocks or `timeout` out of range; nothing was moved.
+            KvCacheNotExistError: either cache does not exist.
+            LlmTimeoutError: the deadline passed.
+            LlmError: any other failure, as the subclass of its status.
+        """
+        req = broker_pb2.CopyKvBlocksRequest(
+            src_cache_id=_cache_id(src_cache), dst_cache_id=_cache_id(dst_cache), src_blocks=_blocks(src_blocks),
+            dst_blocks_list=[broker_pb2.BlockList(blocks=_blocks(lst)) for lst in dst_blocks_list])
+        return _Call("CopyKvBlocks", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
+    def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
+                                 timeout: float | None = None) -> _Call[TransferResult]:
+        """Several block pulls and pushes (K and V caches, MLA parts) as one transfer: all validated before any byte
+        moves, one deadline, one terminal state.
+
+        Args:
+            groups: the pulls and pushes, each as `pull_kv_blocks` or `push_kv_blocks` would take it.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Bytes moved in all, the backends used (comma-separated), the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: a group's blocks or layer ranges, or `timeout`, out of range; nothing was moved.
+            KvCacheNotExistError: a cache does not exist.
+            NotYetLinkError: a remote cluster is not linked.
+            LlmTimeoutError: the deadline passed; the `failed_dst_blocks` report covers every group.
+            LlmError: any other failure, as the subclass of its status, with the same report.
+        """
+        return _Call("TransferKvBlocksBatch", _batch_request(groups), _batch_result, timeout)
+
+
+CALLS: tuple[str, ...] = tuple(name for name, row in vars(_Calls).items() if isinstance(row, _Rpc))
+"""The names of the table's rows: the methods `Client` and `AsyncClient` both have, with one signature and one
+docstring each."""
+
+
+class Client(_Calls):
+    """Blocking client: every call of the table (`CALLS`) as a method that returns its result. Use as a context
+    manager or call `close()`."""
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
@@ -273,6 +775,9 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
             return getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
+
+    def _run(self, call: _Call[_R]) -> _R:
+        return call.decode(self._call(call.method, call.request, call.timeout))
 
     def _start_keepalive(self) -> None:
         if self.lease_ttl is None or self._keepalive is not None:
@@ -308,75 +813,6 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get_cluster_info(self, *, timeout: float | None = None) -> ClusterStatus:
-        return cv.cluster_status_from_pb(self._call("GetClusterInfo", broker_pb2.GetClusterInfoRequest(), timeout))
-
-    def ping(self, *, timeout: float | None = None) -> None:
-        self._call("Ping", broker_pb2.PingRequest(), timeout)
-
-    def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
-        """Allocates daemon-owned shared memory; the returned `Cache.tensors` are numpy views over it."""
-        self._start_keepalive()
-        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
-        cache = Cache.map(cv.cache_record_from_pb(self._call("AllocateCache", req, timeout).cache))
-        self._mapped[cache.cache_id] = cache
-        return cache
-
-    def deallocate_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
-        cache_id = _cache_id(cache)
-        self._forget(cache_id)
-        self._call("DeallocateCache", broker_pb2.DeallocateCacheRequest(cache_id=cache_id), timeout)
-
-    def register_kv_cache(
-        self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
-    ) -> Cache:
-        """Registers the caller's shared memory (one location per tensor) and returns it mapped."""
-        self._start_keepalive()
-        resp = self._call("RegisterKvCache", _Calls.register(desc, tensors, self.session_id), timeout)
-        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
-        self._mapped[cache.cache_id] = cache
-        return cache
-
-    def unregister_kv_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
-        cache_id = _cache_id(cache)
-        self._forget(cache_id)
-        self._call("UnregisterKvCache", broker_pb2.UnregisterKvCacheRequest(cache_id=cache_id), timeout)
-
-    def list_caches(self, *, timeout: float | None = None) -> list[CacheRecord]:
-        resp = self._call("ListCaches", broker_pb2.ListCachesRequest(), timeout)
-        return [cv.cache_record_from_pb(c) for c in resp.caches]
-
-    def link_clusters(
-        self, clusters: Sequence[ClusterInfo], *, timeout: float | None = None
-    ) -> list[ClusterResult]:
-        """Links to each cluster; returns one result per cluster (like LLM-DataDist, failures do not raise)."""
-        req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in self._call("LinkClusters", req, _rpc_deadline(timeout)).results]
-
-    def unlink_clusters(
-        self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
-    ) -> list[ClusterResult]:
-        req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
-        return [cv.cluster_result_from_pb(r) for r in self._call("UnlinkClusters", req, _rpc_deadline(timeout)).results]
-
-    def send_notification(self, cluster_id: int, topic: str, payload: bytes, *,
-                          timeout: float | None = None) -> None:
-        """Sends `payload` (<= 64 KiB) on `topic` (<= 128 bytes) to the daemon of `cluster_id`, which must be linked
-        from this daemon; that daemon's clients get it with `fetch_notifications(topic)`."""
-        self._call("SendNotification", _notification_request(cluster_id, topic, payload), timeout)
-
-    def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
-                            timeout: float | None = None) -> list[Notification]:
-        """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once; waits up to
-        `wait` seconds (at most 30) for the first when there are none."""
-        req = _fetch_request(topic, max_count, wait)
-        resp = self._call("FetchNotifications", req, self._fetch_deadline(timeout, wait))
-        return [_notification(n) for n in resp.notifications]
-
-    def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
-        resp = self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
-        return [cv.link_info_from_pb(link) for link in resp.links]
-
     def pull_kv_blocks(
         self,
         src_cache_index: CacheIndex,
@@ -388,16 +824,38 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
         timeout: float | None = None,
         on_layer: Callable[[LayerLanded], None] | None = None,
     ) -> TransferResult:
-        """Pulls `src_blocks` of the remote cache into `dst_blocks` of the local one (LLM-DataDist PullKvBlocks).
+        """Pulls blocks of a linked cluster's cache into blocks of a local cache (LLM-DataDist PullKvBlocks).
 
-        With `on_layer`, the pull runs layer by layer and calls `on_layer` as each destination layer lands, so a
-        decode engine can start on layer 0 while later layers are still in flight."""
-        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        The table's `pull_kv_blocks`, plus `on_layer` (`AsyncClient.pull_kv_blocks_stream` is the asyncio form).
+
+        Args:
+            src_cache_index: the remote cache: its cluster id and cache id.
+            dst_cache: the local destination cache, or its id.
+            src_blocks: source block indices; `src_blocks[i]` lands in `dst_blocks[i]`.
+            dst_blocks: destination block indices, as many as `src_blocks`.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`).
+            on_layer: called with each destination layer as it lands: the pull then runs layer by layer, so that a
+                decode engine can start on layer 0 while later layers are still in flight.
+
+        Returns:
+            Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
+
+        Raises:
+            ParamInvalidError: blocks, layer ranges or `timeout` out of range; nothing was moved.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the source cluster is not linked.
+            LlmTimeoutError: the deadline passed; `failed_dst_blocks` (and `details["transfer_report"]`) say
+                which destination blocks may be incomplete.
+            LlmError: any other failure, as the subclass of its status, with the same report.
+        """
         if on_layer is None:
-            return cv.transfer_result_from_pb(self._call("PullKvBlocks", req, timeout))
+            return super().pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param,
+                                          timeout=timeout)
+        req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         try:
             for msg in self._stream("PullKvBlocksStream", req, timeout):
-                item = _Calls.progress(msg)
+                item = _progress(msg)
                 if isinstance(item, TransferResult):
                     return item
                 on_layer(item)
@@ -405,50 +863,17 @@ class Client(_Base[broker_pb2_grpc.KvBrokerStub]):
             raise error_from_rpc(err) from None
         raise LlmError(LlmStatus.LLM_FAILED, "the progress stream ended without a terminal state")
 
-    def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0, size: int = -1,
-                      ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None) -> TransferResult:
-        """Pulls batch row `src_cache_index.batch_index` (its first `size` bytes per tensor; -1 = all) of each
-        selected tensor into row `batch_index` of `dst_cache` (LLM-DataDist PullKvCache)."""
-        req = _Calls.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param)
-        return cv.transfer_result_from_pb(self._call("PullKvCache", req, timeout))
-
-    def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
-                       timeout: float | None = None) -> TransferResult:
-        """Writes `src_blocks` of the local cache into `dst_blocks` of the remote one (LLM-DataDist PushKvBlocks)."""
-        req = _Calls.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
-        return cv.transfer_result_from_pb(self._call("PushKvBlocks", req, timeout))
-
-    def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
-                      size: int = -1, ext_param: KvCacheExtParam | None = None, *,
-                      timeout: float | None = None) -> TransferResult:
-        """Writes row `src_batch_index` of the local cache into row `dst_cache_index.batch_index` of the remote one."""
-        req = _Calls.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param)
-        return cv.transfer_result_from_pb(self._call("PushKvCache", req, timeout))
-
-    def copy_kv_blocks(self, src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
-                       dst_blocks_list: Sequence[Sequence[int]], *, timeout: float | None = None) -> TransferResult:
-        """Copies `src_blocks` into each list of `dst_blocks_list` between two local caches (e.g. forking a
-        partially filled block for prefix sharing)."""
-        req = _Calls.copy_kv_blocks(src_cache, dst_cache, src_blocks, dst_blocks_list)
-        return cv.transfer_result_from_pb(self._call("CopyKvBlocks", req, timeout))
-
-    def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
-                                 timeout: float | None = None) -> TransferResult:
-        """Several block pulls/pushes (K and V caches, MLA parts) as one transfer: all validated before any byte
-        moves, one deadline, one terminal state; a failure's `failed_dst_blocks` report covers every group."""
-        resp = self._call("TransferKvBlocksBatch", _Calls.batch(groups), timeout)
-        return TransferResult(bytes_moved=resp.bytes_moved, backend=",".join(resp.backends),
-                              transfer_id=resp.transfer_id, num_runs=resp.num_runs)
-
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
         self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
         return getattr(self._stub, method)(  # type: ignore[no-any-return]
             request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
 
 
-class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
-    """asyncio client with the same methods as `Client`, awaited. Use `async with` or `await close()`."""
+class AsyncClient(_Calls):
+    """asyncio client: every call of the table (`CALLS`) as a coroutine method with the same signature as
+    `Client`'s, plus `pull_kv_blocks_stream`. Use `async with` or `await close()`."""
+
+    _awaits = True
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL_S) -> None:
@@ -465,6 +890,9 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
+    async def _run(self, call: _Call[_R]) -> _R:
+        return call.decode(await self._call(call.method, call.request, call.timeout))
+
     async def _start_keepalive(self) -> None:
         if self.lease_ttl is None or self._keepalive is not None:
             return
@@ -479,6 +907,8 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
         self._keepalive = asyncio.get_running_loop().create_task(renew())
 
     async def close(self) -> None:
+        """Stops renewing the lease, unmaps the caches this client mapped and closes the channel; idempotent.
+        The daemon keeps the caches until released or until the lease expires."""
         if self._keepalive is not None:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -497,131 +927,37 @@ class AsyncClient(_Base[broker_pb2_grpc.KvBrokerStub]):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def get_cluster_info(self, *, timeout: float | None = None) -> ClusterStatus:
-        resp = await self._call("GetClusterInfo", broker_pb2.GetClusterInfoRequest(), timeout)
-        return cv.cluster_status_from_pb(resp)
-
-    async def ping(self, *, timeout: float | None = None) -> None:
-        await self._call("Ping", broker_pb2.PingRequest(), timeout)
-
-    async def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> Cache:
-        await self._start_keepalive()
-        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
-        cache = Cache.map(cv.cache_record_from_pb((await self._call("AllocateCache", req, timeout)).cache))
-        self._mapped[cache.cache_id] = cache
-        return cache
-
-    async def deallocate_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
-        cache_id = _cache_id(cache)
-        self._forget(cache_id)
-        await self._call("DeallocateCache", broker_pb2.DeallocateCacheRequest(cache_id=cache_id), timeout)
-
-    async def register_kv_cache(
-        self, desc: CacheDesc, tensors: Sequence[TensorLocation], *, timeout: float | None = None
-    ) -> Cache:
-        await self._start_keepalive()
-        resp = await self._call("RegisterKvCache", _Calls.register(desc, tensors, self.session_id), timeout)
-        cache = Cache.map(cv.cache_record_from_pb(resp.cache))
-        self._mapped[cache.cache_id] = cache
-        return cache
-
-    async def unregister_kv_cache(self, cache: CacheRef, *, timeout: float | None = None) -> None:
-        cache_id = _cache_id(cache)
-        self._forget(cache_id)
-        await self._call("UnregisterKvCache", broker_pb2.UnregisterKvCacheRequest(cache_id=cache_id), timeout)
-
-    async def list_caches(self, *, timeout: float | None = None) -> list[CacheRecord]:
-        resp = await self._call("ListCaches", broker_pb2.ListCachesRequest(), timeout)
-        return [cv.cache_record_from_pb(c) for c in resp.caches]
-
-    async def link_clusters(
-        self, clusters: Sequence[ClusterInfo], *, timeout: float | None = None
-    ) -> list[ClusterResult]:
-        req = broker_pb2.LinkClustersRequest(clusters=_clusters_pb(clusters), timeout_ms=_ms(timeout))
-        resp = await self._call("LinkClusters", req, _rpc_deadline(timeout))
-        return [cv.cluster_result_from_pb(r) for r in resp.results]
-
-    async def unlink_clusters(
-        self, clusters: Sequence[ClusterInfo], *, force: bool = False, timeout: float | None = None
-    ) -> list[ClusterResult]:
-        req = broker_pb2.UnlinkClustersRequest(clusters=_clusters_pb(clusters), force=force, timeout_ms=_ms(timeout))
-        resp = await self._call("UnlinkClusters", req, _rpc_deadline(timeout))
-        return [cv.cluster_result_from_pb(r) for r in resp.results]
-
-    async def send_notification(self, cluster_id: int, topic: str, payload: bytes, *,
-                          timeout: float | None = None) -> None:
-        """Sends `payload` (<= 64 KiB) on `topic` (<= 128 bytes) to the daemon of `cluster_id`, which must be linked
-        from this daemon; that daemon's clients get it with `fetch_notifications(topic)`."""
-        await self._call("SendNotification", _notification_request(cluster_id, topic, payload), timeout)
-
-    async def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
-                            timeout: float | None = None) -> list[Notification]:
-        """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once; waits up to
-        `wait` seconds (at most 30) for the first when there are none."""
-        req = _fetch_request(topic, max_count, wait)
-        resp = await self._call("FetchNotifications", req, self._fetch_deadline(timeout, wait))
-        return [_notification(n) for n in resp.notifications]
-
-    async def list_links(self, *, timeout: float | None = None) -> list[LinkInfo]:
-        resp = await self._call("ListLinks", broker_pb2.ListLinksRequest(), timeout)
-        return [cv.link_info_from_pb(link) for link in resp.links]
-
-    async def pull_kv_blocks(
-        self,
-        src_cache_index: CacheIndex,
-        dst_cache: CacheRef,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        ext_param: KvCacheExtParam | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> TransferResult:
-        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
-        return cv.transfer_result_from_pb(await self._call("PullKvBlocks", req, timeout))
-
     async def pull_kv_blocks_stream(
         self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
         dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None,
     ) -> AsyncIterator[LayerLanded | TransferResult]:
-        """Layer-wise pull: yields a LayerLanded per destination layer as it lands, then the TransferResult.
-        A failure raises LlmError; its `failed_dst_blocks` and details["transfer_report"].completed_layers say
-        what landed."""
-        req = _Calls.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        """Layer-wise `pull_kv_blocks`: yields each destination layer as it lands, then the result.
+
+        Args:
+            src_cache_index: the remote cache: its cluster id and cache id.
+            dst_cache: the local destination cache, or its id.
+            src_blocks: source block indices; `src_blocks[i]` lands in `dst_blocks[i]`.
+            dst_blocks: destination block indices, as many as `src_blocks`.
+            ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
+            timeout: deadline in seconds (default: the client's `timeout`), for the whole pull.
+
+        Returns:
+            An async iterator of a LayerLanded per destination layer, then the TransferResult.
+
+        Raises:
+            ParamInvalidError: blocks, layer ranges or `timeout` out of range; nothing was moved.
+            KvCacheNotExistError: either cache does not exist.
+            NotYetLinkError: the source cluster is not linked.
+            LlmTimeoutError: the deadline passed.
+            LlmError: any other failure, as the subclass of its status; its `failed_dst_blocks` and
+                `details["transfer_report"].completed_layers` say what landed.
+        """
+        req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         await self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel in this loop
         call = self._stub.PullKvBlocksStream(  # type: ignore[union-attr]
             req, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         try:
             async for msg in call:
-                yield _Calls.progress(msg)
+                yield _progress(msg)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
-
-    async def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0,
-                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
-                            timeout: float | None = None) -> TransferResult:
-        req = _Calls.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param)
-        return cv.transfer_result_from_pb(await self._call("PullKvCache", req, timeout))
-
-    async def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
-                             timeout: float | None = None) -> TransferResult:
-        req = _Calls.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
-        return cv.transfer_result_from_pb(await self._call("PushKvBlocks", req, timeout))
-
-    async def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
-                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
-                            timeout: float | None = None) -> TransferResult:
-        req = _Calls.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param)
-        return cv.transfer_result_from_pb(await self._call("PushKvCache", req, timeout))
-
-    async def copy_kv_blocks(self, src_cache: CacheRef, dst_cache: CacheRef, src_blocks: Sequence[int],
-                             dst_blocks_list: Sequence[Sequence[int]], *,
-                             timeout: float | None = None) -> TransferResult:
-        req = _Calls.copy_kv_blocks(src_cache, dst_cache, src_blocks, dst_blocks_list)
-        return cv.transfer_result_from_pb(await self._call("CopyKvBlocks", req, timeout))
-
-    async def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
-                                       timeout: float | None = None) -> TransferResult:
-        resp = await self._call("TransferKvBlocksBatch", _Calls.batch(groups), timeout)
-        return TransferResult(bytes_moved=resp.bytes_moved, backend=",".join(resp.backends),
-                              transfer_id=resp.transfer_id, num_runs=resp.num_runs)

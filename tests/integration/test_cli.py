@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 from kvbroker import Cache, CacheDesc, ClusterInfo
-from kvbroker._cli import Progress, _hint, build_parser, fmt_gbps
+from kvbroker._bench import Progress
+from kvbroker._cli import _hint, build_parser
+from kvbroker._format import fmt_gbps
 from kvbroker._local import LocalDaemon
 from kvbroker.status import LlmStatus
 from tests.helpers import fill
