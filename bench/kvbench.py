@@ -67,6 +67,7 @@ from peer_common import (  # noqa: E402
     gbps,
     median,
     parse_size,
+    timed_trials,
 )
 
 ALL_ITEMS = ("memcpy", "socket", "kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "nixl", "mooncake",
@@ -165,19 +166,6 @@ def machine_info() -> dict[str, Any]:
     return {"nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem / 2**30, 1),
             "python": platform.python_version(), "kernel": platform.release(), "numpy": np.__version__,
             "loadavg_at_start": list(os.getloadavg())}
-
-
-def timed_trials(layout: Layout, total: int, trials: int, pull: Callable[[], None]) -> dict[str, Any]:
-    """One untimed warm-up pull (first-touch page faults), then `trials` timed trials of whole-cache pulls."""
-    pull()
-    reps = layout.reps(total)
-    results = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            pull()
-        results.append(gbps(reps * layout.pull_bytes, time.perf_counter() - t0))
-    return {"gbps": median(results), "trials": results, "bytes_per_trial": reps * layout.pull_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------------- memcpy

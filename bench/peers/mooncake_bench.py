@@ -23,9 +23,9 @@ from peer_common import (
     fill_pattern,
     layouts,
     parse_size,
-    run_timed,
     spawn_target,
     stop_target,
+    timed_trials,
 )
 
 MAX_BATCH = 2048
@@ -90,7 +90,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     if rc != 0:
                         raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
 
-            r = run_timed(lay, total, args.trials, pull)
+            r = timed_trials(lay, total, args.trials, pull)
             check_pattern(dst, src_off, dst_off, lay.block)
             r["batches_per_pull"] = len(batches)
             out[str(lay.block)] = r

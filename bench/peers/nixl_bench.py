@@ -27,9 +27,9 @@ from peer_common import (
     fill_pattern,
     layouts,
     parse_size,
-    run_timed,
     spawn_target,
     stop_target,
+    timed_trials,
 )
 
 UCX_ENV = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
@@ -126,7 +126,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     raise RuntimeError(f"NIXL transfer ended in state {state}")
                 agent.release_xfer_handle(handle)
 
-            r = run_timed(lay, total, args.trials, pull)
+            r = timed_trials(lay, total, args.trials, pull)
             check_pattern(dst, src_off, dst_off, lay.block)
             out[str(lay.block)] = r
             agent.release_dlist_handle(local_h)

@@ -15,6 +15,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,8 +201,9 @@ def stop_target(proc: Any, ctl: Ctl) -> None:
         proc.kill()
 
 
-def run_timed(layout: Layout, total_bytes: int, trials: int, pull: Any) -> dict[str, Any]:
-    """Warm-up pull, then `trials` timed trials of `reps` whole-cache pulls; `pull()` does one pull."""
+def timed_trials(layout: Layout, total_bytes: int, trials: int, pull: Callable[[], object]) -> dict[str, Any]:
+    """One untimed warm-up pull (first-touch page faults), then `trials` timed trials of `reps` whole-cache pulls;
+    `pull()` does one pull. The timing loop of kvbench.py's in-process subjects and of the NIXL and Mooncake peers."""
     pull()
     reps = layout.reps(total_bytes)
     results = []
