@@ -1,4 +1,4 @@
-"""kvbroker's data-plane benchmark: kvbroker and its baselines and peers, side by side, in one run (issue 3).
+"""kvbroker's data-plane benchmark: kvbroker and its baselines and peers, side by side, in one run.
 
     .venv/bin/python bench/kvbench.py                       # everything, >= 1 GiB per point (a few minutes)
     .venv/bin/python bench/kvbench.py --quick               # tiny sizes, no peers: < 60 s (smoke test)

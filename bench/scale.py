@@ -1,4 +1,4 @@
-"""Scale curves of kvbench (issue 13): how the cost of a pull grows with the work it is given.
+"""Scale curves of kvbench: how the cost of a pull grows with the work it is given.
 
   scale-blocks  one pull of 1, 10, ... 1,048,576 blocks (the daemon's MAX_BLOCKS_PER_REQUEST) of --scale-block bytes
                 from a 2-tensor cache, as one contiguous run and scattered (both block lists random); ms per pull,
