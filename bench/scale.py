@@ -1,4 +1,4 @@
-"""Scale curves of kvbench (issue 13): how the cost of a pull grows with the work it is given.
+"""Scale curves of kvbench: how the cost of a pull grows with the work it is given.
 
   scale-blocks  one pull of 1, 10, ... 1,048,576 blocks (the daemon's MAX_BLOCKS_PER_REQUEST) of --scale-block bytes
                 from a 2-tensor cache, as one contiguous run and scattered (both block lists random); ms per pull,
@@ -25,8 +25,18 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import kvbench as kb
 import numpy as np
+from kvbench_common import (
+    Config,
+    KvPair,
+    Report,
+    cache_desc,
+    check_cache,
+    event_loop,
+    fill_cache,
+    log,
+    timed_rounds,
+)
 from peer_common import fmt_size, median
 
 BACKENDS = ("shm", "tcp")
@@ -66,7 +76,7 @@ def _planning(block: int, num_blocks: int, s: np.ndarray, d: np.ndarray, reps: i
     from kvbroker import LlmError
     from kvbrokerd.transfers import planner
 
-    desc = kb.cache_desc(SCALE_TENSORS, num_blocks, block)
+    desc = cache_desc(SCALE_TENSORS, num_blocks, block)
     sa = planner.block_array(s.tolist(), "src_blocks")
     da = planner.block_array(d.tolist(), "dst_blocks")
     bad = planner.block_array(_refused_lists(d.tolist(), num_blocks), "dst_blocks")
@@ -84,7 +94,7 @@ def _planning(block: int, num_blocks: int, s: np.ndarray, d: np.ndarray, reps: i
     return {"plan_ms": ok_s * 1e3, "checks_ms": refused_s * 1e3, "runs_ms": max(0.0, ok_s - refused_s) * 1e3}
 
 
-def _pull_point(pair: kb.KvPair, src: Any, dst: Any, index: Any, s: np.ndarray, d: np.ndarray, block: int,
+def _pull_point(pair: KvPair, src: Any, dst: Any, index: Any, s: np.ndarray, d: np.ndarray, block: int,
                 num_blocks: int, reps: int) -> dict[str, Any]:
     from kvbroker import LlmError
 
@@ -100,7 +110,7 @@ def _pull_point(pair: kb.KvPair, src: Any, dst: Any, index: Any, s: np.ndarray, 
     res = last[0]
     if res.backend != pair.backend or res.bytes_moved != SCALE_TENSORS * len(sl) * block:
         raise RuntimeError(f"a pull of {len(sl)} blocks moved {res.bytes_moved} bytes over {res.backend!r}")
-    kb.check_cache(src.tensors, dst.tensors, s, d)
+    check_cache(src.tensors, dst.tensors, s, d)
     bad = _refused_lists(dl, num_blocks)
 
     def refused() -> None:
@@ -115,12 +125,12 @@ def _pull_point(pair: kb.KvPair, src: Any, dst: Any, index: Any, s: np.ndarray, 
             "us_per_block": pull_s * 1e6 / len(sl), "refused_ms": refused_s * 1e3}
 
 
-def _blocks_series(cfg: kb.Config, pair: kb.KvPair, planning: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _blocks_series(cfg: Config, pair: KvPair, planning: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from kvbroker import CacheIndex
 
     block, num_blocks = cfg.scale_block, max(cfg.scale_blocks)
-    with pair.caches(kb.cache_desc(SCALE_TENSORS, num_blocks, block)) as (src, dst):
-        kb.fill_cache(src.tensors)
+    with pair.caches(cache_desc(SCALE_TENSORS, num_blocks, block)) as (src, dst):
+        fill_cache(src.tensors)
         index = CacheIndex(cluster_id=1, cache_id=src.cache_id)
         everything = list(range(num_blocks))
         pair.dst.pull_kv_blocks(index, dst, everything, everything, timeout=pair.timeout)  # warm-up: first touch
@@ -137,23 +147,23 @@ def _blocks_series(cfg: kb.Config, pair: kb.KvPair, planning: dict[str, dict[str
                 pt = _pull_point(pair, src, dst, index, s, d, block, num_blocks, reps)
                 pt["transfer_ms"] = max(0.0, pt["pull_ms"] - pt["refused_ms"] - plan["runs_ms"])
                 out.setdefault(pattern, {})[str(n)] = pt
-                kb.log(f"scale-blocks {pair.backend} {pattern:10s} {n:8d} blocks: {pt['pull_ms']:9.2f} ms "
-                       f"({pt['us_per_block']:.2f} us/block; refused {pt['refused_ms']:.2f} ms, runs "
-                       f"{plan['runs_ms']:.2f} ms)")
+                log(f"scale-blocks {pair.backend} {pattern:10s} {n:8d} blocks: {pt['pull_ms']:9.2f} ms "
+                    f"({pt['us_per_block']:.2f} us/block; refused {pt['refused_ms']:.2f} ms, runs "
+                    f"{plan['runs_ms']:.2f} ms)")
         return out
 
 
-def bench_blocks(cfg: kb.Config, rep: kb.Report) -> None:
+def bench_blocks(cfg: Config, rep: Report) -> None:
     scale = rep.scale.setdefault("blocks", {"block": cfg.scale_block, "tensors": SCALE_TENSORS,
                                             "planning": {}, "backends": {}})
     with tempfile.TemporaryDirectory(prefix="kvbench-scale-") as tmp:
         for backend in BACKENDS:
             try:
-                with kb.KvPair(Path(tmp) / "blocks", backend, max(cfg.pull_timeout, BIG_PULL_TIMEOUT_S)) as pair:
+                with KvPair(Path(tmp) / "blocks", backend, max(cfg.pull_timeout, BIG_PULL_TIMEOUT_S)) as pair:
                     scale["backends"][backend] = _blocks_series(cfg, pair, scale["planning"])
             except Exception as e:
                 rep.errors[f"scale-blocks-{backend}"] = f"{type(e).__name__}: {e}"
-                kb.log(f"scale-blocks {backend} FAILED: {type(e).__name__}: {e}")
+                log(f"scale-blocks {backend} FAILED: {type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------------------------------- scale-peers
@@ -222,7 +232,7 @@ async def _fan_trials(target: str, pulls: list[tuple[Any, list[int], list[int]]]
             if moved != round_bytes:
                 raise RuntimeError(f"{len(pulls)} pulls moved {moved} bytes, expected {round_bytes}")
 
-        return await kb.timed_rounds(round_, reps, trials, round_bytes)
+        return await timed_rounds(round_, reps, trials, round_bytes)
 
 
 @contextmanager
@@ -239,23 +249,23 @@ def _source_caches(fan: PeerFan, lay: Any, levels: list[int]) -> Iterator[list[A
     caches = []
     try:
         for j, client in enumerate(fan.source_clients):
-            cache = client.allocate_cache(kb.cache_desc(lay.tensors, _share_blocks(lay.blocks_per_tensor, levels, j),
-                                                        lay.block))
+            cache = client.allocate_cache(cache_desc(lay.tensors, _share_blocks(lay.blocks_per_tensor, levels, j),
+                                                     lay.block))
             caches.append((client, cache))
-            kb.fill_cache(cache.tensors, salt=j)  # a block pulled from the wrong peer is caught
+            fill_cache(cache.tensors, salt=j)  # a block pulled from the wrong peer is caught
         yield [cache for _, cache in caches]
     finally:
         for client, cache in caches:
             client.deallocate_cache(cache, timeout=10.0)
 
 
-def _peers_series(cfg: kb.Config, fan: PeerFan, levels: list[int]) -> dict[str, Any]:
+def _peers_series(cfg: Config, fan: PeerFan, levels: list[int]) -> dict[str, Any]:
     from kvbroker import CacheIndex
 
     lay = cfg.layout(cfg.concurrency_block)
     series: dict[str, Any] = {}
     with _source_caches(fan, lay, levels) as sources, \
-            _allocated(fan.client, kb.cache_desc(lay.tensors, lay.blocks_per_tensor, lay.block)) as dst:
+            _allocated(fan.client, cache_desc(lay.tensors, lay.blocks_per_tensor, lay.block)) as dst:
         _, dperm = lay.perms()
         rng = np.random.default_rng(cfg.seed)
         for k in levels:
@@ -268,16 +278,16 @@ def _peers_series(cfg: kb.Config, fan: PeerFan, levels: list[int]) -> dict[str, 
                 t[:] = 0
             trials = _fan_trials(fan.puller.target, pulls, dst.cache_id, lay.reps(cfg.total_bytes), cfg.trials,
                                  lay.pull_bytes, fan.timeout)
-            rate = median(kb.event_loop().run_until_complete(trials))
+            rate = median(event_loop().run_until_complete(trials))
             for src, s, d in checks:
-                kb.check_cache(src.tensors, dst.tensors, s, d)
+                check_cache(src.tensors, dst.tensors, s, d)
             series[str(k)] = {"gbps": rate, "ms_per_round": lay.pull_bytes / rate / 1e6}
-            kb.log(f"scale-peers {fan.backend} {k:2d} peers: {rate:.2f} GB/s "
-                   f"({series[str(k)]['ms_per_round']:.1f} ms per {fmt_size(lay.pull_bytes)})")
+            log(f"scale-peers {fan.backend} {k:2d} peers: {rate:.2f} GB/s "
+                f"({series[str(k)]['ms_per_round']:.1f} ms per {fmt_size(lay.pull_bytes)})")
     return series
 
 
-def bench_peers(cfg: kb.Config, rep: kb.Report) -> None:
+def bench_peers(cfg: Config, rep: Report) -> None:
     lay = cfg.layout(cfg.concurrency_block)
     levels = sorted(k for k in set(cfg.scale_peers) if k <= lay.blocks_per_tensor)
     scale = rep.scale.setdefault("peers", {"block": lay.block, "round_bytes": lay.pull_bytes, "backends": {}})
@@ -285,18 +295,18 @@ def bench_peers(cfg: kb.Config, rep: kb.Report) -> None:
         for backend in BACKENDS:
             try:
                 with PeerFan(Path(tmp) / f"peers-{backend}", backend, max(levels), cfg.pull_timeout) as fan:
-                    kb.log(f"scale-peers {backend}: linked {len(fan.sources)} peers, median "
-                           f"{median(fan.link_ms):.1f} ms per link")
+                    log(f"scale-peers {backend}: linked {len(fan.sources)} peers, median "
+                        f"{median(fan.link_ms):.1f} ms per link")
                     scale["backends"][backend] = {"link_ms": fan.link_ms, "levels": _peers_series(cfg, fan, levels)}
             except Exception as e:
                 rep.errors[f"scale-peers-{backend}"] = f"{type(e).__name__}: {e}"
-                kb.log(f"scale-peers {backend} FAILED: {type(e).__name__}: {e}")
+                log(f"scale-peers {backend} FAILED: {type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------------------------------------------------- report
 
 
-def merge(reports: list[kb.Report]) -> dict[str, Any]:
+def merge(reports: list[Report]) -> dict[str, Any]:
     """Best of the rounds, point by point: the lowest pull time of each blocks point (with its breakdown), the
     highest GB/s of each peers level; link times from the first round."""
     merged: dict[str, Any] = {}
@@ -330,7 +340,7 @@ def growth_exponent(points: dict[str, Any]) -> float | None:
     return math.log(hi / lo) / math.log(ns[-1] / ns[-2]) if lo > 0 and hi > 0 else None
 
 
-def render_lines(rep: kb.Report) -> list[str]:
+def render_lines(rep: Report) -> list[str]:
     lines: list[str] = []
     blocks = rep.scale.get("blocks")
     if blocks and blocks["backends"]:

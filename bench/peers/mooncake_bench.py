@@ -20,12 +20,11 @@ from peer_common import (
     add_common_args,
     check_pattern,
     emit,
-    fill_pattern,
-    layouts,
     parse_size,
-    run_timed,
-    spawn_target,
-    stop_target,
+    request_fills,
+    serve_fills,
+    target_process,
+    timed_trials,
 )
 
 MAX_BATCH = 2048
@@ -53,19 +52,12 @@ def target(args: argparse.Namespace) -> None:
     engine = make_engine()
     register(engine, buf)
     ctl.send({"session": f"127.0.0.1:{engine.get_rpc_port()}", "addr": buf.ctypes.data})
-    while True:
-        msg = ctl.recv()
-        if msg["cmd"] == "fill":
-            fill_pattern(buf, int(msg["block"]))
-            ctl.send({"ok": True})
-        elif msg["cmd"] == "done":
-            break
-    ctl.close()
+    for _ in serve_fills(ctl, buf):
+        pass  # nothing more to do per block size: the initiator READs
 
 
 def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    proc, ctl = spawn_target(__file__, argv)
-    try:
+    with target_process(__file__, argv) as ctl:
         hello = ctl.recv()
         session, remote_addr = hello["session"], int(hello["addr"])
         dst = np.empty(args.tensors * parse_size(args.tensor_bytes), dtype=np.uint8)
@@ -74,9 +66,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         register(engine, dst)
         total = parse_size(args.total_bytes)
         out: dict[str, Any] = {}
-        for lay in layouts(args):
-            ctl.send({"cmd": "fill", "block": lay.block})
-            ctl.recv()
+        for lay in request_fills(args, ctl):
             src_off, dst_off = lay.offsets()
             # Request lists built once per size (plain ints, as the binding wants), cut into batches.
             batches = []
@@ -90,14 +80,11 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     if rc != 0:
                         raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
 
-            r = run_timed(lay, total, args.trials, pull)
+            r = timed_trials(lay, total, args.trials, pull)
             check_pattern(dst, src_off, dst_off, lay.block)
             r["batches_per_pull"] = len(batches)
             out[str(lay.block)] = r
-        ctl.send({"cmd": "done"})
         return out
-    finally:
-        stop_target(proc, ctl)
 
 
 def main() -> None:

@@ -24,12 +24,11 @@ from peer_common import (
     add_common_args,
     check_pattern,
     emit,
-    fill_pattern,
-    layouts,
     parse_size,
-    run_timed,
-    spawn_target,
-    stop_target,
+    request_fills,
+    serve_fills,
+    target_process,
+    timed_trials,
 )
 
 UCX_ENV = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
@@ -81,19 +80,12 @@ def target(args: argparse.Namespace) -> None:
     agent = make_agent("kvbench-target")
     register(agent, buf)
     ctl.send({"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": buf.ctypes.data})
-    while True:
-        msg = ctl.recv()
-        if msg["cmd"] == "fill":  # the pattern of this block size (block k holds k % 251)
-            fill_pattern(buf, int(msg["block"]))
-            ctl.send({"ok": True})
-        elif msg["cmd"] == "done":
-            break
-    ctl.close()
+    for _ in serve_fills(ctl, buf):
+        pass  # nothing more to do per block size: the initiator READs
 
 
 def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    proc, ctl = spawn_target(__file__, argv)
-    try:
+    with target_process(__file__, argv) as ctl:
         hello = ctl.recv()
         cache_bytes = args.tensors * parse_size(args.tensor_bytes)
         dst = alloc(cache_bytes, args.memory)
@@ -104,9 +96,7 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         total = parse_size(args.total_bytes)
         poll_sleep = (POLL_SLEEP_US[args.ucx] if args.poll_sleep_us is None else args.poll_sleep_us) / 1e6
         out: dict[str, Any] = {}
-        for lay in layouts(args):
-            ctl.send({"cmd": "fill", "block": lay.block})
-            ctl.recv()
+        for lay in request_fills(args, ctl):
             local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(dst.ctypes.data, cache_bytes, lay.block),
                                             "DRAM")
             remote_h = agent.prep_xfer_dlist(remote, block_descs(int(hello["addr"]), cache_bytes, lay.block), "DRAM")
@@ -126,15 +116,12 @@ def initiator(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     raise RuntimeError(f"NIXL transfer ended in state {state}")
                 agent.release_xfer_handle(handle)
 
-            r = run_timed(lay, total, args.trials, pull)
+            r = timed_trials(lay, total, args.trials, pull)
             check_pattern(dst, src_off, dst_off, lay.block)
             out[str(lay.block)] = r
             agent.release_dlist_handle(local_h)
             agent.release_dlist_handle(remote_h)
-        ctl.send({"cmd": "done"})
         return out
-    finally:
-        stop_target(proc, ctl)
 
 
 def main() -> None:

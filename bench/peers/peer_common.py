@@ -10,11 +10,13 @@ tensor-major order, exactly the byte runs kvbroker's planner makes for `pull_kv_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import struct
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,8 +175,11 @@ def layouts(args: argparse.Namespace) -> list[Layout]:
     return [Layout(args.tensors, tb, parse_size(s), args.seed) for s in args.sizes.split(",") if s]
 
 
-def spawn_target(script: str, argv: list[str]) -> tuple[Any, Ctl]:
-    """Starts `script --role target` with this interpreter and the same arguments; returns (process, channel)."""
+@contextlib.contextmanager
+def target_process(script: str, argv: list[str]) -> Iterator[Ctl]:
+    """Starts `script --role target` with this interpreter and the same arguments and yields the control channel to
+    it; when the body is done, tells the target so ("done"), then closes the channel and waits for the target
+    (killing it after 30 s)."""
     import subprocess
 
     srv, port = listen_loopback()
@@ -188,20 +193,44 @@ def spawn_target(script: str, argv: list[str]) -> tuple[Any, Ctl]:
     finally:
         srv.close()
     conn.settimeout(None)
-    return proc, Ctl(conn)
-
-
-def stop_target(proc: Any, ctl: Ctl) -> None:
-    """Closes the control channel and waits for the target (killing it after 30 s)."""
-    ctl.close()
+    ctl = Ctl(conn)
     try:
-        proc.wait(30)
-    except Exception:
-        proc.kill()
+        yield ctl
+        ctl.send({"cmd": "done"})
+    finally:
+        ctl.close()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
 
 
-def run_timed(layout: Layout, total_bytes: int, trials: int, pull: Any) -> dict[str, Any]:
-    """Warm-up pull, then `trials` timed trials of `reps` whole-cache pulls; `pull()` does one pull."""
+def request_fills(args: argparse.Namespace, ctl: Ctl) -> Iterator[Layout]:
+    """The initiator's side of the control loop: for each block size, asks the target to fill its source buffer with
+    that size's pattern and waits until it has; yields the size's layout."""
+    for lay in layouts(args):
+        ctl.send({"cmd": "fill", "block": lay.block})
+        ctl.recv()
+        yield lay
+
+
+def serve_fills(ctl: Ctl, buf: np.ndarray) -> Iterator[int]:
+    """The target's side of the control loop: for each block size the initiator asks for, fills `buf` with that
+    size's pattern, says so, and yields the size (a target that sends, like the socket peer's, then sends it); ends
+    when the initiator is done, closing the channel."""
+    try:
+        while (msg := ctl.recv())["cmd"] != "done":
+            block = int(msg["block"])
+            fill_pattern(buf, block)
+            ctl.send({"ok": True})
+            yield block
+    finally:
+        ctl.close()
+
+
+def timed_trials(layout: Layout, total_bytes: int, trials: int, pull: Callable[[], object]) -> dict[str, Any]:
+    """One untimed warm-up pull (first-touch page faults), then `trials` timed trials of `reps` whole-cache pulls;
+    `pull()` does one pull. The timing loop of kvbench.py's in-process subjects and of the NIXL and Mooncake peers."""
     pull()
     reps = layout.reps(total_bytes)
     results = []

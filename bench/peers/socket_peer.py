@@ -27,14 +27,14 @@ from peer_common import (
     add_common_args,
     check_pattern,
     emit,
-    fill_pattern,
     gbps,
     layouts,
     listen_loopback,
     median,
     parse_size,
-    spawn_target,
-    stop_target,
+    request_fills,
+    serve_fills,
+    target_process,
 )
 
 
@@ -76,9 +76,9 @@ def sender(args: argparse.Namespace) -> None:
     for c in conns:
         tune(c, args.sockbuf)
     total = parse_size(args.total_bytes)
-    for lay in layouts(args):
-        fill_pattern(buf, lay.block)
-        ctl.send({"filled": lay.block})
+    by_block = {lay.block: lay for lay in layouts(args)}
+    for block in serve_fills(ctl, buf):
+        lay = by_block[block]
         src_off, _ = lay.offsets()
         shares = [src_off[i :: args.conns].tolist() for i in range(args.conns)]
         for passes in rounds(lay, total, args.trials):
@@ -91,16 +91,13 @@ def sender(args: argparse.Namespace) -> None:
                         c.sendall(mv[off : off + b])
 
             run_threads([functools.partial(send, c, s) for c, s in zip(conns, shares, strict=True)])
-    ctl.recv()
     for c in conns:
         c.close()
-    ctl.close()
 
 
 def receiver(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     srv, data_port = listen_loopback()
-    proc, ctl = spawn_target(__file__, argv)
-    try:
+    with target_process(__file__, argv) as ctl:
         ctl.send({"data_port": data_port})
         conns = [srv.accept()[0] for _ in range(args.conns)]
         srv.close()
@@ -111,8 +108,7 @@ def receiver(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         mv = buf.data
         total = parse_size(args.total_bytes)
         out: dict[str, Any] = {}
-        for lay in layouts(args):
-            ctl.recv()  # the sender has filled its buffer
+        for lay in request_fills(args, ctl):
             src_off, dst_off = lay.offsets()
             shares = [dst_off[i :: args.conns].tolist() for i in range(args.conns)]
             results = []
@@ -136,12 +132,9 @@ def receiver(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             check_pattern(buf, src_off, dst_off, lay.block)
             out[str(lay.block)] = {"gbps": median(results), "trials": results,
                                    "bytes_per_trial": lay.reps(total) * lay.pull_bytes}
-        ctl.send({"cmd": "done"})
         for c in conns:
             c.close()
         return out
-    finally:
-        stop_target(proc, ctl)
 
 
 def main() -> None:
