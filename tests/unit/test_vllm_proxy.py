@@ -1,14 +1,22 @@
 """The P/D proxy against fake prefill and decode servers over real HTTP on loopback.
 
 The servers are fakes because a vLLM server cannot run in this suite (the e2e test in `.ci/run` runs the proxy
-against real ones); they answer the way vLLM's OpenAI server does and record what they were sent.
+against real ones); they answer the way vLLM's OpenAI server does and record what they were sent. Clients are
+`http.client` or raw sockets, so that what the proxy does with malformed, slow or abandoned connections is seen as a
+client sees it.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
+import os
+import re
+import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream, _parse_args
+from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream, _parse_args, count_json_values
 
 KV_PARAMS = {
     "do_remote_prefill": True,
@@ -40,6 +48,9 @@ class FakeServer:
     answer: Answer
     requests: list[tuple[str, dict[str, str], dict[str, Any]]] = field(default_factory=list)
     httpd: ThreadingHTTPServer | None = None
+    health: int = 200
+    """What `GET /health` answers."""
+    health_checks: int = 0
 
     @property
     def url(self) -> str:
@@ -55,6 +66,25 @@ class _FakeHandler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.fake.requests.append((self.path, dict(self.headers.items()), body))
         self.fake.answer(self, body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self.fake.health_checks += 1
+            self.reply(self.fake.health, b"")
+        else:
+            self.reply(404, {"error": "no route"})
+
+    def client_left(self, within: float) -> bool:
+        """Waits up to `within` seconds for the proxy to close this request's connection."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if select.select([self.connection], [], [], 0.05)[0]:
+                try:
+                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        return True
+                except OSError:
+                    return True
+        return False
 
     def reply(self, status: int, payload: Any, content_type: str = "application/json") -> None:
         raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -78,6 +108,13 @@ class _FakeHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a fake whose client (the proxy) hung up on purpose; what a test checks is asserted, not printed
+
+
 @pytest.fixture
 def serve() -> Iterator[Callable[[Answer], FakeServer]]:
     started: list[ThreadingHTTPServer] = []
@@ -89,8 +126,7 @@ def serve() -> Iterator[Callable[[Answer], FakeServer]]:
             pass
 
         Handler.fake = fake
-        fake.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        fake.httpd.daemon_threads = True
+        fake.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=fake.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
         started.append(fake.httpd)
         return fake
@@ -119,7 +155,17 @@ def proxy_for(prefill: str, decode: str, prefill_timeout: float = 300.0, decode_
     return PdProxy(config, "127.0.0.1", 0).start()
 
 
-def post(proxy: PdProxy, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+def config_for(prefill: list[str], decode: list[str], **options: Any) -> ProxyConfig:
+    return ProxyConfig(
+        tuple(Upstream.parse("prefill", url) for url in prefill),
+        tuple(Upstream.parse("decode", url) for url in decode),
+        **options,
+    )
+
+
+def post_full(
+    proxy: PdProxy, path: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], http.client.HTTPResponse]:
     host, port = proxy.address
     conn = http.client.HTTPConnection(host, port, timeout=10)
     try:
@@ -127,9 +173,71 @@ def post(proxy: PdProxy, path: str, body: Any, headers: dict[str, str] | None = 
             "POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})}
         )
         response = conn.getresponse()
-        return response.status, json.loads(response.read())
+        return response.status, json.loads(response.read()), response
     finally:
         conn.close()
+
+
+def post(proxy: PdProxy, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    status, answer, _ = post_full(proxy, path, body, headers)
+    return status, answer
+
+
+def get_health(proxy: PdProxy) -> dict[str, Any]:
+    host, port = proxy.address
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        assert response.status == 200
+        answer = json.loads(response.read())
+        assert isinstance(answer, dict)
+        return answer
+    finally:
+        conn.close()
+
+
+def wait_for(condition: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def raw_exchange(proxy: PdProxy, data: bytes, quiet: float = 1.0) -> tuple[bytes, bool]:
+    """Sends `data` on a new connection and reads until the proxy closes it (True) or stays silent for `quiet`
+    seconds (False)."""
+    sock = socket.create_connection(proxy.address, timeout=quiet)
+    received = b""
+    try:
+        sock.sendall(data)
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                return received, False
+            except ConnectionResetError:
+                return received, True
+            if not chunk:
+                return received, True
+            received += chunk
+    finally:
+        sock.close()
+
+
+def status_lines(raw: bytes) -> list[int]:
+    """The statuses of the answers in `raw`; anything after the last complete answer counts as one more (an answer
+    without a status line, as `http.server` sends to a line it cannot parse), -1."""
+    statuses = []
+    while raw:
+        head = re.match(rb"HTTP/1\.[01] (\d{3}) [^\r\n]*\r\n(.*?)\r\n\r\n", raw, re.DOTALL)
+        if head is None:
+            statuses.append(-1)
+            break
+        statuses.append(int(head[1]))
+        length = re.search(rb"(?im)^content-length:[ \t]*(\d+)", head[2])
+        raw = raw[head.end() + (int(length[1]) if length else 0) :]
+    return statuses
 
 
 def free_port() -> int:
@@ -143,7 +251,9 @@ def test_completion_goes_prefill_then_decode_with_the_prefill_kv_params_unchange
     p, d = serve(prefill_ok), serve(decode_json)
     request = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "min_tokens": 2, "temperature": 0}
     with proxy_for(p.url, d.url) as proxy:
-        status, answer = post(proxy, "/v1/completions", request, {"Authorization": "Bearer k", "X-Request-Id": "r1"})
+        status, answer, response = post_full(
+            proxy, "/v1/completions", request, {"Authorization": "Bearer k", "X-Request-Id": "r1"}
+        )
 
     assert status == 200
     assert answer["id"] == "cmpl-d"
@@ -162,7 +272,9 @@ def test_completion_goes_prefill_then_decode_with_the_prefill_kv_params_unchange
     assert d_body == {**request, "kv_transfer_params": KV_PARAMS}
     for headers in (p_headers, d_headers):
         assert headers["Authorization"] == "Bearer k"
-        assert headers["X-Request-Id"] == "r1"
+        # The proxy's own id on both servers (and back to the client), never the client's.
+        assert headers["X-Request-Id"] == response.getheader("X-Request-Id")
+        assert headers["X-Request-Id"].startswith("pd-")
 
 
 def test_both_servers_see_one_request_id_when_the_client_sends_none(serve: Any) -> None:
@@ -222,24 +334,38 @@ def test_a_prefill_answer_without_kv_params_sends_the_plain_request_to_decode(se
     assert d.requests[0][2] == {"model": "m", "prompt": "hi"}
 
 
-def test_an_unreachable_prefill_server_gives_502_naming_it(serve: Any) -> None:
+def generic_error(answer: dict[str, Any], role: str, what: str = "failed") -> str:
+    """The error's message, checked to say which role failed and nothing about the server."""
+    message = answer["error"]["message"]
+    assert isinstance(message, str)
+    assert message.startswith(f"the {role} server {what} (request pd-"), message
+    assert "127.0.0.1" not in message and "http" not in message and "rrno" not in message, message
+    return message
+
+
+def test_an_unreachable_prefill_server_gives_a_502_that_names_it_only_in_the_log(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     d = serve(decode_json)
     dead = f"http://127.0.0.1:{free_port()}"
     with proxy_for(dead, d.url) as proxy:
         status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
     assert status == 502
-    assert answer["error"]["message"].startswith(f"prefill server {dead} is unreachable")
+    generic_error(answer, "prefill")
+    assert f"prefill server {dead} is unreachable" in caplog.text
     assert d.requests == []
 
 
-def test_a_failing_prefill_server_gives_502_with_its_answer(serve: Any) -> None:
-    p = serve(lambda h, b: h.reply(500, {"error": {"message": "engine dead"}}))
+def test_a_failing_prefill_server_gives_a_502_without_its_answer(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = serve(lambda h, b: h.reply(500, {"error": {"message": "engine dead at /opt/secret"}}))
     d = serve(decode_json)
     with proxy_for(p.url, d.url) as proxy:
         status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
     assert status == 502
-    message = answer["error"]["message"]
-    assert message.startswith(f"prefill server {p.url} answered 500") and "engine dead" in message
+    assert "engine dead" not in generic_error(answer, "prefill")
+    assert f"prefill server {p.url} answered 500" in caplog.text and "engine dead" in caplog.text
     assert d.requests == []
 
 
@@ -248,12 +374,13 @@ def test_a_failing_prefill_server_gives_502_with_its_answer(serve: Any) -> None:
     [b"not json", json.dumps({"kv_transfer_params": [1, 2]}).encode()],
     ids=["invalid-json", "params-not-an-object"],
 )
-def test_a_garbled_prefill_answer_gives_502(serve: Any, reply: bytes) -> None:
+def test_a_garbled_prefill_answer_gives_502(serve: Any, reply: bytes, caplog: pytest.LogCaptureFixture) -> None:
     p, d = serve(lambda h, b: h.reply(200, reply)), serve(decode_json)
     with proxy_for(p.url, d.url) as proxy:
         status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
     assert status == 502
-    assert answer["error"]["message"].startswith(f"prefill server {p.url} answered")
+    generic_error(answer, "prefill")
+    assert f"prefill server {p.url} answered" in caplog.text
     assert d.requests == []
 
 
@@ -265,7 +392,7 @@ def test_a_client_error_from_prefill_is_passed_through_and_decode_is_not_asked(s
     assert d.requests == []
 
 
-def test_a_silent_prefill_server_gives_504_within_its_timeout(serve: Any) -> None:
+def test_a_silent_prefill_server_gives_504_within_its_timeout(serve: Any, caplog: pytest.LogCaptureFixture) -> None:
     release = threading.Event()
 
     def silent(handler: _FakeHandler, body: dict[str, Any]) -> None:
@@ -282,31 +409,38 @@ def test_a_silent_prefill_server_gives_504_within_its_timeout(serve: Any) -> Non
     finally:
         release.set()
     assert status == 504
-    assert answer["error"]["message"] == f"prefill server {p.url} did not answer within 0.5 s"
+    generic_error(answer, "prefill", "did not answer in time")
+    assert f"prefill server {p.url} did not answer within 0.5 s" in caplog.text
     assert 0.5 <= elapsed < 3
     assert d.requests == []
 
 
-def test_an_unreachable_decode_server_gives_502_naming_it(serve: Any) -> None:
+def test_an_unreachable_decode_server_gives_a_502_that_names_it_only_in_the_log(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     p = serve(prefill_ok)
     dead = f"http://127.0.0.1:{free_port()}"
     with proxy_for(p.url, dead) as proxy:
         status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
     assert status == 502
-    assert answer["error"]["message"].startswith(f"decode server {dead} is unreachable")
+    generic_error(answer, "decode")
+    assert f"decode server {dead} is unreachable" in caplog.text
 
 
-def test_a_failing_decode_server_gives_502_and_a_decode_refusal_passes_through(serve: Any) -> None:
+def test_a_failing_decode_server_gives_502_and_a_decode_refusal_passes_through(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     p = serve(prefill_ok)
     d = serve(lambda h, b: h.reply(500 if b["prompt"] == "boom" else 400, {"error": {"message": b["prompt"]}}))
     with proxy_for(p.url, d.url) as proxy:
         status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "boom"})
         assert status == 502
-        assert answer["error"]["message"].startswith(f"decode server {d.url} answered 500")
+        assert "boom" not in generic_error(answer, "decode")
+        assert f"decode server {d.url} answered 500" in caplog.text
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "bad"}) == (400, {"error": {"message": "bad"}})
 
 
-def test_a_decode_stream_that_stalls_ends_with_an_error_event(serve: Any) -> None:
+def test_a_decode_stream_that_stalls_ends_with_an_error_event(serve: Any, caplog: pytest.LogCaptureFixture) -> None:
     release = threading.Event()
 
     def stalling(handler: _FakeHandler, body: dict[str, Any]) -> None:
@@ -329,7 +463,8 @@ def test_a_decode_stream_that_stalls_ends_with_an_error_event(serve: Any) -> Non
     assert events[0] == b'data: {"choices": [{"text": "a"}]}'
     error = json.loads(events[1].removeprefix(b"data: "))["error"]
     assert error["code"] == 504
-    assert error["message"] == f"decode server {d.url} stopped streaming for 0.5 s"
+    generic_error({"error": error}, "decode", "stopped streaming")
+    assert f"decode server {d.url} stopped streaming for 0.5 s" in caplog.text
 
 
 def test_a_client_that_leaves_mid_stream_drops_the_decode_request(serve: Any) -> None:
@@ -364,7 +499,10 @@ def test_bad_client_requests_are_refused_without_asking_any_server(serve: Any) -
         response = conn.getresponse()
         assert response.status == 400
         assert "not JSON" in json.loads(response.read())["error"]["message"]
-        # The connection stays usable after an error (HTTP/1.1 keep-alive).
+        # An error answer ends its connection: nothing the client sent after it is read as a request.
+        assert response.getheader("Connection") == "close"
+        conn.close()
+        conn = http.client.HTTPConnection(host, port, timeout=10)
         conn.request("POST", "/v1/completions", body=b"[1, 2]")
         response = conn.getresponse()
         assert response.status == 400
@@ -433,3 +571,314 @@ def test_a_base_path_is_kept() -> None:
         "/vllm",
         "https://example.invalid/vllm",
     )
+
+
+# ---- what a client controls stops at the proxy (issue 23) ----------------------------------------------------------
+
+
+def test_the_request_id_is_the_proxys_own_whatever_the_client_sends(serve: Any) -> None:
+    """Both servers key a request (and the prefill server its held blocks) by the request id: a client must not be
+    able to choose it, nor make two requests share one."""
+    p, d = serve(prefill_ok), serve(decode_json)
+    request = {"model": "m", "prompt": "hi", "request_id": "victim"}
+    with proxy_for(p.url, d.url) as proxy:
+        for _ in range(2):
+            assert post(proxy, "/v1/completions", request, {"X-Request-Id": "victim"})[0] == 200
+    ids = [headers["X-Request-Id"] for server in (p, d) for _, headers, _ in server.requests]
+    assert all(i.startswith("pd-") for i in ids), ids
+    assert ids[0] == ids[2] != ids[1] == ids[3]  # one id per request, the same on both servers
+    assert all("request_id" not in body for server in (p, d) for _, _, body in server.requests)
+
+
+def test_client_kv_transfer_params_reach_neither_server(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    forged = {"do_remote_prefill": True, "remote_block_ids": [[0, 1, 2]], "kvbroker_peer_address": "unix:/x"}
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi", "kv_transfer_params": forged})[0] == 200
+    assert p.requests[0][2]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert d.requests[0][2]["kv_transfer_params"] == KV_PARAMS
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "word"),
+    [
+        ("/v1/completions", {"n": 2}, "`n`"),
+        ("/v1/chat/completions", {"n": 3}, "`n`"),
+        ("/v1/completions", {"best_of": 2}, "`best_of`"),
+        ("/v1/completions", {"use_beam_search": True}, "beam search"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "batch of 2 prompts"),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 4], [5]]}, "batch of 3 prompts"),
+    ],
+    ids=["n", "chat-n", "best_of", "beam", "batch-text", "batch-tokens"],
+)
+def test_requests_for_several_sequences_are_refused_before_any_server(
+    serve: Any, path: str, extra: dict[str, Any], word: str
+) -> None:
+    """vLLM would run each prompt or sample as a request of its own: the prefill server would hold blocks for every
+    one while one `kv_transfer_params` comes back, and the decode server would pull one sequence's KV for all."""
+    p, d = serve(prefill_ok), serve(decode_json)
+    body = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with proxy_for(p.url, d.url) as proxy:
+        status, answer = post(proxy, path, body)
+    assert status == 400
+    assert word in answer["error"]["message"]
+    assert p.requests == [] and d.requests == []
+
+
+@pytest.mark.parametrize("prompt", ["hi", ["hi"], [1, 2, 3], [[1, 2, 3]]], ids=["text", "one-text", "tokens", "one"])
+def test_one_prompt_in_any_shape_is_served(serve: Any, prompt: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": prompt, "n": 1})[0] == 200
+    assert d.requests[0][2]["prompt"] == prompt
+
+
+# ---- finding 10: a request body is never read as a request -------------------------------------------------------
+
+SMUGGLED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(SMUGGLED), SMUGGLED),
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(SMUGGLED), SMUGGLED),
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(SMUGGLED), SMUGGLED),
+    ],
+    ids=["404", "chunked", "get-with-body"],
+)
+def test_a_request_body_is_never_read_as_a_request(serve: Any, request_bytes: bytes) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        raw, _ = raw_exchange(proxy, request_bytes)
+    assert len(status_lines(raw)) == 1, raw
+    assert p.requests == [] and d.requests == []
+
+
+def test_a_chunked_request_is_served(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    with proxy_for(p.url, d.url) as proxy:
+        raw, _ = raw_exchange(
+            proxy,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (body[:5], len(body) - 5, body[5:]),
+            quiet=0.5,
+        )
+    assert status_lines(raw) == [200]
+    assert d.requests[0][2]["prompt"] == "hi"
+
+
+def test_an_error_answer_closes_its_connection(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        raw, closed = raw_exchange(proxy, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{x}")
+    assert status_lines(raw) == [400]
+    assert closed
+
+
+# ---- finding 11: connections cost no thread, and every wait on a client is bounded --------------------------------
+
+
+def test_idle_connections_hold_no_thread_and_are_closed_after_the_client_timeout(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    config = config_for([p.url], [d.url], client_timeout=1.0, health_interval=0)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        before = threading.active_count()
+        idle = [socket.create_connection(proxy.address, timeout=5) for _ in range(100)]
+        try:
+            time.sleep(0.3)
+            assert threading.active_count() - before < 5
+            started = time.monotonic()
+            for sock in idle:
+                assert sock.recv(1) == b""  # the proxy closed it
+            assert time.monotonic() - started < 4
+        finally:
+            for sock in idle:
+                sock.close()
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("partial", "expected"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", []),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"", [408]),
+    ],
+    ids=["headers", "body"],
+)
+def test_a_client_that_trickles_its_request_is_cut_off(serve: Any, partial: bytes, expected: list[int]) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    config = config_for([p.url], [d.url], client_timeout=0.5, health_interval=0)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        started = time.monotonic()
+        raw, closed = raw_exchange(proxy, partial, quiet=5)
+    assert closed and status_lines(raw) == expected, raw
+    assert time.monotonic() - started < 3
+    assert p.requests == []
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_with_its_decode_request(serve: Any) -> None:
+    dropped = threading.Event()
+
+    def flood(handler: _FakeHandler, body: dict[str, Any]) -> None:
+        handler.start_stream()
+        try:
+            for _ in range(4000):
+                handler.chunk(b"data: " + b"x" * 65536 + b"\n\n")
+        except OSError:
+            dropped.set()
+
+    p, d = serve(prefill_ok), serve(flood)
+    config = config_for([p.url], [d.url], client_timeout=0.5, health_interval=0)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        host, port = proxy.address
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "m", "prompt": "hi", "stream": True}))
+        assert conn.getresponse().status == 200  # and never read
+        try:
+            assert dropped.wait(8), "the proxy kept the decode request of a client that stopped reading"
+        finally:
+            conn.close()
+
+
+def test_a_client_that_leaves_during_the_prefill_aborts_it_without_a_traceback(
+    serve: Any, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    left = threading.Event()
+
+    def slow_prefill(handler: _FakeHandler, body: dict[str, Any]) -> None:
+        if handler.client_left(3):
+            left.set()
+        else:
+            prefill_ok(handler, body)
+
+    p, d = serve(slow_prefill), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        sock = socket.create_connection(proxy.address)
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: len(p.requests) == 1)
+        sock.close()
+        assert left.wait(2.5), "the prefill request went on after its client left"
+        time.sleep(0.2)
+    assert d.requests == []
+    assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_connections_over_the_cap_are_refused_with_503(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    config = config_for([p.url], [d.url], max_connections=4, health_interval=0)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        held = [socket.create_connection(proxy.address) for _ in range(4)]
+        time.sleep(0.2)
+        raw, closed = raw_exchange(proxy, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert closed and status_lines(raw) in ([503], []), raw
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+
+
+def test_json_values_are_counted_without_strings() -> None:
+    assert count_json_values(b'{"a": [1, 2, 3], "b": "x,y,[z]{", "c": "q\\",\\"r"}') == 7
+    assert count_json_values(b"[{},{},{}]") == 7  # 4 values: an empty container counts one too many
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_a_body_of_many_tiny_json_values_is_refused_without_building_them(tmp_path: Any) -> None:
+    """32 MiB of `[{},{},...]` (the default body limit) made the proxy's peak RSS grow from ~60 to ~920 MiB."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "proxy.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbroker.integrations.vllm_proxy", "--prefill", dead, "--decode", dead,
+             "--port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        wait_for(lambda: "listening on" in log.read_text(), within=30)
+        port = int(re.findall(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text())[0])
+
+        def peak_mib() -> float:
+            with open(f"/proc/{proc.pid}/status") as f:
+                status = f.read()
+            return int(re.findall(r"VmHWM:\s+(\d+) kB", status)[0]) / 1024
+
+        before = peak_mib()
+        body = b'{"model": "m", "prompt": [' + b"{}," * (32 * 1024 * 1024 // 3 - 20) + b"{}]}"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        answer = response.read()
+        conn.close()
+        grown = peak_mib() - before
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert grown < 200, f"peak RSS grew by {grown:.0f} MiB"
+    assert response.status == 413, answer
+    assert b"JSON values" in answer
+
+
+# ---- issue 20: health checks, ejection, one retry of a prefill -------------------------------------------------
+
+
+def test_a_dead_prefill_server_fails_no_request_each_is_retried_once_on_another(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([dead, p.url], [d.url], health_interval=0), "127.0.0.1", 0) as proxy:
+        for _ in range(4):
+            assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+    assert len(p.requests) == len(d.requests) == 4
+    assert f"prefill server {dead} is unreachable" in caplog.text and f"trying {p.url}" in caplog.text
+
+    other_dead = f"http://127.0.0.1:{free_port()}"
+    with PdProxy(config_for([dead, other_dead], [d.url], health_interval=0), "127.0.0.1", 0) as proxy:
+        status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
+    assert status == 502  # one retry, then the client hears of it
+    generic_error(answer, "prefill")
+
+
+def test_a_server_failing_requests_is_ejected(serve: Any, caplog: pytest.LogCaptureFixture) -> None:
+    failing = serve(lambda h, b: h.reply(500, {"error": {"message": "engine dead"}}))
+    p, d = serve(prefill_ok), serve(decode_json)
+    config = config_for([failing.url, p.url], [d.url], health_interval=60, eject_after=2)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        wait_for(lambda: failing.health_checks == 1 and p.health_checks == 1 and d.health_checks == 1)
+        for _ in range(6):
+            assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+        assert get_health(proxy)["prefill_servers_in_service"] == 1
+    assert len(failing.requests) == 2 and len(p.requests) == 6
+    assert f"prefill server {failing.url} ejected after 2 failures in a row" in caplog.text
+
+
+def test_a_server_failing_its_health_checks_is_ejected_and_readmitted(serve: Any) -> None:
+    a, b, d = serve(prefill_ok), serve(prefill_ok), serve(decode_json)
+    a.health = 503
+    config = config_for([a.url, b.url], [d.url], health_interval=0.1, eject_after=1)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        wait_for(lambda: get_health(proxy).get("prefill_servers_in_service") == 1)
+        for _ in range(4):
+            assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+        assert (len(a.requests), len(b.requests)) == (0, 4)
+        a.health = 200
+        wait_for(lambda: get_health(proxy).get("prefill_servers_in_service") == 2)
+        for _ in range(4):
+            assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+        assert (len(a.requests), len(b.requests)) == (2, 6)
+
+
+def test_requests_still_go_out_when_every_server_of_a_role_is_ejected(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    p.health = d.health = 503
+    config = config_for([p.url], [d.url], health_interval=0.1, eject_after=1)
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        wait_for(lambda: get_health(proxy).get("decode_servers_in_service") == 0)
+        assert get_health(proxy)["prefill_servers_in_service"] == 0
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200

@@ -1,5 +1,6 @@
 """An OpenAI-compatible prefill/decode proxy for vLLM servers that move KV through kvbroker (or NIXL).
 
+    pip install 'kvbroker[proxy]'
     python -m kvbroker.integrations.vllm_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --port 8000
 
@@ -9,38 +10,62 @@ Each completion or chat completion goes to a prefill server first, as NixlConnec
 serves; its answer goes back to the client as it comes (server-sent events when the client asked for
 `"stream": true`). The proxy only forwards JSON: it does not need vLLM, a tokenizer or kvbroker's daemon.
 
-Failures name the server: a prefill or decode server that is down, answers 5xx or garbage gives 502, one that does
-not answer in time gives 504; a 4xx (the client's own mistake, e.g. an unknown model) is passed through unchanged.
+What a client controls stops at the proxy: `kv_transfer_params` a client sends are dropped (only the prefill
+server's reach the decode server), the request id both servers see is the proxy's own (`X-Request-Id: pd-<uuid>`,
+also returned to the client), and a request that would make the prefill server hold KV for several sequences while
+only one `kv_transfer_params` comes back (`n` > 1, `best_of` > 1, beam search, a batch of prompts) is refused.
 
-Standard library only (threads, `http.server`, `http.client`), so that it runs in any environment, vLLM's included.
+Failures: a server that is down, answers 5xx or garbage gives 502, one that does not answer in time gives 504; the
+client learns only which role failed and the request id, the proxy's log has the server and the error. A 4xx (the
+client's own mistake, e.g. an unknown model) is passed through unchanged. A failed prefill is retried once on
+another prefill server. Servers are health-checked (`GET /health`) and a server that fails `--eject-after` checks or
+requests in a row gets no more requests until a check passes (unless every server of its role is out).
+
+The HTTP side is aiohttp (`kvbroker[proxy]`): one event loop, no thread per connection; request bodies are framed by
+aiohttp's parser and capped in size and JSON values, every wait on a client is bounded (`--client-timeout`), the
+number of connections is capped, and an error answer always closes its connection.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import itertools
+import asyncio
+import contextlib
 import json
 import logging
+import re
 import signal
-import ssl
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
+
+try:
+    import aiohttp
+    from aiohttp import web
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvbroker's P/D proxy needs aiohttp: pip install 'kvbroker[proxy]'"
+    ) from _exc
 
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
 
 PD_ROUTES = ("/v1/completions", "/v1/chat/completions")
-# The headers a vLLM server acts on: its API key and the request id it logs (the same on both servers, so that one
-# request can be followed through both logs).
-_FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-_STREAM_CHUNK = 64 * 1024
+HEALTH_ROUTES = ("/health", "/healthz")
+REQUEST_ID_HEADER = "X-Request-Id"
+SERVER_NAME = "kvbroker-pd-proxy"
+# The client header a vLLM server acts on besides the request id (which the proxy makes itself): its API key.
+_FORWARDED_HEADERS = ("Authorization",)
+# Body fields a client may not set: where the KV is comes only from the prefill server, the request id only from us.
+_STRIPPED_FIELDS = ("kv_transfer_params", "request_id")
+# Bodies larger than this are parsed on a worker thread, so that one big request does not stall the others.
+_PARSE_INLINE_BYTES = 256 * 1024
+# JSON strings (with their escapes); what is left once they are removed is structure, numbers and literals.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +73,7 @@ class Upstream:
     """One vLLM OpenAI server."""
 
     role: str
-    """`prefill` or `decode`: named in every error about this server."""
+    """`prefill` or `decode`: named in every log line about this server."""
     url: str
     """Its base URL as given, e.g. `http://127.0.0.1:8100`."""
     scheme: str
@@ -80,19 +105,39 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     """Seconds to open a connection to a server."""
     prefill_timeout: float = 300.0
-    """Seconds a prefill server may take to answer (it computes the whole prompt before it says anything)."""
+    """Seconds a prefill server may stay silent (it computes the whole prompt before it says anything)."""
     decode_timeout: float = 300.0
     """Seconds the decode server may stay silent: before its first byte, and between two streamed chunks."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted from a client."""
+    max_json_values: int = 2_000_000
+    """Most JSON values (objects, arrays, strings, numbers, literals) a request body may hold: parsed JSON takes up to
+    ~60 bytes per value, so this, not the body size, bounds the memory a body costs."""
+    client_timeout: float = 60.0
+    """Seconds a client has to send a request (headers, counted from its connection or its previous answer, then the
+    body) and to take each piece of the answer; an idle keep-alive connection is closed after it."""
+    max_connections: int = 1024
+    """Client connections open at once; one more is answered 503 and closed."""
+    health_interval: float = 5.0
+    """Seconds between health checks (`GET /health`) of every server; 0 turns health checks and ejection off."""
+    health_timeout: float = 2.0
+    """Seconds a health check may take."""
+    eject_after: int = 3
+    """Failed health checks or requests in a row after which a server gets no requests until a check passes."""
 
 
 class UpstreamError(Exception):
-    """A server failed; `status` is what the client gets (502 or 504)."""
+    """A server failed; `status` is what the client gets (502 or 504). The message (server URL, error) goes to the
+    log only; the client gets `public_message`."""
 
     def __init__(self, upstream: Upstream, status: HTTPStatus, what: str) -> None:
         super().__init__(f"{upstream.role} server {upstream.url} {what}")
+        self.upstream = upstream
         self.status = status
+
+    def public_message(self, request_id: str) -> str:
+        what = "did not answer in time" if self.status == HTTPStatus.GATEWAY_TIMEOUT else "failed"
+        return f"the {self.upstream.role} server {what} (request {request_id}; details in the proxy's log)"
 
 
 class ClientRequestError(Exception):
@@ -112,10 +157,14 @@ class PassThrough(Exception):
         self.content_type = content_type
 
 
+class _ClientStalled(Exception):
+    """The client did not take a piece of the answer within `client_timeout`."""
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
     answer with one token and where the KV is."""
-    request = dict(body)
+    request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
     request["kv_transfer_params"] = {"do_remote_decode": True}
     request["stream"] = False
     request["max_tokens"] = 1
@@ -128,135 +177,192 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    request = dict(body)
-    request.pop("kv_transfer_params", None)
+    request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
     if kv_transfer_params is not None:
         request["kv_transfer_params"] = kv_transfer_params
     return request
 
 
-class _Exchange:
-    """One request to one upstream server; `close()` drops the connection (which also aborts the request there)."""
+def single_sequence_problem(path: str, body: dict[str, Any]) -> str | None:
+    """Why the request cannot go through P/D as one prefill and one decode, or None.
 
-    def __init__(self, upstream: Upstream, timeout: float, config: ProxyConfig) -> None:
-        self.upstream = upstream
-        self._timeout = timeout
-        self._config = config
-        self._conn: http.client.HTTPConnection | None = None
+    vLLM runs each prompt of a batch and each of `n` / `best_of` samples (and each beam) as a request of its own: the
+    prefill server would hold KV blocks for every one of them while its answer carries one `kv_transfer_params`, so
+    the others stay held until they time out, and a decode server handed that one set for every sequence would pull
+    one sequence's KV into all of them."""
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is not None and value != 1:
+            return f"`{key}` must be 1 through the P/D proxy (got {value!r:.40}): send one request per sample"
+    if body.get("use_beam_search"):
+        return "beam search is not served through the P/D proxy"
+    if path == "/v1/completions":
+        for key in ("prompt", "prompt_embeds"):
+            value = body.get(key)
+            if isinstance(value, list) and len(value) > 1 and not isinstance(value[0], int | float):
+                return f"a batch of {len(value)} prompts is not served through the P/D proxy: send one request each"
+    return None
 
-    def post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> http.client.HTTPResponse:
-        up = self.upstream
-        payload = json.dumps(body).encode()
-        if up.scheme == "https":
-            self._conn = http.client.HTTPSConnection(
-                up.host, up.port, timeout=self._config.connect_timeout, context=ssl.create_default_context()
+
+def count_json_values(raw: bytes | bytearray) -> int:
+    """An upper bound of the values the JSON document in `raw` holds, without building them: strings are dropped,
+    then commas and openers counted (1 + commas + containers; exact for valid JSON without empty containers)."""
+    rest = _JSON_STRING.sub(b"", raw)
+    return rest.count(b",") + rest.count(b"[") + rest.count(b"{") + 1
+
+
+def _parse_body(raw: bytearray, max_values: int) -> dict[str, Any]:
+    values = count_json_values(raw)
+    if values > max_values:
+        raise ClientRequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of about {values} JSON values; at most {max_values}"
+        )
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ClientRequestError(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ClientRequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+    return body
+
+
+class _Pool:
+    """The servers of one role: round-robin over those in service; health state per server.
+
+    Runs on the proxy's event loop only (no locks)."""
+
+    def __init__(self, servers: Sequence[Upstream], eject_after: int, ejection: bool) -> None:
+        self.servers = tuple(servers)
+        self._eject_after = eject_after
+        self._ejection = ejection
+        self._next = 0
+        self._failures = dict.fromkeys(self.servers, 0)
+        self.ejected: set[Upstream] = set()
+
+    def pick(self, exclude: Upstream | None = None) -> Upstream | None:
+        """The next server in service other than `exclude`; if all others are out, the next other one anyway (a
+        request to a server that may have come back beats refusing it); None if there is no other server."""
+        candidates = [s for s in self.servers if s != exclude]
+        if not candidates:
+            return None
+        usable = [s for s in candidates if s not in self.ejected] or candidates
+        for _ in range(len(self.servers)):
+            server = self.servers[self._next % len(self.servers)]
+            self._next += 1
+            if server in usable:
+                return server
+        return usable[0]  # pragma: no cover - the loop above always finds one
+
+    def failed(self, server: Upstream, why: str) -> None:
+        self._failures[server] += 1
+        if self._ejection and server not in self.ejected and self._failures[server] >= self._eject_after:
+            self.ejected.add(server)
+            _log.warning(
+                "%s server %s ejected after %d failures in a row (last: %s); it gets no requests until a health "
+                "check passes",
+                server.role,
+                server.url,
+                self._failures[server],
+                why,
             )
-        else:
-            self._conn = http.client.HTTPConnection(up.host, up.port, timeout=self._config.connect_timeout)
-        try:
-            self._conn.connect()
-        except TimeoutError:
-            raise UpstreamError(
-                up, HTTPStatus.GATEWAY_TIMEOUT, f"did not accept a connection within {self._config.connect_timeout} s"
-            ) from None
-        except OSError as exc:
-            raise UpstreamError(up, HTTPStatus.BAD_GATEWAY, f"is unreachable: {exc}") from None
-        assert self._conn.sock is not None
-        self._conn.sock.settimeout(self._timeout)
-        try:
-            self._conn.request(
-                "POST",
-                up.base_path + path,
-                body=payload,
-                headers={**headers, "Content-Type": "application/json", "Accept": "application/json"},
-            )
-            return self._conn.getresponse()
-        except TimeoutError:
-            raise UpstreamError(up, HTTPStatus.GATEWAY_TIMEOUT, f"did not answer within {self._timeout} s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise UpstreamError(up, HTTPStatus.BAD_GATEWAY, f"failed before answering: {exc!r}") from None
 
-    def read_all(self, response: http.client.HTTPResponse) -> bytes:
-        try:
-            return response.read()
-        except TimeoutError:
-            raise UpstreamError(
-                self.upstream, HTTPStatus.GATEWAY_TIMEOUT, f"stopped answering for {self._timeout} s"
-            ) from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise UpstreamError(self.upstream, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
+    def succeeded(self, server: Upstream) -> None:
+        self._failures[server] = 0
+        if server in self.ejected:
+            self.ejected.discard(server)
+            _log.warning("%s server %s is back in service", server.role, server.url)
 
-    def chunks(self, response: http.client.HTTPResponse) -> Iterator[bytes]:
-        """The body as it arrives (`read1` returns whatever one read gives, so events are not held back)."""
-        while True:
-            try:
-                chunk = response.read1(_STREAM_CHUNK)
-            except TimeoutError:
-                raise UpstreamError(
-                    self.upstream, HTTPStatus.GATEWAY_TIMEOUT, f"stopped streaming for {self._timeout} s"
-                ) from None
-            except (OSError, http.client.HTTPException) as exc:
-                raise UpstreamError(self.upstream, HTTPStatus.BAD_GATEWAY, f"broke off its stream: {exc!r}") from None
-            if not chunk:
-                return
-            yield chunk
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+    @property
+    def in_service(self) -> int:
+        return len(self.servers) - len(self.ejected)
 
 
-class _RoundRobin:
-    def __init__(self, servers: Sequence[Upstream]) -> None:
-        self._cycle = itertools.cycle(servers)
-        self._lock = threading.Lock()
+class _Refuse(asyncio.Protocol):
+    """A connection over `max_connections`: a 503 and the connection closed, nothing read."""
 
-    def next(self) -> Upstream:
-        with self._lock:
-            return next(self._cycle)
+    BODY = json.dumps(
+        {"error": {"message": "too many connections", "type": "proxy_busy", "code": HTTPStatus.SERVICE_UNAVAILABLE}}
+    ).encode()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(self.BODY), self.BODY)
+        )
+        transport.close()
 
 
 class PdProxy:
-    """The proxy's HTTP server: `start()` binds and serves on a background thread, `close()` stops it."""
+    """The proxy's HTTP server: `start()` binds and serves on a background thread (its own event loop), `close()`
+    stops it."""
 
     def __init__(self, config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
         self.config = config
         self._host = host
         self._port = port
-        self._prefill_servers = _RoundRobin(config.prefill)
-        self._decode_servers = _RoundRobin(config.decode)
-        self._server: ThreadingHTTPServer | None = None
+        ejection = config.health_interval > 0
+        self._prefill_pool = _Pool(config.prefill, config.eject_after, ejection)
+        self._decode_pool = _Pool(config.decode, config.eject_after, ejection)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._address: tuple[str, int] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.ServerRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._refused_logged_at = 0.0
 
     @property
     def address(self) -> tuple[str, int]:
         """The bound (host, port): the real port when started with port 0."""
-        if self._server is None:
+        if self._address is None:
             raise RuntimeError("the proxy is not started")
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return self._address
 
     def start(self) -> PdProxy:
-        proxy = self
+        """Bind and serve (once: a started proxy is returned as it is); raises OSError when the address cannot be
+        bound."""
+        if self._thread is not None:
+            return self
+        started = threading.Event()
+        failure: list[BaseException] = []
 
-        class Handler(_Handler):
-            pd = proxy
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(self._open())
+            except BaseException as exc:
+                failure.append(exc)
+                loop.run_until_complete(self._shutdown())
+                loop.close()
+                started.set()
+                return
+            self._loop = loop
+            started.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(self._shutdown())
+                loop.close()
 
-        server = ThreadingHTTPServer((self._host, self._port), Handler)
-        server.daemon_threads = True
-        self._server = server
-        # A short poll interval only makes `close()` quick; an idle server wakes 5 times a second.
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="pd-proxy", daemon=True
-        )
+        self._thread = threading.Thread(target=run, name="pd-proxy", daemon=True)
         self._thread.start()
+        started.wait()
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
         return self
 
     def close(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        loop, self._loop = self._loop, None
+        thread, self._thread = self._thread, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join()
+        self._address = None
 
     def __enter__(self) -> PdProxy:
         return self.start()
@@ -264,30 +370,141 @@ class PdProxy:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def handle_pd(self, handler: _Handler, path: str, body: dict[str, Any]) -> None:
-        request_id = handler.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
-        headers = {name: value for name in _FORWARDED_HEADERS if (value := handler.headers.get(name))}
-        headers["X-Request-Id"] = request_id
+    # ---- life cycle (on the proxy's loop) ----------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        cfg = self.config
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            # Only what the proxy sets: no cookies kept from one request for the next, no proxy from the environment.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+        )
+        server = web.Server(
+            self._handle,
+            handler_cancellation=True,  # a client that leaves cancels its request, and so the server's
+            keepalive_timeout=cfg.client_timeout,  # counts from the connection or the previous answer
+            access_log=None,  # one line per request comes from `_handle_pd`
+            lingering_time=min(cfg.client_timeout, 10.0),
+        )
+        self._runner = web.ServerRunner(server, shutdown_timeout=1.0)
+        await self._runner.setup()
+
+        def protocol() -> asyncio.BaseProtocol:
+            if len(server.connections) >= cfg.max_connections:
+                now = time.monotonic()
+                if now - self._refused_logged_at > 10:
+                    self._refused_logged_at = now
+                    _log.warning("%d client connections open: refusing more", cfg.max_connections)
+                return _Refuse()
+            return server()
+
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(protocol, self._host, self._port, reuse_address=True)
+        host, port = self._listener.sockets[0].getsockname()[:2]
+        self._address = (str(host), int(port))
+        if cfg.health_interval > 0:
+            self._health_task = loop.create_task(self._health_loop())
+
+    async def _shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- health ------------------------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        pools = (self._prefill_pool, self._decode_pool)
+        while True:
+            try:
+                await asyncio.gather(*(self._check(pool, server) for pool in pools for server in pool.servers))
+            except Exception:  # never end the checks: a server left out would stay as it is for good
+                _log.exception("health checks failed")
+            await asyncio.sleep(self.config.health_interval)
+
+    async def _check(self, pool: _Pool, server: Upstream) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                server.url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)
+            ) as response:
+                await response.read()
+                status = response.status
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            pool.failed(server, f"health check: {exc!r}")
+            return
+        if status == HTTPStatus.OK:
+            pool.succeeded(server)
+        else:
+            pool.failed(server, f"health check answered {status}")
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        request_id = f"pd-{uuid.uuid4().hex}"
+        try:
+            if request.method == "GET" and request.path in HEALTH_ROUTES:
+                health = {
+                    "status": "ok",
+                    "prefill_servers_in_service": self._prefill_pool.in_service,
+                    "decode_servers_in_service": self._decode_pool.in_service,
+                }
+                return await self._send(request, HTTPStatus.OK, json.dumps(health).encode(), "application/json")
+            if request.method != "POST" or request.path not in PD_ROUTES:
+                raise ClientRequestError(
+                    HTTPStatus.NOT_FOUND,
+                    f"no route {request.method} {request.path:.200}; this proxy serves POST {', '.join(PD_ROUTES)}",
+                )
+            return await self._handle_pd(request, request_id)
+        except PassThrough as answer:
+            return await self._send(request, answer.status, answer.body, answer.content_type, request_id)
+        except ClientRequestError as exc:
+            return await self._send_error(request, exc.status, str(exc), "invalid_request_error", request_id)
+        except UpstreamError as exc:
+            _log.warning("%s: %s", request_id, exc)
+            return await self._send_error(request, exc.status, exc.public_message(request_id), "upstream_error",
+                                          request_id)
+        except (_ClientStalled, ConnectionError) as exc:
+            _log.info("%s: the client %s; dropping the request", request_id,
+                      "stopped reading" if isinstance(exc, _ClientStalled) else "went away")
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=HTTPStatus.INTERNAL_SERVER_ERROR)  # never reaches anyone
+        except Exception:
+            _log.exception("%s: %s %s failed", request_id, request.method, request.path)
+            return await self._send_error(
+                request, HTTPStatus.INTERNAL_SERVER_ERROR, f"the proxy failed (request {request_id})", "proxy_error",
+                request_id
+            )
+
+    async def _handle_pd(self, request: web.BaseRequest, request_id: str) -> web.StreamResponse:
+        path = request.path
+        body = await self._read_json_body(request)
+        problem = single_sequence_problem(path, body)
+        if problem is not None:
+            raise ClientRequestError(HTTPStatus.BAD_REQUEST, problem)
+        headers = {name: value for name in _FORWARDED_HEADERS if (value := request.headers.get(name))}
+        headers[REQUEST_ID_HEADER] = request_id
+        if (client_id := request.headers.get(REQUEST_ID_HEADER)) is not None:
+            _log.info("%s: the client's X-Request-Id is %.200r", request_id, client_id)
         wants_stream = bool(body.get("stream", False))
 
         started = time.perf_counter()
-        prefill_server, kv_params = self._prefill(path, body, headers, request_id)
+        prefill_server, kv_params = await self._prefill(path, body, headers, request_id)
         prefilled = time.perf_counter()
 
-        decode = _Exchange(self._decode_servers.next(), self.config.decode_timeout, self.config)
-        try:
-            response = decode.post(path, decode_body(body, kv_params), headers)
-            if response.status != HTTPStatus.OK or not wants_stream:
-                raw = decode.read_all(response)
-                if response.status >= 500:
-                    raise UpstreamError(
-                        decode.upstream, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}"
-                    )
-                handler.send_bytes(response.status, raw, response.getheader("Content-Type") or "application/json")
-            else:
-                self._relay_stream(handler, decode, response, request_id)
-        finally:
-            decode.close()
+        decode = self._decode_pool.pick()
+        assert decode is not None
+        answer = await self._decode(request, decode, path, decode_body(body, kv_params), headers, wants_stream,
+                                    request_id)
         _log.info(
             "%s %s: prefill %.1f ms on %s, decode %.1f ms on %s",
             request_id,
@@ -295,59 +512,244 @@ class PdProxy:
             (prefilled - started) * 1e3,
             prefill_server.url,
             (time.perf_counter() - prefilled) * 1e3,
-            decode.upstream.url,
+            decode.url,
         )
+        return answer
 
-    def _prefill(
+    async def _read_json_body(self, request: web.BaseRequest) -> dict[str, Any]:
+        cfg = self.config
+        length = request.content_length
+        if length is not None and length > cfg.max_body_bytes:
+            raise ClientRequestError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; at most {cfg.max_body_bytes}"
+            )
+        raw = bytearray()
+
+        async def read() -> None:
+            # aiohttp's parser frames the body (Content-Length or chunked), so no byte of it is ever read as a request.
+            while chunk := await request.content.readany():
+                if len(raw) + len(chunk) > cfg.max_body_bytes:
+                    raise ClientRequestError(
+                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {cfg.max_body_bytes} bytes"
+                    )
+                raw.extend(chunk)
+
+        try:
+            await asyncio.wait_for(read(), cfg.client_timeout)
+        except asyncio.TimeoutError:
+            raise ClientRequestError(
+                HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {cfg.client_timeout:g} s"
+            ) from None
+        if len(raw) <= _PARSE_INLINE_BYTES:
+            return _parse_body(raw, cfg.max_json_values)
+        return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw, cfg.max_json_values)
+
+    async def _post(
+        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+    ) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        try:
+            return await self._session.post(
+                server.url + path,
+                data=json.dumps(body).encode(),
+                headers={**headers, "Content-Type": "application/json", "Accept": "application/json"},
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=None, sock_connect=self.config.connect_timeout, sock_read=timeout
+                ),
+                allow_redirects=False,
+            )
+        except aiohttp.ConnectionTimeoutError:
+            raise UpstreamError(
+                server,
+                HTTPStatus.GATEWAY_TIMEOUT,
+                f"did not accept a connection within {self.config.connect_timeout:g} s",
+            ) from None
+        except aiohttp.ServerTimeoutError:
+            raise UpstreamError(server, HTTPStatus.GATEWAY_TIMEOUT, f"did not answer within {timeout:g} s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"is unreachable: {exc}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"failed before answering: {exc!r}") from None
+
+    @contextlib.asynccontextmanager
+    async def _exchange(
+        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request to `server`: its connection is reused only when the answer was read to its end; anything
+        else (the client left, an error) closes it, which also aborts the request on the server."""
+        response = await self._post(server, path, body, headers, timeout)
+        try:
+            yield response
+        except BaseException:
+            response.close()
+            raise
+        finally:
+            response.release()
+
+    @staticmethod
+    async def _read_all(server: Upstream, response: aiohttp.ClientResponse, timeout: float) -> bytes:
+        try:
+            return await response.read()
+        except aiohttp.ServerTimeoutError:
+            raise UpstreamError(server, HTTPStatus.GATEWAY_TIMEOUT, f"stopped answering for {timeout:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
+
+    async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
     ) -> tuple[Upstream, dict[str, Any] | None]:
-        """The prefill server used and its answer's `kv_transfer_params`."""
-        prefill = _Exchange(self._prefill_servers.next(), self.config.prefill_timeout, self.config)
+        """The prefill server used and its answer's `kv_transfer_params`; a failed prefill is tried once more on
+        another server."""
+        server = self._prefill_pool.pick()
+        assert server is not None
         try:
-            response = prefill.post(path, prefill_body(body), headers)
-            raw = prefill.read_all(response)
-        finally:
-            prefill.close()
-        up = prefill.upstream
-        if 400 <= response.status < 500:
+            return server, await self._prefill_on(server, path, body, headers, request_id)
+        except UpstreamError as exc:
+            other = self._prefill_pool.pick(exclude=server)
+            if other is None:
+                raise
+            _log.warning("%s: %s; trying %s", request_id, exc, other.url)
+        return other, await self._prefill_on(other, path, body, headers, request_id)
+
+    async def _prefill_on(
+        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> dict[str, Any] | None:
+        try:
+            params = await self._prefill_answer(server, path, body, headers, request_id)
+        except UpstreamError as exc:
+            self._prefill_pool.failed(server, str(exc))
+            raise
+        self._prefill_pool.succeeded(server)
+        return params
+
+    async def _prefill_answer(
+        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> dict[str, Any] | None:
+        timeout = self.config.prefill_timeout
+        async with self._exchange(server, path, prefill_body(body), headers, timeout) as response:
+            raw = await self._read_all(server, response, timeout)
+            status, content_type = response.status, response.headers.get("Content-Type")
+        if 400 <= status < 500:
             # The decode server would refuse the same request: no point in sending it there.
-            raise PassThrough(response.status, raw, response.getheader("Content-Type") or "application/json")
-        if response.status != HTTPStatus.OK:
-            raise UpstreamError(up, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}")
+            raise PassThrough(status, raw, content_type or "application/json")
+        if status != HTTPStatus.OK:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"answered {status}: {_excerpt(raw)}")
         try:
             answer = json.loads(raw)
         except ValueError:
-            raise UpstreamError(up, HTTPStatus.BAD_GATEWAY, f"answered with invalid JSON: {_excerpt(raw)}") from None
+            raise UpstreamError(
+                server, HTTPStatus.BAD_GATEWAY, f"answered with invalid JSON: {_excerpt(raw)}"
+            ) from None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if params is not None and not isinstance(params, dict):
             raise UpstreamError(
-                up, HTTPStatus.BAD_GATEWAY, f"answered kv_transfer_params that are not an object: {params!r:.200}"
+                server, HTTPStatus.BAD_GATEWAY, f"answered kv_transfer_params that are not an object: {params!r:.200}"
             )
         if params is None:
             # What vLLM does when the prefill finished on its own (a stop token first) or has no KV connector: the
             # decode server then computes the prompt itself. Correct, but not disaggregated; say so.
             _log.warning(
-                "%s: %s returned no kv_transfer_params; the decode server recomputes the prompt", request_id, up.url
+                "%s: %s returned no kv_transfer_params; the decode server recomputes the prompt", request_id, server.url
             )
-        return up, params
+        return params
 
-    def _relay_stream(
-        self, handler: _Handler, decode: _Exchange, response: http.client.HTTPResponse, request_id: str
-    ) -> None:
-        handler.send_response(HTTPStatus.OK)
-        handler.send_header("Content-Type", response.getheader("Content-Type") or "text/event-stream")
-        handler.send_header("Cache-Control", "no-cache")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
+    async def _decode(
+        self,
+        request: web.BaseRequest,
+        server: Upstream,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        wants_stream: bool,
+        request_id: str,
+    ) -> web.StreamResponse:
+        timeout = self.config.decode_timeout
         try:
-            for chunk in decode.chunks(response):
-                handler.write_chunk(chunk)
+            async with self._exchange(server, path, body, headers, timeout) as response:
+                if response.status != HTTPStatus.OK or not wants_stream:
+                    raw = await self._read_all(server, response, timeout)
+                    if response.status >= 500:
+                        raise UpstreamError(
+                            server, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}"
+                        )
+                    self._decode_pool.succeeded(server)
+                    content_type = response.headers.get("Content-Type", "application/json")
+                    return await self._send(request, response.status, raw, content_type, request_id)
+                self._decode_pool.succeeded(server)
+                return await self._relay_stream(request, server, response, request_id)
         except UpstreamError as exc:
+            self._decode_pool.failed(server, str(exc))
+            raise
+
+    async def _relay_stream(
+        self, request: web.BaseRequest, server: Upstream, response: aiohttp.ClientResponse, request_id: str
+    ) -> web.StreamResponse:
+        answer = web.StreamResponse(
+            status=HTTPStatus.OK,
+            headers={
+                "Content-Type": response.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "Server": SERVER_NAME,
+                REQUEST_ID_HEADER: request_id,
+            },
+        )
+        await self._bounded(answer.prepare(request))
+        timeout = self.config.decode_timeout
+        while True:
+            try:
+                chunk = await response.content.readany()
+            except aiohttp.ServerTimeoutError:
+                error = UpstreamError(server, HTTPStatus.GATEWAY_TIMEOUT, f"stopped streaming for {timeout:g} s")
+            except (aiohttp.ClientError, OSError) as exc:
+                error = UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its stream: {exc!r}")
+            else:
+                if not chunk:
+                    break
+                await self._bounded(answer.write(chunk))
+                continue
             # The status line is gone: tell the client in the stream, the way vLLM reports errors in a stream.
-            _log.warning("%s: %s", request_id, exc)
-            event = {"error": {"message": str(exc), "type": "upstream_error", "code": int(exc.status)}}
-            handler.write_chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
-        handler.write_chunk(b"")
+            _log.warning("%s: %s", request_id, error)
+            self._decode_pool.failed(server, str(error))
+            what = "stopped streaming" if error.status == HTTPStatus.GATEWAY_TIMEOUT else "broke off its stream"
+            message = f"the {server.role} server {what} (request {request_id}; details in the proxy's log)"
+            event = {"error": {"message": message, "type": "upstream_error", "code": int(error.status)}}
+            await self._bounded(answer.write(b"data: " + json.dumps(event).encode() + b"\n\n"))
+            answer.force_close()
+            break
+        await self._bounded(answer.write_eof())
+        return answer
+
+    async def _bounded(self, write: Awaitable[Any]) -> None:
+        """A write to the client, given `client_timeout` to go out (a client that stops reading holds nothing)."""
+        try:
+            await asyncio.wait_for(write, self.config.client_timeout)
+        except asyncio.TimeoutError:
+            raise _ClientStalled from None
+
+    async def _send(
+        self,
+        request: web.BaseRequest,
+        status: int,
+        payload: bytes,
+        content_type: str,
+        request_id: str | None = None,
+    ) -> web.StreamResponse:
+        headers = {"Content-Type": content_type, "Server": SERVER_NAME}
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
+        response = web.Response(status=status, body=payload, headers=headers)
+        if status >= 400:
+            # After any error the connection is not reused: whatever the client sent next is not read as a request.
+            response.force_close()
+        await self._bounded(response.prepare(request))
+        await self._bounded(response.write_eof())
+        return response
+
+    async def _send_error(
+        self, request: web.BaseRequest, status: HTTPStatus, message: str, kind: str, request_id: str
+    ) -> web.StreamResponse:
+        body = {"error": {"message": message, "type": kind, "code": int(status)}}
+        return await self._send(request, status, json.dumps(body).encode(), "application/json", request_id)
 
 
 def _excerpt(raw: bytes, limit: int = 300) -> str:
@@ -355,91 +757,8 @@ def _excerpt(raw: bytes, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class _Handler(BaseHTTPRequestHandler):
-    pd: PdProxy
-    protocol_version = "HTTP/1.1"
-    server_version = "kvbroker-pd-proxy"
-    answer_started = False
-
-    def send_response(self, code: int, message: str | None = None) -> None:
-        self.answer_started = True
-        super().send_response(code, message)
-
-    def do_POST(self) -> None:
-        self.answer_started = False
-        path = self.path.split("?", 1)[0]
-        try:
-            if path not in PD_ROUTES:
-                raise ClientRequestError(
-                    HTTPStatus.NOT_FOUND, f"no route {path}; this proxy serves {', '.join(PD_ROUTES)}"
-                )
-            body = self._read_json_body()
-            self.pd.handle_pd(self, path, body)
-        except PassThrough as answer:
-            self.send_bytes(answer.status, answer.body, answer.content_type)
-        except ClientRequestError as exc:
-            self.send_error_json(exc.status, str(exc), "invalid_request_error")
-        except UpstreamError as exc:
-            _log.warning("%s", exc)
-            self.send_error_json(exc.status, str(exc), "upstream_error")
-        except (BrokenPipeError, ConnectionResetError):
-            # The client went away; closing the upstream connection (done above) aborts the request there too.
-            self.close_connection = True
-        except Exception:
-            _log.exception("%s %s failed", self.command, self.path)
-            self.close_connection = True
-            if not self.answer_started:
-                self.send_error_json(HTTPStatus.INTERNAL_SERVER_ERROR, "the proxy failed; see its log", "proxy_error")
-
-    def do_GET(self) -> None:
-        if self.path in ("/health", "/healthz"):
-            self.send_bytes(HTTPStatus.OK, b'{"status": "ok"}', "application/json")
-            return
-        self.send_error_json(HTTPStatus.NOT_FOUND, f"no route GET {self.path}", "invalid_request_error")
-
-    def _read_json_body(self) -> dict[str, Any]:
-        length_header = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length_header is None:
-            raise ClientRequestError(HTTPStatus.LENGTH_REQUIRED, "send the JSON body with a Content-Length")
-        try:
-            length = int(length_header)
-        except ValueError:
-            raise ClientRequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length_header!r}") from None
-        if length < 0 or length > self.pd.config.max_body_bytes:
-            self.close_connection = True
-            raise ClientRequestError(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; at most {self.pd.config.max_body_bytes}"
-            )
-        raw = self.rfile.read(length)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ClientRequestError(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ClientRequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-        return body
-
-    def send_bytes(self, status: int, payload: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def send_error_json(self, status: HTTPStatus, message: str, kind: str) -> None:
-        body = {"error": {"message": message, "type": kind, "code": int(status)}}
-        self.send_bytes(status, json.dumps(body).encode(), "application/json")
-
-    def write_chunk(self, data: bytes) -> None:
-        """One HTTP/1.1 chunk, flushed at once; empty data ends the body."""
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        _log.debug("%s %s", self.address_string(), format % args)
-
-
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyConfig]:
+    defaults = ProxyConfig((), ())
     parser = argparse.ArgumentParser(
         prog="python -m kvbroker.integrations.vllm_proxy",
         description="OpenAI-compatible proxy for disaggregated prefill/decode between vLLM servers "
@@ -453,17 +772,79 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a server")
-    parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill server may take")
-    parser.add_argument("--decode-timeout", type=float, default=300.0, help="seconds the decode server may stay silent")
     parser.add_argument(
-        "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body accepted (default 32 MiB)"
+        "--connect-timeout", type=float, default=defaults.connect_timeout, help="seconds to connect to a server"
+    )
+    parser.add_argument(
+        "--prefill-timeout", type=float, default=defaults.prefill_timeout, help="seconds a prefill server may take"
+    )
+    parser.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=defaults.decode_timeout,
+        help="seconds the decode server may stay silent",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help="largest request body accepted (default 32 MiB)",
+    )
+    parser.add_argument(
+        "--max-json-values",
+        type=int,
+        default=defaults.max_json_values,
+        help="most JSON values a request body may hold (default %(default)s)",
+    )
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=defaults.client_timeout,
+        help="seconds a client has to send its request and to take each piece of the answer; idle connections "
+        "close after it (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="client connections open at once (default %(default)s)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=defaults.health_interval,
+        help="seconds between health checks of every server; 0: no checks, no ejection (default %(default)s)",
+    )
+    parser.add_argument(
+        "--health-timeout",
+        type=float,
+        default=defaults.health_timeout,
+        help="seconds a health check may take (default %(default)s)",
+    )
+    parser.add_argument(
+        "--eject-after",
+        type=int,
+        default=defaults.eject_after,
+        help="failed checks or requests in a row that take a server out of service until a check passes "
+        "(default %(default)s)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    for name in ("connect_timeout", "prefill_timeout", "decode_timeout", "max_body_bytes"):
+    for name in (
+        "connect_timeout",
+        "prefill_timeout",
+        "decode_timeout",
+        "max_body_bytes",
+        "max_json_values",
+        "client_timeout",
+        "max_connections",
+        "health_timeout",
+        "eject_after",
+    ):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.health_interval < 0:
+        parser.error("--health-interval must be >= 0")
     try:
         config = ProxyConfig(
             prefill=tuple(Upstream.parse("prefill", url) for url in args.prefill),
@@ -472,6 +853,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
             prefill_timeout=args.prefill_timeout,
             decode_timeout=args.decode_timeout,
             max_body_bytes=args.max_body_bytes,
+            max_json_values=args.max_json_values,
+            client_timeout=args.client_timeout,
+            max_connections=args.max_connections,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            eject_after=args.eject_after,
         )
     except ValueError as exc:
         parser.error(str(exc))
