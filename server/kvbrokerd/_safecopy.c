@@ -217,7 +217,8 @@ static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* One run of copy_runs() under the guard; returns 0, or 1 after a fault (guard says where). */
+/* One run of copy_runs() under the guard, in steps of STEP; returns 0, or 1 after a fault (guard says where, *copied
+ * how many leading bytes of the run surely landed). */
 static int guarded_run(struct guard *guard, uintptr_t dst, uintptr_t src, size_t n, volatile size_t *copied) {
     const uintptr_t page = page_size;
     guard->src_lo = page_down(src, page);
@@ -228,12 +229,18 @@ static int guarded_run(struct guard *guard, uintptr_t dst, uintptr_t src, size_t
     if (sigsetjmp(guard->env, 0) == 0) {
         current_guard = guard;
         atomic_signal_fence(memory_order_seq_cst);
-        memmove((void *)dst, (const void *)src, n);
-        atomic_signal_fence(memory_order_seq_cst);
+        while (*copied < n) {
+            const size_t done = *copied, step = n - done < STEP ? n - done : STEP;
+            memmove((void *)(dst + done), (const void *)(src + done), step);
+            /* The step's bytes are written before it counts as copied. */
+            atomic_signal_fence(memory_order_seq_cst);
+            *copied = done + step;
+        }
         current_guard = NULL;
-        *copied = n;
         return 0;
     }
+    /* Back from the handler by siglongjmp: the kernel blocked the caught signal on entry and nothing restored the
+     * mask. It was unblocked before (a blocked fault kills outright), so unblocking it restores the mask. */
     sigset_t caught;
     sigemptyset(&caught);
     sigaddset(&caught, guard->fault_signal);
@@ -258,8 +265,8 @@ PyDoc_STRVAR(copy_runs_doc,
 "copy_runs(dst, src, n, /) -> None\n--\n\n"
 "copy(dst[i], src[i], n[i]) for every i, in order, with the GIL released once for all of them; dst, src and n\n"
 "are equally long contiguous uint64 buffers (numpy arrays). Runs must not overlap each other or themselves. A page\n"
-"that vanishes raises FaultError as copy() does, with `run`: the index of the run that faulted (every run before\n"
-"it landed).");
+"that vanishes raises FaultError as copy() does (`copied`: of the run that faulted), with `run`: the index of the\n"
+"run that faulted (every run before it landed).");
 
 static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -287,10 +294,12 @@ static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (len[i] == 0)
+        const uint64_t d = dst[i], s = src[i], l = len[i];
+        if (l == 0)
             continue;
-        if (dst[i] == 0 || src[i] == 0 || dst[i] > UINTPTR_MAX - len[i] || src[i] > UINTPTR_MAX - len[i] ||
-            (dst[i] < src[i] + len[i] && src[i] < dst[i] + len[i])) {
+        /* l first: the other bounds then hold where an address is narrower than uint64 too. */
+        if (d == 0 || s == 0 || l > UINTPTR_MAX || d > UINTPTR_MAX - l || s > UINTPTR_MAX - l ||
+            (d < s + l && s < d + l)) {
             PyErr_Format(PyExc_ValueError, "copy_runs(): run %zd has a null address, overlaps itself or passes the "
                          "end of the address space", i);
             goto done;
@@ -310,7 +319,7 @@ static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_
     }
     PyEval_RestoreThread(released);
     if (faulted_at >= 0) {
-        raise_fault(&guard, 0, (size_t)len[faulted_at]);
+        raise_fault(&guard, copied, (size_t)len[faulted_at]);
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
