@@ -8,7 +8,7 @@
  * on that same thread. Every other fault goes to whichever handler was installed before this module was imported
  * (faulthandler's, or the default action), so a real crash still crashes, with its traceback.
  *
- * Bounded on purpose: two functions (one run; many runs with the GIL released once), no dependencies, the GIL
+ * Bounded on purpose: one copy function (many runs with the GIL released once), no dependencies, the GIL
  * released for the copy only. See
  * tests/unit/test_safecopy.py and BENCHMARKS.md ("which native helper and why").
  */
@@ -22,11 +22,9 @@
 #include <string.h>
 #include <unistd.h>
 
-/* Copies advance in steps of this many bytes so that a fault can say how much surely landed; large enough that
- * glibc's memmove keeps its full speed within a step. */
+/* A run advances in steps of this many bytes so that a fault can say how much of it surely landed; large enough
+ * that glibc's memmove keeps its full speed within a step. */
 #define STEP ((size_t)1 << 20)
-/* Smaller copies keep the GIL: they take less time (about a microsecond) than handing it over and taking it back. */
-#define KEEP_GIL_BELOW ((size_t)16 << 10)
 
 struct guard {
     sigjmp_buf env;
@@ -101,23 +99,6 @@ static int install_handler(void) {
     return 0;
 }
 
-static int address_arg(PyObject *arg, uintptr_t *out, const char *name) {
-    unsigned long long value = PyLong_AsUnsignedLongLong(arg);
-    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s must be an int in [0, 2**64)", name);
-        }
-        return -1;
-    }
-    if (value > UINTPTR_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s does not fit an address", name);
-        return -1;
-    }
-    *out = (uintptr_t)value;
-    return 0;
-}
-
 static uintptr_t page_down(uintptr_t a, uintptr_t page) { return a & ~(page - 1); }
 static uintptr_t page_up(uintptr_t a, uintptr_t page) {
     return a > UINTPTR_MAX - (page - 1) ? UINTPTR_MAX : page_down(a + page - 1, page);
@@ -148,76 +129,8 @@ static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n)
     return NULL;
 }
 
-PyDoc_STRVAR(copy_doc,
-"copy(dst, src, n, /)\n--\n\n"
-"memmove(dst, src, n) between raw addresses, without the GIL from 16 KiB on. A page of either side that vanishes\n"
-"under the copy (SIGBUS, or SIGSEGV for an unmapped one) raises FaultError instead of killing the process: its\n"
-"`side` says which, `copied` how many leading bytes surely landed. The caller keeps both ranges mapped.");
-
-static PyObject *safecopy_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    uintptr_t dst, src, size;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "copy() takes 3 arguments (dst, src, n), got %zd", nargs);
-        return NULL;
-    }
-    if (address_arg(args[0], &dst, "dst") < 0 || address_arg(args[1], &src, "src") < 0 ||
-        address_arg(args[2], &size, "n") < 0)
-        return NULL;
-    if (size == 0)
-        Py_RETURN_NONE;
-    if (dst == 0 || src == 0 || dst > UINTPTR_MAX - size || src > UINTPTR_MAX - size) {
-        PyErr_SetString(PyExc_ValueError, "copy(): a null address, or a range past the end of the address space");
-        return NULL;
-    }
-    const uintptr_t page = page_size;
-    const size_t n = (size_t)size;
-    struct guard guard;
-    guard.src_lo = page_down(src, page);
-    guard.src_hi = page_up(src + n, page);
-    guard.dst_lo = page_down(dst, page);
-    guard.dst_hi = page_up(dst + n, page);
-    guard.fault_address = 0;
-    guard.fault_signal = 0;
-    /* A destination above an overlapping source must be copied backwards: one memmove, no progress steps. */
-    const int one_piece = dst > src && dst < src + n;
-    volatile size_t copied = 0;
-    int faulted = 0;
-
-    PyThreadState *const released = n >= KEEP_GIL_BELOW ? PyEval_SaveThread() : NULL;
-    if (sigsetjmp(guard.env, 0) == 0) {
-        current_guard = &guard;
-        atomic_signal_fence(memory_order_seq_cst);
-        if (one_piece) {
-            memmove((void *)dst, (const void *)src, n);
-            copied = n;
-        } else {
-            while (copied < n) {
-                size_t step = n - copied < STEP ? n - copied : STEP;
-                memmove((void *)(dst + copied), (const void *)(src + copied), step);
-                copied += step;
-            }
-        }
-        atomic_signal_fence(memory_order_seq_cst);
-        current_guard = NULL;
-    } else {
-        /* Back from the handler by siglongjmp: the kernel blocked the caught signal on entry and nothing restored
-         * the mask. It was unblocked before (a blocked fault kills outright), so unblocking it restores the mask. */
-        sigset_t caught;
-        sigemptyset(&caught);
-        sigaddset(&caught, guard.fault_signal);
-        pthread_sigmask(SIG_UNBLOCK, &caught, NULL);
-        faulted = 1;
-    }
-    if (released != NULL)
-        PyEval_RestoreThread(released);
-
-    if (faulted)
-        return raise_fault(&guard, one_piece ? 0 : copied, n);
-    Py_RETURN_NONE;
-}
-
-/* One run of copy_runs() under the guard; returns 0, or 1 after a fault (guard says where). */
+/* One run of copy_runs() under the guard, in steps of STEP; returns 0, or 1 after a fault (guard says where, *copied
+ * how many leading bytes of the run surely landed). */
 static int guarded_run(struct guard *guard, uintptr_t dst, uintptr_t src, size_t n, volatile size_t *copied) {
     const uintptr_t page = page_size;
     guard->src_lo = page_down(src, page);
@@ -228,12 +141,18 @@ static int guarded_run(struct guard *guard, uintptr_t dst, uintptr_t src, size_t
     if (sigsetjmp(guard->env, 0) == 0) {
         current_guard = guard;
         atomic_signal_fence(memory_order_seq_cst);
-        memmove((void *)dst, (const void *)src, n);
-        atomic_signal_fence(memory_order_seq_cst);
+        while (*copied < n) {
+            const size_t done = *copied, step = n - done < STEP ? n - done : STEP;
+            memmove((void *)(dst + done), (const void *)(src + done), step);
+            /* The step's bytes are written before it counts as copied. */
+            atomic_signal_fence(memory_order_seq_cst);
+            *copied = done + step;
+        }
         current_guard = NULL;
-        *copied = n;
         return 0;
     }
+    /* Back from the handler by siglongjmp: the kernel blocked the caught signal on entry and nothing restored the
+     * mask. It was unblocked before (a blocked fault kills outright), so unblocking it restores the mask. */
     sigset_t caught;
     sigemptyset(&caught);
     sigaddset(&caught, guard->fault_signal);
@@ -256,10 +175,13 @@ static int u64_buffer(PyObject *arg, Py_buffer *view, const char *name) {
 
 PyDoc_STRVAR(copy_runs_doc,
 "copy_runs(dst, src, n, /) -> None\n--\n\n"
-"copy(dst[i], src[i], n[i]) for every i, in order, with the GIL released once for all of them; dst, src and n\n"
-"are equally long contiguous uint64 buffers (numpy arrays). Runs must not overlap each other or themselves. A page\n"
-"that vanishes raises FaultError as copy() does, with `run`: the index of the run that faulted (every run before\n"
-"it landed).");
+"memmove(dst[i], src[i], n[i]) between raw addresses for every i, in order, with the GIL released once for all of\n"
+"them; dst, src and n are equally long contiguous uint64 buffers (numpy arrays). Runs must not overlap each other\n"
+"or themselves; a run with a null address or past the end of the address space is refused (ValueError) before any\n"
+"byte moves. A page of either side that vanishes under the copy (SIGBUS, or SIGSEGV for an unmapped one) raises\n"
+"FaultError instead of killing the process: its `run` is the index of the run that faulted (every run before it\n"
+"landed), `side` says which side lost the page, `copied` how many leading bytes of that run surely landed. The\n"
+"caller keeps every range mapped.");
 
 static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -287,10 +209,12 @@ static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (len[i] == 0)
+        const uint64_t d = dst[i], s = src[i], l = len[i];
+        if (l == 0)
             continue;
-        if (dst[i] == 0 || src[i] == 0 || dst[i] > UINTPTR_MAX - len[i] || src[i] > UINTPTR_MAX - len[i] ||
-            (dst[i] < src[i] + len[i] && src[i] < dst[i] + len[i])) {
+        /* l first: the other bounds then hold where an address is narrower than uint64 too. */
+        if (d == 0 || s == 0 || l > UINTPTR_MAX || d > UINTPTR_MAX - l || s > UINTPTR_MAX - l ||
+            (d < s + l && s < d + l)) {
             PyErr_Format(PyExc_ValueError, "copy_runs(): run %zd has a null address, overlaps itself or passes the "
                          "end of the address space", i);
             goto done;
@@ -310,7 +234,7 @@ static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_
     }
     PyEval_RestoreThread(released);
     if (faulted_at >= 0) {
-        raise_fault(&guard, 0, (size_t)len[faulted_at]);
+        raise_fault(&guard, copied, (size_t)len[faulted_at]);
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
@@ -345,7 +269,6 @@ static PyObject *safecopy_handler_in_place(PyObject *module, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"copy", (PyCFunction)(void (*)(void))safecopy_copy, METH_FASTCALL, copy_doc},
     {"copy_runs", (PyCFunction)(void (*)(void))safecopy_copy_runs, METH_FASTCALL, copy_runs_doc},
     {"handler_in_place", safecopy_handler_in_place, METH_NOARGS, handler_in_place_doc},
     {NULL, NULL, 0, NULL},
@@ -353,7 +276,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvbrokerd._safecopy",
-    "memmove that turns a vanished page into FaultError instead of SIGBUS (see copy()).", -1, methods,
+    "memmove that turns a vanished page into FaultError instead of SIGBUS (see copy_runs()).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
@@ -365,7 +288,7 @@ PyMODINIT_FUNC PyInit__safecopy(void) {
     FaultError = PyErr_NewExceptionWithDoc(
         "kvbrokerd._safecopy.FaultError",
         "A page under a copy vanished. Attributes: side ('source' or 'destination'), copied (leading bytes that "
-        "surely landed), size, address (of the fault), signal (SIGBUS or SIGSEGV).",
+        "surely landed), size, address (of the fault), signal (SIGBUS or SIGSEGV), run (of copy_runs(): which one).",
         NULL, NULL);
     if (FaultError == NULL || PyModule_AddObjectRef(module, "FaultError", FaultError) < 0 ||
         PyModule_AddIntConstant(module, "STEP", (long)STEP) < 0) {

@@ -28,7 +28,8 @@ needs_extension = pytest.mark.skipif(_safecopy is None, reason="kvbrokerd._safec
 MIB = 1 << 20
 
 # Helpers of every child (and `sc`, the extension): `segment` makes a tmpfs file mapped read-write and returns its
-# fd, mapping, a numpy view and the mapping's address; `pattern(n)` the bytes a source is filled with.
+# fd, mapping, a numpy view and the mapping's address; `pattern(n)` the bytes a source is filled with; `runs` what
+# `sc.copy_runs` takes for (dst, src, n) triples.
 PRELUDE = """
 import json, mmap, os, signal, sys, threading
 import numpy as np
@@ -49,8 +50,12 @@ def segment(path, size, filled=False):
         view[:] = pattern(size)
     return fd, m, view, view.ctypes.data
 
+def runs(*triples):
+    return tuple(np.array(column, dtype=np.uint64) for column in zip(*triples))
+
 def fault(e):
-    return {"side": e.side, "copied": e.copied, "size": e.size, "signal": e.signal, "address": e.address}
+    return {"side": e.side, "copied": e.copied, "size": e.size, "signal": e.signal, "address": e.address,
+            "run": e.run}
 """
 
 
@@ -58,6 +63,11 @@ def _child(code: str, *args: str, python_args: tuple[str, ...] = (),
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *python_args, "-c", PRELUDE + code, *args], capture_output=True,
                           text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def _runs(*triples: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    dst, src, n = zip(*triples, strict=True)
+    return (np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64), np.asarray(n, dtype=np.uint64))
 
 
 def _result(out: subprocess.CompletedProcess[str]) -> Any:
@@ -85,66 +95,69 @@ def test_copies_every_byte_at_any_size_and_alignment(size: int, src_shift: int, 
     assert _safecopy is not None
     src = np.random.default_rng(size).integers(0, 256, size + 64, dtype=np.uint8)
     dst = np.zeros(size + 64, dtype=np.uint8)
-    _safecopy.copy(dst.ctypes.data + dst_shift, src.ctypes.data + src_shift, size)
+    _safecopy.copy_runs(*_runs((dst.ctypes.data + dst_shift, src.ctypes.data + src_shift, size)))
     assert np.array_equal(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
     assert not dst[:dst_shift].any() and not dst[dst_shift + size:].any(), "wrote outside the destination"
 
 
 @needs_extension
-@pytest.mark.parametrize("shift", [-MIB - 5, -4096, -1, 1, 4096, MIB + 5])
-def test_overlapping_copies_have_memmove_semantics(shift: int) -> None:
-    assert _safecopy is not None
-    size = 3 * MIB
-    buf = np.random.default_rng(7).integers(0, 256, size + 2 * MIB + 16, dtype=np.uint8)
-    expected = buf.copy()
-    src_at = MIB + 8
-    expected[src_at + shift:src_at + shift + size] = buf[src_at:src_at + size].copy()
-    _safecopy.copy(buf.ctypes.data + src_at + shift, buf.ctypes.data + src_at, size)
-    assert np.array_equal(buf, expected)
-
-
-@needs_extension
 def test_bad_arguments_are_refused_before_any_byte_moves() -> None:
     assert _safecopy is not None
-    buf = np.zeros(16, dtype=np.uint8)
-    for args in [(-1, buf.ctypes.data, 1), (buf.ctypes.data, 0, 1), (buf.ctypes.data, buf.ctypes.data, -2),
-                 (buf.ctypes.data, 2**64 - 8, 16), (buf.ctypes.data, "x", 1)]:
+    buf = np.zeros(32, dtype=np.uint8)
+    a = buf.ctypes.data
+    buf[16:] = 7
+    for run in [(a, 0, 1), (0, a + 16, 1),  # a null address
+                (a, a + 16, 2**64 - 2),  # a length past the end of the address space (a negative one, as uint64)
+                (a, 2**64 - 8, 16), (2**64 - 8, a + 16, 16)]:  # a range that wraps
         with pytest.raises(ValueError):
-            _safecopy.copy(*args)  # type: ignore[arg-type]
+            _safecopy.copy_runs(*_runs(run))
+    good = _runs((a, a + 16, 8))
+    for args in [([a], [a + 16], [8]),  # not buffers: never converted
+                 (good[0].astype(np.int64), *good[1:]), (good[0], np.array(["x"]), good[2]),  # not uint64
+                 (*good[:2], b"12345678")]:
+        with pytest.raises(TypeError):
+            _safecopy.copy_runs(*args)
     with pytest.raises(TypeError):
-        _safecopy.copy(buf.ctypes.data, buf.ctypes.data)  # type: ignore[call-arg]
-    _safecopy.copy(0, 0, 0)  # nothing to copy: nothing touched
+        _safecopy.copy_runs(*good[:2])  # type: ignore[call-arg]
+    assert not buf[:16].any(), "a refused call moved bytes"
+    _safecopy.copy_runs(*_runs((0, 0, 0)))  # nothing to copy: nothing touched
+    _safecopy.copy_runs(*(np.zeros(0, np.uint64) for _ in range(3)))
 
 
 # -- memory that vanishes -------------------------------------------------------------------------------------------
 
 TRUNCATED_BEFORE = """
-shm, side, start, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+shm, side, start, length, before = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 size, keep = 8 << 20, (5 << 20) + 4096 + 100
 sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
 dfd, dm, dst, dst_at = segment(shm + "/dst", size)
 os.ftruncate(sfd if side == "source" else dfd, keep)
+first = np.zeros(before, np.uint8)  # `before` bytes of a run ahead of the one that faults, into memory that stays
+ahead = [(first.ctypes.data, src_at, before)] if before else []
 try:
-    sc.copy(dst_at + start, src_at + start, length)
+    sc.copy_runs(*runs(*ahead, (dst_at + start, src_at + start, length)))
     print(json.dumps(None))
 except sc.FaultError as e:
     ok = bool((dst[start:start + e.copied] == pattern(size)[start:start + e.copied]).all())
+    ok = ok and bool((first == pattern(size)[:before]).all())
     base = src_at if side == "source" else dst_at
     print(json.dumps({**fault(e), "landed": ok, "message": str(e), "offset": e.address - base}))
 """
 
 
 @needs_extension
+@pytest.mark.parametrize("before", [0, 3 * MIB + 5], ids=["one-run", "second-run"])
 @pytest.mark.parametrize("side", ["source", "destination"])
 @pytest.mark.parametrize("start,length", [(64, (8 << 20) - 128), ((5 << 20) - 8192, 16384 + 1)],
-                         ids=["large", "small"])  # small: with the GIL held
+                         ids=["large", "small"])  # small: faults in the run's first step
 def test_memory_truncated_before_the_copy_is_a_fault_error_with_what_landed(shm_dir: Path, side: str, start: int,
-                                                                           length: int) -> None:
+                                                                           length: int, before: int) -> None:
     assert _safecopy is not None
-    got = _result(_child(TRUNCATED_BEFORE, str(shm_dir), side, str(start), str(length)))
+    got = _result(_child(TRUNCATED_BEFORE, str(shm_dir), side, str(start), str(length), str(before)))
     assert got is not None, "the copy read or wrote past the end of a truncated file without a fault"
     keep = (5 << 20) + 4096 + 100
     assert got["side"] == side and got["signal"] == signal.SIGBUS and got["size"] == length
+    assert got["run"] == (1 if before else 0), got
     assert got["copied"] == (keep - start) // _safecopy.STEP * _safecopy.STEP, got
     assert got["landed"], "the bytes reported as copied are not the source's"
     assert keep // 4096 * 4096 <= got["offset"] < start + length, got
@@ -161,7 +174,7 @@ first_copy_done, faults, copies = threading.Event(), [], [0]
 def copier():
     while True:
         try:
-            sc.copy(dst_at, src_at, size)
+            sc.copy_runs(*runs((dst_at, src_at, size)))
         except sc.FaultError as e:
             faults.append(e)
             return
@@ -178,7 +191,7 @@ thread.join(30)
 seen = min(e.copied, keep) if side == "destination" else e.copied
 landed = bool((dst[:seen] == pattern(size)[:seen]).all())
 os.ftruncate(sfd if side == "source" else dfd, size)  # the memory is back (zeros where it had vanished)
-sc.copy(dst_at, src_at, size)
+sc.copy_runs(*runs((dst_at, src_at, size)))
 print(json.dumps({**fault(e), "landed": landed, "copies": copies[0], "again": bool((dst[:keep] == src[:keep]).all())}))
 """
 
@@ -188,7 +201,7 @@ print(json.dumps({**fault(e), "landed": landed, "copies": copies[0], "again": bo
 def test_memory_truncated_while_another_thread_copies_it_is_a_fault_error(shm_dir: Path, side: str) -> None:
     assert _safecopy is not None
     got = _result(_child(TRUNCATED_DURING, str(shm_dir), side))
-    assert got["side"] == side and got["signal"] == signal.SIGBUS, got
+    assert got["side"] == side and got["signal"] == signal.SIGBUS and got["run"] == 0, got
     # The fault is at the truncation or, if the copy had passed it when the file shrank, further on.
     assert 24 * MIB <= got["copied"] < 64 * MIB and got["copied"] % _safecopy.STEP == 0, got
     assert got["landed"] and got["again"], got
@@ -209,7 +222,7 @@ def worker(i):
     for _ in range(25):
         dst[:] = 0
         try:
-            sc.copy(dst.ctypes.data, (bad if i % 2 else good)[3], size)
+            sc.copy_runs(*runs((dst.ctypes.data, (bad if i % 2 else good)[3], size)))
             outcome.append("ok" if (dst == pattern(size)).all() else "wrong bytes")
         except sc.FaultError as e:
             right = e.side == "source" and e.copied == MIB_KEEP and (dst[:MIB_KEEP] == pattern(MIB_KEEP)).all()
@@ -235,7 +248,7 @@ address = np.frombuffer(page, np.uint8).ctypes.data
 del page  # nothing holds it: the address is unmapped now
 target = np.zeros(4096, np.uint8)
 try:
-    sc.copy(target.ctypes.data, address, 4096)
+    sc.copy_runs(*runs((target.ctypes.data, address, 4096)))
 except sc.FaultError as e:
     print(json.dumps(fault(e) | {"at": e.address - address}))
 """
@@ -244,7 +257,7 @@ except sc.FaultError as e:
 @needs_extension
 def test_an_unmapped_source_is_a_sigsegv_fault_error() -> None:
     got = _result(_child(UNMAPPED))
-    assert got["side"] == "source" and got["signal"] == signal.SIGSEGV and got["copied"] == 0, got
+    assert got["side"] == "source" and got["signal"] == signal.SIGSEGV and got["copied"] == 0 and got["run"] == 0, got
 
 
 # -- every other fault is left alone --------------------------------------------------------------------------------
@@ -271,7 +284,7 @@ target = np.zeros(64 << 20, np.uint8)
 stop = threading.Event()
 def copier():
     while not stop.is_set():
-        sc.copy(target.ctypes.data, at, 32 << 20)
+        sc.copy_runs(*runs((target.ctypes.data, at, 32 << 20)))
 threading.Thread(target=copier, daemon=True).start()
 os.ftruncate(fd, 48 << 20)
 print("before", flush=True)
@@ -308,7 +321,7 @@ os.ftruncate(fd, 1 << 20)
 target = np.zeros(4 << 20, np.uint8)
 for _ in range(3):
     try:
-        sc.copy(target.ctypes.data, at, 4 << 20)
+        sc.copy_runs(*runs((target.ctypes.data, at, 4 << 20)))
     except sc.FaultError as e:
         last = fault(e)
 print(json.dumps({**last, "in_place": sc.handler_in_place()}))
@@ -413,19 +426,15 @@ def test_daemon_owned_memory_truncated_under_two_copy_threads(shm_dir: Path, sid
 
 # -- many runs in one call ------------------------------------------------------------------------------------------
 
-def _runs(*triples: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    dst, src, n = zip(*triples, strict=True)
-    return (np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64), np.asarray(n, dtype=np.uint64))
-
-
 @needs_extension
 def test_copy_runs_copies_every_run_and_nothing_between() -> None:
     assert _safecopy is not None
     rng = np.random.default_rng(3)
-    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    dst = np.zeros(1 << 20, dtype=np.uint8)
+    src = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
+    dst = np.zeros(4 << 20, dtype=np.uint8)
     s, d = src.ctypes.data, dst.ctypes.data
-    runs = [(d + 100, s + 5000, 70000), (d + 80000, s + 10, 1), (d + 90000, s + 900000, 0), (d + 500000, s, 300000)]
+    runs = [(d + 100, s + 5000, 70000), (d + 80000, s + 10, 1), (d + 90000, s + 900000, 0), (d + 500000, s, 300000),
+            (d + MIB + 3, s + 7, 2 * MIB + 13)]  # more than one step
     _safecopy.copy_runs(*_runs(*runs))
     expected = np.zeros_like(dst)
     for to, frm, n in runs:
@@ -438,7 +447,7 @@ def test_copy_runs_refuses_bad_runs_before_any_byte_moves() -> None:
     assert _safecopy is not None
     buf = np.zeros(64, dtype=np.uint8)
     a = buf.ctypes.data
-    bad = [_runs((a, a + 8, 16)),  # overlaps itself
+    bad = [_runs((a, a + 8, 16)), _runs((a + 8, a, 16)),  # overlaps itself (either way round)
            _runs((a, a + 32, 8), (0, a, 8)),  # a null address after a good run: refused before the good one moves
            _runs((a, 2**64 - 4, 16))]
     buf[32:40] = 7
@@ -469,7 +478,7 @@ try:
     print(json.dumps(None))
 except sc.FaultError as e:
     landed = bool((dst[: e.run * run] == pattern(size)[: e.run * run]).all())
-    print(json.dumps({**fault(e), "run": e.run, "landed": landed}))
+    print(json.dumps({**fault(e), "landed": landed}))
 """
 
 
