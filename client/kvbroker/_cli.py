@@ -33,7 +33,6 @@ from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheIndex, ClusterInfo, ClusterResult, KvCacheExtParam
 
 DEFAULT_TARGET = "unix:///run/kvbroker/kvbroker.sock"
-KNOWN_BACKENDS = ("shm", "tcp")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
@@ -98,11 +97,25 @@ def parse_sizes(value: str) -> list[int]:
     return [parse_size(v) for v in value.split(",") if v.strip()]
 
 
+def _host_backends() -> tuple[list[str], list[str]]:
+    """(backends that move host memory and can run here, the daemon's default ones among them), from the daemon's
+    own backend registry (empty without the daemon: `pip install 'kvbroker[server]'`)."""
+    try:
+        from kvbrokerd import backends
+    except ImportError:
+        return [], []
+    runnable = [name for name, cls in backends.loadable().items()
+                if "host" in cls.capabilities.memory_kinds and backends.unavailable(name) is None]
+    return runnable, [name for name in backends.default_backends() if name in runnable]
+
+
 def parse_backends(value: str) -> list[str]:
+    runnable, _ = _host_backends()
     backends = [b.strip() for b in value.split(",") if b.strip()]
-    bad = [b for b in backends if b not in KNOWN_BACKENDS]
+    bad = [b for b in backends if b not in runnable]
     if bad or not backends:
-        raise argparse.ArgumentTypeError(f"{value!r}: choose from {','.join(KNOWN_BACKENDS)}")
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: choose from {','.join(runnable) or '(none here: pip install kvbroker[server])'}")
     return backends
 
 
@@ -283,6 +296,8 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.backends is None:
+        args.backends = _host_backends()[1]
     points = plan_bench(args.backends, args.block_size, args.total_bytes, args.tensors, args.pull_bytes)
     total = sum(p.pulls * p.bytes_per_pull for p in points)
     progress = Progress(sys.stderr, total, enabled=not args.no_progress)
@@ -362,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "every block of a cache in a random order until --total-bytes moved (after a verified "
                        "warm-up pull). The full comparison with memcpy, sockets, NIXL and Mooncake is "
                        "bench/kvbench.py in a source checkout.")
-    p.add_argument("--backends", type=parse_backends, default=list(KNOWN_BACKENDS),
-                   help="backends to measure, one daemon pair each (default shm,tcp)")
+    p.add_argument("--backends", type=parse_backends, default=None,
+                   help="backends to measure, one daemon pair each (default: the daemon's default backends, shm,tcp)")
     p.add_argument("--block-size", type=parse_sizes, default=[256 * 2**10],
                    help="bytes per block per tensor; a comma list measures each (default 256K)")
     p.add_argument("--total-bytes", type=parse_size, default=512 * 2**20,
