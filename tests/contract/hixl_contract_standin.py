@@ -134,6 +134,9 @@ class Faults:
     """transfer_async answers UNSUPPORTED (as HIXL does for staged transfers): the adapter must use transfer_sync."""
     connect_delay_s: float = 0.0
     """A link takes this long to set up: connect blocks that long, connect_async completes that much later."""
+    links_held: threading.Event | None = None
+    """While this event is not set, links set up with connect_async stay CONNECTING (they still fail at their
+    timeout): a test decides when a link is made instead of racing a delay."""
     connect_async_unsupported: bool = False
     """connect_async answers UNSUPPORTED: the adapter must fall back to a bounded connect."""
     register_delay_s: float = 0.0
@@ -354,14 +357,24 @@ class Hixl:
             return SUCCESS, AsyncConnectStatus.NOT_CONNECT
         done_at, give_up, link = pending
         now = time.monotonic()
-        if link is None or (now >= give_up and done_at > give_up):
+        held = FAULTS.links_held is not None and not FAULTS.links_held.is_set()
+        if link is None or (now >= give_up and (done_at > give_up or held)):
             del self._connecting[remote_engine]
             return SUCCESS, AsyncConnectStatus.CONNECT_FAILED
-        if now < done_at:
+        if now < done_at or held:
             return SUCCESS, AsyncConnectStatus.CONNECTING
         del self._connecting[remote_engine]
         self._links[remote_engine] = link
         return SUCCESS, AsyncConnectStatus.CONNECTED
+
+    # -- what a test may look at (not part of HIXL's surface) ----------------------------------------------------------
+    def links_being_made(self) -> list[str]:
+        """Remote engines whose connect_async has not completed yet."""
+        return sorted(self._connecting)
+
+    def open_requests(self) -> int:
+        """Posted transfer requests not yet over: the only ones that can still move bytes."""
+        return len(self._requests)
 
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._enter("disconnect"):
