@@ -23,7 +23,7 @@ import pytest
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
 else:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 from kvbroker._local import LocalDaemon
 from kvbroker.shm import Cache

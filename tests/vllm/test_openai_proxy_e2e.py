@@ -25,7 +25,7 @@ import pytest
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # type: ignore[import-not-found,unused-ignore]  # noqa: F401  (CI: missing vLLM fails, never skips)
 else:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream
