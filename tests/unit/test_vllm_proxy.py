@@ -269,21 +269,20 @@ def test_a_silent_prefill_server_gives_504_within_its_timeout(serve: Any) -> Non
     release = threading.Event()
 
     def silent(handler: _FakeHandler, body: dict[str, Any]) -> None:
-        release.wait(10)
+        release.wait(60)  # silent until the test ends: then it answers as usual
         prefill_ok(handler, body)
 
     p = serve(silent)
     d = serve(decode_json)
     try:
         with proxy_for(p.url, d.url, prefill_timeout=0.5) as proxy:
-            started = time.monotonic()
             status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
-            elapsed = time.monotonic() - started
     finally:
         release.set()
+    # The proxy gave up by itself, at the timeout it was given: one that waited for the server would have left this
+    # request unanswered past the test client's own 10 s timeout (the server stays silent for 60 s).
     assert status == 504
     assert answer["error"]["message"] == f"prefill server {p.url} did not answer within 0.5 s"
-    assert 0.5 <= elapsed < 3
     assert d.requests == []
 
 
@@ -340,7 +339,7 @@ def test_a_client_that_leaves_mid_stream_drops_the_decode_request(serve: Any) ->
         try:
             for _ in range(500):  # vLLM aborts a request whose connection closes: so must the proxy make it close
                 handler.chunk(b'data: {"choices": [{"text": "a"}]}\n\n')
-                time.sleep(0.01)
+                time.sleep(0.01)  # a stream's pace (the scenario), not a wait
         except OSError:
             dropped.set()
 
