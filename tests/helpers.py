@@ -1,14 +1,71 @@
-"""Test helpers: expected results of pulls computed independently of the daemon (plain numpy indexing)."""
+"""Test helpers: expected results of pulls computed independently of the daemon (plain numpy indexing), and the
+one way tests wait for something to happen (`wait_until`, `wait_until_async`)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import time
+import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from kvbroker import Cache, CacheDesc, Client
+
+T = TypeVar("T")
+
+POLL_S = 0.05
+"""How often `wait_until` asks again."""
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float = 15.0, what: str, poll: float = POLL_S,
+               tolerate: tuple[type[Exception], ...] = ()) -> T:
+    """Asks `predicate` every `poll` seconds until it returns a truthy value, and returns that value. Past `timeout`
+    seconds raises AssertionError naming `what` and the last value seen.
+
+    The timeout is only how long to wait for a condition that should come true, not a measurement: a test asserts on
+    what it waited for, never on how long that took. An exception of a type in `tolerate` counts as "not yet" (a
+    daemon still starting refuses connections); any other propagates at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last: T | Exception
+        try:
+            last = predicate()
+        except tolerate as e:
+            last = e
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}; last saw {last!r}")
+        time.sleep(poll)
+
+
+async def wait_until_async(predicate: Callable[[], T | Awaitable[T]], *, timeout: float = 15.0, what: str,
+                           poll: float = POLL_S) -> T:
+    """`wait_until` for a test on an event loop: `predicate` may be a plain or an async function, and the loop keeps
+    running between the asks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        last: T = await got if inspect.isawaitable(got) else got
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}; last saw {last!r}")
+        await asyncio.sleep(poll)
+
+
+def transfers_in_flight(metrics_address: str) -> float:
+    """A daemon's count of transfers running now (the `kvbroker_transfers_in_flight` gauge of `--metrics-listen`):
+    what a test waits on to know that a transfer has started, or has ended."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return float(next(x for x in lines if x.startswith("kvbroker_transfers_in_flight ")).split()[1])
 
 
 class Allocations:

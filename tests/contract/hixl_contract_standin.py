@@ -134,12 +134,20 @@ class Faults:
     """transfer_async answers UNSUPPORTED (as HIXL does for staged transfers): the adapter must use transfer_sync."""
     connect_delay_s: float = 0.0
     """A link takes this long to set up: connect blocks that long, connect_async completes that much later."""
+    links_held: threading.Event | None = None
+    """While this event is not set, links set up with connect_async stay CONNECTING (they still fail at their
+    timeout): a test decides when a link is made instead of racing a delay."""
     connect_async_unsupported: bool = False
     """connect_async answers UNSUPPORTED: the adapter must fall back to a bounded connect."""
     register_delay_s: float = 0.0
     """register_mem takes this long (pinning a large region on a real NPU does), on the engine's thread."""
     deregister_delay_s: float = 0.0
     """deregister_mem takes this long, on the engine's thread."""
+    registrations_held: threading.Event | None = None
+    """While this event is not set, register_mem waits for it (at most 30 s) on the engine's thread, and the engine's
+    `held` names it: a slow registration whose end the test decides."""
+    deregistrations_held: threading.Event | None = None
+    """The same for deregister_mem."""
 
 
 FAULTS = Faults()
@@ -227,6 +235,8 @@ class Hixl:
         self._requests: dict[int, _Request] = {}
         self._pool_on = True
         self._lock = threading.Lock()
+        self.held: set[str] = set()
+        """Calls waiting now on a `Faults.*_held` event."""
 
     # A call from another thread than initialize's is undocumented behaviour on hardware (ACL errors); the stand-in
     # answers FAILED and records the breach.
@@ -285,6 +295,7 @@ class Hixl:
         if not isinstance(mem_type, MemType) or mem_desc.addr <= 0 or mem_desc.len <= 0:
             return PARAM_INVALID, 0
         time.sleep(FAULTS.register_delay_s)
+        self._hold("register_mem", FAULTS.registrations_held)
         for r in self._regions.values():
             if (r.addr, r.length, r.kind) == (mem_desc.addr, mem_desc.len, mem_type):
                 return SUCCESS, r.handle  # documented: the same addr+len gives the same handle
@@ -300,6 +311,7 @@ class Hixl:
         if not self._enter("deregister_mem"):
             return FAILED
         time.sleep(FAULTS.deregister_delay_s)
+        self._hold("deregister_mem", FAULTS.deregistrations_held)
         if self._regions.pop(mem_handle, None) is None:
             return PARAM_INVALID
         return SUCCESS
@@ -354,14 +366,33 @@ class Hixl:
             return SUCCESS, AsyncConnectStatus.NOT_CONNECT
         done_at, give_up, link = pending
         now = time.monotonic()
-        if link is None or (now >= give_up and done_at > give_up):
+        held = FAULTS.links_held is not None and not FAULTS.links_held.is_set()
+        if link is None or (now >= give_up and (done_at > give_up or held)):
             del self._connecting[remote_engine]
             return SUCCESS, AsyncConnectStatus.CONNECT_FAILED
-        if now < done_at:
+        if now < done_at or held:
             return SUCCESS, AsyncConnectStatus.CONNECTING
         del self._connecting[remote_engine]
         self._links[remote_engine] = link
         return SUCCESS, AsyncConnectStatus.CONNECTED
+
+    def _hold(self, method: str, gate: threading.Event | None) -> None:
+        if gate is None:
+            return
+        self.held.add(method)
+        try:
+            gate.wait(30)
+        finally:
+            self.held.discard(method)
+
+    # -- what a test may look at (not part of HIXL's surface) ----------------------------------------------------------
+    def links_being_made(self) -> list[str]:
+        """Remote engines whose connect_async has not completed yet."""
+        return sorted(self._connecting)
+
+    def open_requests(self) -> int:
+        """Posted transfer requests not yet over: the only ones that can still move bytes."""
+        return len(self._requests)
 
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._enter("disconnect"):

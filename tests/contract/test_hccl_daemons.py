@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from kvbrokerd.backends.hccl.engine import HcclSettings
 from kvbrokerd.config import load
 from kvbrokerd.daemon import Daemon
 from tests.contract import hixl_contract_standin as standin
+from tests.helpers import wait_until_async
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 1024))
 
@@ -75,15 +75,19 @@ async def test_two_daemons_pull_and_push_over_hccl(daemons: tuple[Daemon, Daemon
     assert {t for e, _, t in standin.CALLS if e == "127.0.0.1:26002"} == {"kvbroker-hixl-npu2_0"}
 
 
-async def _answers_while(client: AsyncClient, task: asyncio.Task[Any]) -> tuple[int, float]:
-    """Asks `client`'s daemon for its cluster info every 20 ms until `task` is done: (answers, longest gap in s)."""
-    answers, longest_gap, last = 0, 0.0, time.monotonic()
-    while not task.done():
+async def _answers_while_held(client: AsyncClient, method: str, task: asyncio.Task[Any]) -> None:
+    """While an engine's thread is held inside `method` (a `Faults.*_held` event), `client`'s daemon answers, and
+    `task` (what made the engine call it) waits for it. The daemons run on this test's event loop: had the call
+    blocked the loop, this coroutine would not run again before the call ended, and would see it over."""
+
+    def held() -> bool:
+        return any(method in standin.engine(name).held for name in standin.live_engines())
+
+    await wait_until_async(held, what=f"an engine thread inside {method}")
+    for _ in range(10):
         await client.get_cluster_info(timeout=10)
-        answers += 1
-        longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
-        await asyncio.sleep(0.02)
-    return answers, longest_gap
+    assert held(), f"the daemon answered only once {method} had ended"
+    assert not task.done()
 
 
 async def test_a_slow_registration_never_blocks_the_event_loop(daemons: tuple[Daemon, Daemon]) -> None:
@@ -96,13 +100,13 @@ async def test_a_slow_registration_never_blocks_the_event_loop(daemons: tuple[Da
         a, b = await s.allocate_cache(DESC), await d.allocate_cache(DESC)
         for t in a.tensors:
             t[2] = 9
-        standin.FAULTS.register_delay_s = 1.0
-        started = time.monotonic()
+        standin.FAULTS.registrations_held = registered = threading.Event()
         pull = asyncio.create_task(d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [2], [3], timeout=20))
-        answers, longest_gap = await _answers_while(s, pull)
+        try:
+            await _answers_while_held(s, "register_mem", pull)
+        finally:
+            registered.set()
         assert (await pull).backend == "hccl"
-        assert time.monotonic() - started >= 1.0  # the registration was slow, and the daemon answered meanwhile:
-        assert answers >= 10 and longest_gap < 0.5, f"{answers} answers; the event loop stalled {longest_gap:.2f} s"
         for ta, tb in zip(a.tensors, b.tensors, strict=True):
             assert np.array_equal(tb[3], ta[2])
 
@@ -116,13 +120,13 @@ async def test_a_slow_deregistration_never_blocks_the_event_loop(daemons: tuple[
         assert linked.ok, linked
         a, b = await s.allocate_cache(DESC), await d.allocate_cache(DESC)
         await d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [0], [0], timeout=10)  # both sides registered
-        standin.FAULTS.deregister_delay_s = 1.0
-        started = time.monotonic()
+        standin.FAULTS.deregistrations_held = deregistered = threading.Event()
         release = asyncio.create_task(s.deallocate_cache(a))
-        answers, longest_gap = await _answers_while(s, release)
+        try:  # (and the release does not return before the deregistration ends)
+            await _answers_while_held(s, "deregister_mem", release)
+        finally:
+            deregistered.set()
         await release
-        assert time.monotonic() - started >= 1.0
-        assert answers >= 10 and longest_gap < 0.5, f"{answers} answers; the event loop stalled {longest_gap:.2f} s"
         assert await s.list_caches() == []
 
 

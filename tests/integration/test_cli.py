@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from kvbroker._cli import _hint, build_parser
 from kvbroker._format import fmt_gbps
 from kvbroker._local import LocalDaemon
 from kvbroker.status import LlmStatus
-from tests.helpers import fill
+from tests.helpers import fill, wait_until
 
 
 def kvbroker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -233,20 +232,23 @@ def test_bench_metrics_move_while_it_runs() -> None:
                              "64K", "--total-bytes", "1G", "--pull-bytes", "8M", "--metrics-listen",
                              f"127.0.0.1:{port}", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[float] = []
+
+    def two_counts_or_ended() -> bool:
+        if proc.poll() is not None:
+            return True  # the bench ended: the assertion below says what was seen
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return False  # not listening yet
+        moved = sum(float(v) for v in re.findall(
+            r'^kvbroker_transfer_bytes_total\{[^}]*outcome="DONE"[^}]*\} (\S+)$', text, re.MULTILINE))
+        if moved > 0:
+            seen.append(moved)
+        return len(set(seen)) >= 2
+
     try:
-        deadline = time.monotonic() + 60
-        while len(set(seen)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                    text = r.read().decode()
-            except OSError:
-                time.sleep(0.05)
-                continue
-            moved = sum(float(v) for v in re.findall(
-                r'^kvbroker_transfer_bytes_total\{[^}]*outcome="DONE"[^}]*\} (\S+)$', text, re.MULTILINE))
-            if moved > 0:
-                seen.append(moved)
-            time.sleep(0.1)
+        wait_until(two_counts_or_ended, timeout=60, poll=0.1, what="two different byte counts scraped")
     finally:
         # Ctrl-C, as a person would: the CLI stops its two daemons on the way out (SIGKILL would orphan them).
         proc.send_signal(signal.SIGINT)
@@ -286,12 +288,14 @@ def test_ctrl_c_of_bench_says_interrupted_and_stops_its_daemons() -> None:
     assert proc.stderr is not None
     try:
         seen = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until pulls are running: the first progress line
+
+        def progress_or_end() -> bool:
+            assert proc.stderr is not None
             line = proc.stderr.readline()
             seen.append(line)
-            if not line or (line.startswith("[") and "%" in line):
-                break
+            return not line or (line.startswith("[") and "%" in line)
+
+        wait_until(progress_or_end, timeout=60, poll=0, what="pulls running: the first progress line")
         assert any("link over 'tcp'" in s for s in seen), seen
         daemons = _children(proc.pid)
         assert len(daemons) == 2

@@ -12,6 +12,7 @@ import pytest
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmError, LlmStatus, NotYetLinkError
 from kvbroker._local import LocalDaemon
 from tests.conftest import cluster_of
+from tests.helpers import wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -99,16 +100,12 @@ def test_force_unlink_of_a_dead_peer(tmp_path: Path) -> None:
 
 def test_peer_death_breaks_the_link(tmp_path: Path) -> None:
     """A stopped peer stops answering heartbeats: the link turns BROKEN and transfers say so."""
-    import time
-
     with LocalDaemon(tmp_path, 2) as b:
         a = LocalDaemon(tmp_path, 1).start()
         with b.client() as cb:
             assert cb.link_clusters([cluster_of(a)])[0].ok
             a.stop()
-            deadline = time.monotonic() + 15
-            while cb.list_links()[0].state != LinkState.BROKEN and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(lambda: cb.list_links()[0].state == LinkState.BROKEN, what="the link to the stopped peer BROKEN")
             [link] = cb.list_links()
             assert link.state == LinkState.BROKEN and link.reason
             dst = cb.allocate_cache(CacheDesc(num_tensors=2, shape=(4, 8)))
@@ -146,7 +143,7 @@ async def test_concurrent_first_transfers_of_a_remote_cache_share_one_descriptio
             src.signal(signal.SIGSTOP)
             try:
                 hasty = asyncio.ensure_future(link.remote_cache(late.cache_id, 0.3))
-                await asyncio.sleep(0.05)
+                await wait_until_async(lambda: late.cache_id in link._lookups, what="the hasty caller's lookup started")
                 patient = asyncio.ensure_future(link.remote_cache(late.cache_id, 10.0))
                 with pytest.raises(LlmError) as info:
                     await hasty

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, DataType, LinkState, LlmError, LlmStatus
 from kvbroker._local import LocalDaemon
+from tests.helpers import wait_until
 
 
 def _run(*cmd: str) -> None:
@@ -89,20 +89,14 @@ def test_partition_mid_transfer_then_heal(tmp_path: Path, hosts: Hosts) -> None:
         assert d.link_clusters([ClusterInfo(1, f"{hosts.ip_a}:7100")])[0].ok
         assert d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, blocks, blocks).backend == "tcp"
         hosts.link(False)
-        t0 = time.monotonic()
         with pytest.raises(LlmError) as cut:
             d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, blocks, blocks, timeout=2.0)
-        assert time.monotonic() - t0 < 2.0 + 1.5
+        # Within its deadline: the daemon's own answer (its transfer report lists the blocks); one after the call's
+        # 2 s gRPC deadline would have reached the caller as a bare DEADLINE_EXCEEDED, without a report.
         assert cut.value.status in (LlmStatus.LLM_TIMEOUT, LlmStatus.LLM_LINK_FAILED)
         assert cut.value.failed_dst_blocks
-        deadline = time.monotonic() + 15
-        while d.list_links()[0].state != LinkState.BROKEN and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert d.list_links()[0].state == LinkState.BROKEN
+        wait_until(lambda: d.list_links()[0].state == LinkState.BROKEN, what="the cut link BROKEN")
         assert d.get_cluster_info().cluster_id == 2  # the daemon itself is fine
         hosts.link(True)
-        deadline = time.monotonic() + 15
-        while d.list_links()[0].state != LinkState.READY and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert d.list_links()[0].state == LinkState.READY
+        wait_until(lambda: d.list_links()[0].state == LinkState.READY, what="the healed link READY")
         assert d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, blocks, blocks, timeout=10).bytes_moved == 32 << 20

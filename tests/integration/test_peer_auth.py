@@ -23,7 +23,7 @@ from kvbroker.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 from kvbrokerd.links import linkauth
 from tests import peerkit
 from tests.conftest import cluster_of
-from tests.helpers import fill
+from tests.helpers import fill, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,15 @@ def test_silent_inbound_links_expire(pair: tuple[LocalDaemon, LocalDaemon]) -> N
     a, b = pair
     link = peerkit.link_as(a.peer_address, peerkit.token_of(a.workdir), 92, a.cluster_id)
     try:
-        time.sleep(4.5)  # a's --peer-link-ttl is 3 s; b's real link heartbeats every second and stays
+        def expired() -> bool:
+            # Silent links expire lazily, when the daemon next handles a handshake or a call: a stranger's hello
+            # (never one of the link's own calls, which would keep it alive) makes a sweep them.
+            with grpc.insecure_channel(a.peer_address) as ch:
+                peer_pb2_grpc.PeerStub(ch).Handshake(peerkit.hello(93, a.cluster_id), timeout=5)
+            return "inbound link of cluster 92 expired" in a.log_tail(400)
+
+        # a's --peer-link-ttl is 3 s; b's real link heartbeats every second and stays
+        wait_until(expired, timeout=30, poll=0.5, what="a's log saying the silent link of cluster 92 expired")
         assert not link.stub.Heartbeat(link.signed("Heartbeat", peer_pb2.HeartbeatRequest()), timeout=5).link_known
         _pull_ok(a, b)
     finally:
@@ -153,6 +161,8 @@ def test_notifications_travel_from_the_linking_side_to_the_linked_side(pair: tup
         got: list[object] = []
         waiter = threading.Thread(target=lambda: got.extend(ca.fetch_notifications("freed", wait=10)))
         waiter.start()
+        # Not a wait for a condition: the daemon does not show that a fetch is waiting. This only makes it likely
+        # that the long poll is woken by the arrival; the assertions hold in either order.
         time.sleep(0.3)
         cb.send_notification(a.cluster_id, "freed", b"req-1")
         waiter.join(15)

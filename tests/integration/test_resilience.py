@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -31,18 +31,9 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from kvbrokerd.registry.caches import Registry
 from kvbrokerd.registry.sessions import SessionTable
 from tests.conftest import cluster_of
-from tests.helpers import fill
+from tests.helpers import fill, transfers_in_flight, wait_until
 
 SMALL = CacheDesc(num_tensors=2, shape=(4, 64))
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def _free_port() -> int:
@@ -63,7 +54,8 @@ def test_caches_of_a_dead_model_server_are_released_after_its_lease(tmp_path: Pa
         cache_id, segment = out.stdout.split()
         [rec] = [r for r in observer.list_caches() if r.cache_id == int(cache_id)]
         assert rec.owner and rec.lease_expires_unix > time.time()
-        assert wait_until(lambda: all(r.cache_id != int(cache_id) for r in observer.list_caches()))
+        wait_until(lambda: all(r.cache_id != int(cache_id) for r in observer.list_caches()),
+                   what="the dead model server's cache released")
         assert not Path(segment).exists()
         assert observer.get_cluster_info().num_caches == 0
 
@@ -74,11 +66,20 @@ def test_a_living_client_keeps_its_caches_and_no_lease_means_forever(tmp_path: P
         forever = plain.allocate_cache(SMALL)
         owners = {r.cache_id: r.owner for r in plain.list_caches()}
         assert owners == {kept.cache_id: alive.session_id, forever.cache_id: ""}
-        time.sleep(2.5)  # more than two lease lengths: renewals must have happened
+        [first] = [r.lease_expires_unix for r in plain.list_caches() if r.cache_id == kept.cache_id]
+
+        def renewed_past_two_leases() -> bool:
+            # A lease that ends two lease lengths after the first one would have was renewed after the first one
+            # ran out: only renewals kept the cache that long.
+            ends = [r.lease_expires_unix for r in plain.list_caches() if r.cache_id == kept.cache_id]
+            return bool(ends) and ends[0] >= first + 2 * 1.0
+
+        wait_until(renewed_past_two_leases, what="the living client's lease renewed past two lease lengths")
         ids = {r.cache_id for r in plain.list_caches()}
         assert {kept.cache_id, forever.cache_id} <= ids
         alive.close()  # stops renewing: the cache goes after its lease
-        assert wait_until(lambda: {r.cache_id for r in plain.list_caches()} == {forever.cache_id})
+        wait_until(lambda: {r.cache_id for r in plain.list_caches()} == {forever.cache_id},
+                   what="only the lease-less cache left")
 
 
 def test_a_stopped_daemon_gives_live_clients_a_full_lease_after_it_resumes(tmp_path: Path) -> None:
@@ -103,10 +104,10 @@ def test_a_stopped_daemon_gives_live_clients_a_full_lease_after_it_resumes(tmp_p
         kept = real.allocate_cache(SMALL).cache_id  # renewed in the background, as model servers do
         d.signal(signal.SIGSTOP)
         try:
-            time.sleep(2 * ttl)
+            time.sleep(2 * ttl)  # the fault itself: a daemon frozen for two lease lengths
         finally:
             d.signal(signal.SIGCONT)
-        time.sleep(ttl / 2)  # the live client speaks again well within one lease of the resume, not at once
+        time.sleep(ttl / 2)  # the scenario: the live client speaks again well within one lease of the resume
         renew("live-client")
         ids = {r.cache_id for r in observer.list_caches()}
         assert {live, kept, gone} <= ids
@@ -115,28 +116,32 @@ def test_a_stopped_daemon_gives_live_clients_a_full_lease_after_it_resumes(tmp_p
             renew("live-client")
             return gone not in {r.cache_id for r in observer.list_caches()}
 
-        assert wait_until(gone_released, timeout=4 * ttl)
+        wait_until(gone_released, timeout=4 * ttl, what="the gone client's cache released")
         assert {live, kept} <= {r.cache_id for r in observer.list_caches()}
         assert "did not run for" in d.log_tail(50)
 
 
-def test_stalls_shift_leases_and_a_long_one_leaves_a_full_ttl(tmp_path: Path) -> None:
+def test_stalls_shift_leases_and_a_long_one_leaves_a_full_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The lease arithmetic alone (no daemon, no reaper): stalls move a lease on by exactly their length, so that a
     client that is gone is still released by a daemon that keeps stalling briefly; after a stall as long as the TTL,
     even a lease that had just run out (not yet reaped) gets a full TTL."""
+    clock = SimpleNamespace(now=1000.0)  # the sessions module's clock, moved on by the test instead of by sleeping
+    wall = 1.7e9
+    monkeypatch.setattr(sys.modules[SessionTable.__module__], "time",
+                        SimpleNamespace(monotonic=lambda: clock.now, time=lambda: wall + clock.now))
     table = SessionTable(Registry(tmp_path))
     table.touch("gone", 2.0)
     before = table.expires_unix("gone")
     for _ in range(10):
         table.forgive_stall(0.3)
-    assert table.expires_unix("gone") - before == pytest.approx(3.0, abs=0.05)
+    assert table.expires_unix("gone") - before == pytest.approx(3.0)
 
     table.touch("quiet", 2.0)
     table.touch("lapsed", 1.0)
-    time.sleep(1.5)  # "quiet" has 0.5 s left, "lapsed" ran out 0.5 s ago
+    clock.now += 1.5  # "quiet" has 0.5 s left, "lapsed" ran out 0.5 s ago
     table.forgive_stall(1.2)
-    assert table.expires_unix("quiet") - time.time() == pytest.approx(1.7, abs=0.1)
-    assert table.expires_unix("lapsed") - time.time() == pytest.approx(1.0, abs=0.1)
+    assert table.expires_unix("quiet") - (wall + clock.now) == pytest.approx(1.7)
+    assert table.expires_unix("lapsed") - (wall + clock.now) == pytest.approx(1.0)
 
 
 def test_client_reconnects_after_a_daemon_restart(tmp_path: Path) -> None:
@@ -177,12 +182,14 @@ def test_peer_restart_is_detected_and_old_caches_are_not_served(tmp_path: Path, 
                 fill(new, 5)
                 expected_row = new.tensors[0][1].view("u1").copy()
             if auto_relink:
-                assert wait_until(lambda: d.list_links()[0].remote_epoch not in ("", old_epoch)
-                                  and d.list_links()[0].state == LinkState.READY)
+                wait_until(lambda: d.list_links()[0].remote_epoch not in ("", old_epoch)
+                           and d.list_links()[0].state == LinkState.READY,
+                           what="the link re-made to the restarted peer")
             else:
                 # Under load the restart may first show as missed heartbeats; then the new incarnation is seen.
-                assert wait_until(lambda: d.list_links()[0].state == LinkState.BROKEN
-                                  and "restarted" in d.list_links()[0].reason), d.list_links()
+                wait_until(lambda: d.list_links()[0].state == LinkState.BROKEN
+                           and "restarted" in d.list_links()[0].reason,
+                           what="the link BROKEN for the peer's restart")
                 with pytest.raises(LlmError) as broken:
                     d.pull_kv_blocks(CacheIndex(1, new.cache_id), dst_cache, [0], [0])
                 assert broken.value.status == LlmStatus.LLM_LINK_FAILED
@@ -199,9 +206,11 @@ def test_peer_restart_is_detected_and_old_caches_are_not_served(tmp_path: Path, 
 def test_releasing_a_cache_in_use_waits_then_refuses(tmp_path: Path) -> None:
     big = CacheDesc(num_tensors=2, shape=(64, 1 << 16), data_type=DataType.UINT8)
     blocks = list(range(64))
-    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, \
+            LocalDaemon(tmp_path, 2, backends=("tcp",), extra_args=["--metrics-listen", "127.0.0.1:0"]) as dst, \
             src.client() as s, dst.client() as d:
         a, b = s.allocate_cache(big), d.allocate_cache(big)
+        metrics_at = d.get_cluster_info().metrics_address
         assert d.link_clusters([cluster_of(src)])[0].ok
         d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, blocks, blocks)
         src.signal(signal.SIGSTOP)  # the next pull hangs on the frozen peer, holding the destination
@@ -209,7 +218,7 @@ def test_releasing_a_cache_in_use_waits_then_refuses(tmp_path: Path) -> None:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(d.pull_kv_blocks, CacheIndex(1, a.cache_id), b.cache_id, blocks, blocks,
                                       timeout=4.0)
-                time.sleep(0.5)
+                wait_until(lambda: transfers_in_flight(metrics_at) == 1, what="the pull running (on the frozen peer)")
                 with dst.client() as other, pytest.raises(LlmError) as busy:
                     other.deallocate_cache(b.cache_id, timeout=1.0)
                 assert busy.value.status == LlmStatus.LLM_LINK_BUSY

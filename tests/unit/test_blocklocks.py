@@ -54,10 +54,15 @@ def test_disjoint_claims_never_wait() -> None:
 def test_an_overlapping_claim_waits_for_the_release() -> None:
     locks, cache = BlockLocks(), _Cache()
     first = locks.claim(cache, TENSORS, BLOCKS, _cells([5, 6]), time.monotonic(), "first")
-    threading.Timer(0.3, locks.release, args=(first,)).start()
-    started = time.monotonic()
-    second = locks.claim(cache, TENSORS, BLOCKS, _cells([6, 7], range(1, 2)), started + 10, "second")
-    assert time.monotonic() - started >= 0.25
+    released = threading.Event()
+
+    def release_first() -> None:
+        released.set()
+        locks.release(first)
+
+    threading.Timer(0.3, release_first).start()
+    second = locks.claim(cache, TENSORS, BLOCKS, _cells([6, 7], range(1, 2)), time.monotonic() + 10, "second")
+    assert released.is_set(), "the overlapping claim was granted while the first one still held block 6"
     locks.release(second)
 
 
@@ -75,19 +80,23 @@ def test_an_overlapping_claim_gives_up_at_its_deadline_having_claimed_nothing() 
 async def test_async_claims_wait_without_blocking_the_loop() -> None:
     locks, cache = BlockLocks(), _Cache()
     first = locks.claim(cache, TENSORS, BLOCKS, _cells([1]), time.monotonic(), "first")
-    ticks = 0
+    loop_ran = threading.Event()
 
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.01)
+    def release_once_the_loop_ran() -> None:  # released from another thread, only once the loop ran on
+        if loop_ran.wait(30):
+            locks.release(first)
 
-    ticker = asyncio.ensure_future(tick())
-    threading.Timer(0.3, locks.release, args=(first,)).start()  # released from another thread
-    second = await locks.claim_async(cache, TENSORS, BLOCKS, _cells([1]), time.monotonic() + 10, "second")
-    ticker.cancel()
-    assert ticks >= 10  # the loop kept running while the claim waited
+    releaser = threading.Thread(target=release_once_the_loop_ran)
+    releaser.start()
+    claim = asyncio.ensure_future(locks.claim_async(cache, TENSORS, BLOCKS, _cells([1]), time.monotonic() + 10,
+                                                    "second"))
+    await asyncio.sleep(0)  # one turn of the loop: the claim starts and waits for the release
+    # The loop kept running while the claim waited. A claim that blocked the loop would have run to its deadline
+    # before this line (nobody releases block 1 before it), and be done.
+    assert not claim.done()
+    loop_ran.set()
+    second = await claim
+    releaser.join()
     locks.release(second)
     held = locks.claim(cache, TENSORS, BLOCKS, _cells([2]), time.monotonic(), "held")
     with pytest.raises(LlmError):
@@ -120,7 +129,7 @@ def test_concurrent_writers_never_tear_a_block() -> None:
             try:
                 for b in blocks:
                     memory[b, : BLOCK // 2] = me
-                    time.sleep(0.0005)
+                    time.sleep(0.0005)  # the scenario, not a wait: a write slow enough to be torn if unguarded
                     memory[b, BLOCK // 2 :] = me
             finally:
                 locks.release(claim)

@@ -52,7 +52,7 @@ def test_exported_allocations_are_checked(args: tuple[str, str, bytes, int, int]
 
 
 def test_torch_cpu_tensors_are_refused_clearly() -> None:
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[examples]')")
     with pytest.raises(ValueError, match="tensor 1 is on cpu, not a CUDA or NPU device"):
         torch_locations([_FakeCuda(), torch.zeros(4)])
 

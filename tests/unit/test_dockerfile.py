@@ -17,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 
 from kvbroker._local import LocalDaemon
 from kvbrokerd import config
+from tests.helpers import wait_until
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -181,15 +181,19 @@ def test_image_builds_runs_healthy_and_stops_cleanly(tmp_path: Path) -> None:
                                   "-e", "KVBROKER_PEER_LISTEN=127.0.0.1:0", "--read-only", tag],
                                  capture_output=True, text=True, timeout=60)
         assert started.returncode == 0, started.stderr
-        deadline = time.monotonic() + 30
-        while True:  # the HEALTHCHECK command itself, run by the engine inside the container
+        said: list[str] = []
+
+        def healthy() -> bool:  # the HEALTHCHECK command itself, run by the engine inside the container
             health = subprocess.run([engine, "healthcheck", "run", name] if "podman" in engine else
                                     [engine, "exec", name, *healthcheck_command()],
                                     capture_output=True, text=True, timeout=30)
-            if health.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert health.returncode == 0, health.stdout + health.stderr
+            said[:] = [health.stdout + health.stderr]
+            return health.returncode == 0
+
+        try:
+            wait_until(healthy, timeout=30, poll=1, what="the container's HEALTHCHECK passing")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {said}") from None
         uid = subprocess.run([engine, "exec", name, "id", "-u"], capture_output=True, text=True, timeout=30)
         assert uid.stdout.strip() == "10001"
         pkgs = subprocess.run([engine, "exec", name, "pip", "list", "--format=freeze"], capture_output=True,

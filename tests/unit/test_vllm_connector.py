@@ -30,6 +30,7 @@ from kvbroker.integrations.vllm.params import (
     release_payload,
 )
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from tests.helpers import wait_until
 
 BS = 32
 
@@ -258,6 +259,7 @@ LAYOUT = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1)
 
 
 def _worker(**config: Any) -> Any:
+    pytest.importorskip("torch", reason="the connector's worker side needs torch (vLLM's KV tensors)")
     from kvbroker.integrations.vllm.worker import WorkerSide
 
     # No daemon: the constructor does no I/O, and these paths do not reach one (notifications fail, and say so).
@@ -283,10 +285,7 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
     worker = _worker(link_timeout_s=0.5)
     remote = parse_remote(_remote_params([1, 2], 40))
     worker.start([PullSpec("d-req", (7, 8), (1, 2), remote, refused="block counts do not line up")], [], {})
-    deadline = time.monotonic() + 10
-    while not (done := worker.finished())[1]:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    done = wait_until(lambda: (got := worker.finished())[1] and got, what="the refused pull reported")
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
     worker.shutdown()
@@ -299,22 +298,37 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
     landed = threading.Event()
 
     def slow_pull(spec: PullSpec) -> frozenset[int]:
-        landed.wait(10)
+        landed.wait(60)
         return frozenset()
 
+    class Step(threading.Condition):
+        """The worker's "a pull ended" condition, noting each wait of a step (and ending the pull, once asked to,
+        only when a step waits: then the pull ends during that step's wait, never before it)."""
+
+        def __init__(self) -> None:
+            super().__init__(worker._lock)
+            self.waits: list[float | None] = []
+            self.end_pull_in_wait = False
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits.append(timeout)
+            if self.end_pull_in_wait:
+                landed.set()
+            return super().wait(timeout)
+
     worker._pull = slow_pull
-    started = time.monotonic()
-    assert worker.finished(5.0) == (set(), set())  # nothing in flight: nothing to wait for
-    assert time.monotonic() - started < 1.0
+    worker._pull_ended = step = Step()
+    # A step that waited out a bound it need not wait would still end (the bound is an hour): pytest-timeout would
+    # catch it, not a clock here.
+    assert worker.finished(3600.0) == (set(), set())  # nothing in flight: nothing to wait for
+    assert step.waits == []
     remote = parse_remote(_remote_params([1, 2], 40))
     worker.start([PullSpec("d-req", (7, 8), (1, 2), remote)], [], {})
-    started = time.monotonic()
     assert worker.finished(0.05) == (set(), set())  # the pull outlasts the bound: the step goes on without it
-    assert time.monotonic() - started >= 0.05
-    threading.Timer(0.05, landed.set).start()
-    started = time.monotonic()
-    assert worker.finished(5.0) == (set(), {"d-req"})  # reported in the step during which it ended
-    assert time.monotonic() - started < 2.0
+    assert step.waits and not landed.is_set()  # (it did wait, up to its bound)
+    step.end_pull_in_wait = True
+    # Reported in the step during which it ended: woken by the pull's end, not by the (hour-long) bound.
+    assert worker.finished(3600.0) == (set(), {"d-req"})
     assert worker.take_load_errors() == set()
     worker.shutdown()
 
@@ -327,22 +341,26 @@ def test_a_slow_release_never_holds_up_the_next_pull() -> None:
     worker._pull = lambda spec: frozenset()
 
     def stuck_release(remote: RemoteKv, outcome: str, request_id: str = "") -> None:
-        prefill_answers.wait(10)  # an unreachable prefill daemon: the notification waits out its timeout
+        prefill_answers.wait(60)  # an unreachable prefill daemon: the notification is stuck until the test ends
 
     worker._release = stuck_release
     remote = parse_remote(_remote_params([1, 2], 40))
     worker.start([PullSpec("first", (7, 8), (1, 2), remote), PullSpec("second", (9, 10), (1, 2), remote)], [], {})
     done: set[str] = set()
-    deadline = time.monotonic() + 5
-    while done != {"first", "second"}:
-        assert time.monotonic() < deadline, f"only {done} finished: the second pull waited behind a release"
-        done |= worker.finished(0.1)[1]
-    prefill_answers.set()
+
+    def both_finished() -> set[str]:
+        done.update(worker.finished(0.1)[1])
+        return done if done == {"first", "second"} else set()
+
+    try:  # the first pull's release is stuck throughout: the second pull must finish anyway
+        wait_until(both_finished, what="both pulls finished (the second must not wait behind the first's release)")
+    finally:
+        prefill_answers.set()
     worker.shutdown()
 
 
 def test_engine_start_fails_clearly_without_a_daemon() -> None:
-    import torch
+    torch = pytest.importorskip("torch", reason="the connector's worker side needs torch (vLLM's KV tensors)")
 
     worker = _worker(pull_timeout_s=2)
     with pytest.raises(RuntimeError, match=r"through kvbrokerd at unix:///nonexistent/kvbroker.sock \(kvbroker_target\)"

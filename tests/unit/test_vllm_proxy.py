@@ -396,22 +396,21 @@ def test_a_silent_prefill_server_gives_504_within_its_timeout(serve: Any, caplog
     release = threading.Event()
 
     def silent(handler: _FakeHandler, body: dict[str, Any]) -> None:
-        release.wait(10)
+        release.wait(60)  # silent until the test ends: then it answers as usual
         prefill_ok(handler, body)
 
     p = serve(silent)
     d = serve(decode_json)
     try:
         with proxy_for(p.url, d.url, prefill_timeout=0.5) as proxy:
-            started = time.monotonic()
             status, answer = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})
-            elapsed = time.monotonic() - started
     finally:
         release.set()
+    # The proxy gave up by itself, at the timeout it was given: one that waited for the server would have left this
+    # request unanswered past the test client's own 10 s timeout (the server stays silent for 60 s).
     assert status == 504
     generic_error(answer, "prefill", "did not answer in time")
     assert f"prefill server {p.url} did not answer within 0.5 s" in caplog.text
-    assert 0.5 <= elapsed < 3
     assert d.requests == []
 
 
@@ -475,7 +474,7 @@ def test_a_client_that_leaves_mid_stream_drops_the_decode_request(serve: Any) ->
         try:
             for _ in range(500):  # vLLM aborts a request whose connection closes: so must the proxy make it close
                 handler.chunk(b'data: {"choices": [{"text": "a"}]}\n\n')
-                time.sleep(0.01)
+                time.sleep(0.01)  # a stream's pace (the scenario), not a wait
         except OSError:
             dropped.set()
 
@@ -690,10 +689,8 @@ def test_idle_connections_hold_no_thread_and_are_closed_after_the_client_timeout
         try:
             time.sleep(0.3)
             assert threading.active_count() - before < 5
-            started = time.monotonic()
             for sock in idle:
-                assert sock.recv(1) == b""  # the proxy closed it
-            assert time.monotonic() - started < 4
+                assert sock.recv(1) == b""  # the proxy closed it (a socket it kept open times out after 5 s)
         finally:
             for sock in idle:
                 sock.close()
@@ -712,10 +709,8 @@ def test_a_client_that_trickles_its_request_is_cut_off(serve: Any, partial: byte
     p, d = serve(prefill_ok), serve(decode_json)
     config = config_for([p.url], [d.url], client_timeout=0.5, health_interval=0)
     with PdProxy(config, "127.0.0.1", 0) as proxy:
-        started = time.monotonic()
-        raw, closed = raw_exchange(proxy, partial, quiet=5)
+        raw, closed = raw_exchange(proxy, partial, quiet=5)  # closed: the proxy hung up within the 5 s of quiet
     assert closed and status_lines(raw) == expected, raw
-    assert time.monotonic() - started < 3
     assert p.requests == []
 
 

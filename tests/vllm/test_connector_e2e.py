@@ -23,10 +23,11 @@ import pytest
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
 else:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 from kvbroker._local import LocalDaemon
 from kvbroker.shm import Cache
+from tests.helpers import wait_until
 from tests.vllm.engines import Engine, EngineSpec
 from tests.vllm.tiny_model import BLOCK_SIZE, NUM_LAYERS, PAGE_BYTES, VOCAB_SIZE, build
 
@@ -93,10 +94,13 @@ class PD:
 
     def wait_released(self, timeout_s: float = 5.0) -> None:
         """Steps the prefill engine until it holds no finished request's blocks."""
-        deadline = time.monotonic() + timeout_s
-        while self.prefill.call("num_requests"):
-            assert time.monotonic() < deadline, "the prefill engine still holds blocks"
+        def released() -> bool:
+            if not self.prefill.call("num_requests"):
+                return True
             self.prefill.call("step_for", 0.2)
+            return False
+
+        wait_until(released, timeout=timeout_s, poll=0, what="the prefill engine holding no finished request's blocks")
 
     def settled_free_blocks(self) -> int:
         """Free blocks of the prefill engine once earlier tests' holds are gone (some end only at the timeout)."""
@@ -288,10 +292,13 @@ def test_abort_during_a_pull_frees_both_sides(pd: PD) -> None:
         pd.decode.call("step_for", 0.3)
     finally:
         pd.d_daemon.signal(signal.SIGCONT)
-    deadline = time.monotonic() + 15
-    while pd.decode.call("free_blocks") < d_free:
-        assert time.monotonic() < deadline, "the decode engine never freed the aborted request's blocks"
+    def freed() -> bool:
+        if pd.decode.call("free_blocks") >= d_free:
+            return True
         pd.decode.call("step_for", 0.2)
+        return False
+
+    wait_until(freed, timeout=15, poll=0, what="the decode engine freeing the aborted request's blocks")
     pd.wait_released()
 
 
@@ -306,15 +313,13 @@ def test_stopped_prefill_daemon_times_out_and_recomputes_then_pulls_resume(pd: P
         pd.p_daemon.signal(signal.SIGCONT)
     assert got == expected
     # Once the prefill node's daemon answers again, its KV is pulled again (the link recovered or was made anew).
-    deadline = time.monotonic() + 30
-    while True:
+    def pulled_again() -> bool:
         prompts = pd.prompts.make((BLOCK_SIZE + 1,))
         assert pd.run_decode(prompts, pd.run_prefill(prompts)) == pd.expected(prompts)
         (report,) = pd.last_decode_params.values()
-        if report is not None and "kvbroker_transfer_ms" in report:
-            break
-        assert time.monotonic() < deadline, "pulls never resumed after the prefill daemon came back"
-        time.sleep(1.0)
+        return report is not None and "kvbroker_transfer_ms" in report
+
+    wait_until(pulled_again, timeout=30, poll=1.0, what="pulls resumed after the prefill daemon came back")
 
 
 def test_engines_give_their_kv_memory_back_on_exit_and_on_death(pd: PD) -> None:
@@ -324,7 +329,5 @@ def test_engines_give_their_kv_memory_back_on_exit_and_on_death(pd: PD) -> None:
         pd.prefill.close()
         assert p.list_caches() == []
         pd.decode.kill()
-        deadline = time.monotonic() + LEASE_TTL_S + 10
-        while d.list_caches():
-            assert time.monotonic() < deadline, "the dead engine's KV memory was never freed"
-            time.sleep(0.2)
+        wait_until(lambda: not d.list_caches(), timeout=LEASE_TTL_S + 10, poll=0.2,
+                   what="the dead engine's KV memory freed")

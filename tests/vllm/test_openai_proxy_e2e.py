@@ -25,10 +25,11 @@ import pytest
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # type: ignore[import-not-found,unused-ignore]  # noqa: F401  (CI: missing vLLM fails, never skips)
 else:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,16 +64,16 @@ class Server:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
 
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
-                raise AssertionError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if request(self.url, "GET", "/health", None)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise AssertionError(f"vLLM server not ready after {SERVER_START_TIMEOUT_S} s:\n{self.log_tail()}")
+                pytest.fail(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            return request(self.url, "GET", "/health", None)[0] == 200
+
+        try:
+            wait_until(ready, timeout=max(0.0, deadline - time.monotonic()), poll=1.0, tolerate=(OSError,),
+                       what="the vLLM server's /health answering 200")
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{self.log_tail()}") from None
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
