@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 import sys
@@ -59,6 +60,13 @@ class Config:
                 "pooled connection); others queue"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
+    broken_link_ttl: float = field(default=60.0, metadata={
+        "help": "seconds a link we made may stay BROKEN (its peer dead or unreachable) before it is removed and its "
+                "resources freed; a full link table also drops its longest-BROKEN link for a new one (0 = keep "
+                "BROKEN links until unlinked)"})
+    idle_link_ttl: float = field(default=0.0, metadata={
+        "help": "seconds a READY link we made may carry no transfer, lookup or notification before it is removed "
+                "(the peer is told); 0 = never"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
     backend_settings: dict[str, BackendSettings] = field(default_factory=lambda: _default_settings(), metadata={
         "help": "each backend's own settings ([backend.NAME] tables; flags --NAME-FIELD)", "table": True})
@@ -111,6 +119,10 @@ class Config:
                 raise ConfigError(f"peer_token_file: {e}") from None
         if not self.peer_link_ttl >= 3.0:
             raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
+        for name in ("broken_link_ttl", "idle_link_ttl"):
+            value = getattr(self, name)
+            if not (value == 0 or 1.0 <= value <= 1e9):  # NaN fails both
+                raise ConfigError(f"{name}: {value} must be 0 (never) or between 1 and 1e9 seconds")
         facts = DaemonFacts(peer_host=self.peer_listen.rpartition(":")[0].strip("[]"), mutual_tls=all(tls))
         for name, settings in self.backend_settings.items():
             try:
@@ -126,8 +138,19 @@ class Config:
 
 
 def _is_host_port(value: str) -> bool:
+    """host:port, where an IPv6 host is a bracketed literal (`[::1]:7100`, `[::]:7100`): `::1:7100` is ambiguous."""
     host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and int(port) < 65536)
+    if not (sep and host and port.isdigit() and int(port) < 65536):
+        return False
+    if host.startswith("[") or host.endswith("]"):
+        if not (host[0] == "[" and host[-1] == "]"):
+            return False
+        try:
+            ipaddress.IPv6Address(host[1:-1].partition("%")[0])
+        except ValueError:
+            return False
+        return True
+    return ":" not in host
 
 
 _TRUE = {"1", "true", "yes", "on"}
