@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import ipaddress
 import json
 import os
@@ -32,6 +33,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Config:
     cluster_id: int = field(metadata={"help": "this daemon's cluster id (uint64, unique among linked peers)"})
+    cluster_id_from: str = field(default="", metadata={
+        "help": "derive the cluster id from this name instead (a pod or node name, or an IPv4 or IPv6 address): "
+                "the first 8 bytes of its SHA-256 as a big-endian uint64 (`kvbrokerd --print-config` shows it); "
+                "give it or cluster_id, not both"})
     listen: str = field(default="unix:///run/kvbroker/kvbroker.sock",
                         metadata={"help": "local API address: unix:///path (default) or host:port"})
     peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
@@ -135,6 +140,17 @@ class Config:
                               "TLS with --tls-cert/--tls-key/--tls-ca, or --insecure-peers to accept any peer "
                               "(development only)")
         return self
+
+
+MAX_CLUSTER_NAME_BYTES = 253
+"""cluster_id_from: a DNS name's limit (pod and node names are DNS names)."""
+
+
+def cluster_id_of(name: str) -> int:
+    """The cluster id `cluster_id_from = name` gives: the first 8 bytes of SHA-256(name, UTF-8), big-endian. Stable
+    across releases and machines (deploy files and tools may compute it themselves: in a shell,
+    `printf %s "$NAME" | sha256sum | cut -c1-16` is its hex); two names collide with probability ~n^2/2^65."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
 def _is_host_port(value: str) -> bool:
@@ -285,9 +301,19 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             value = next((v for v in given if v is not None), None)
             if value is not None:
                 values[opt.label] = value
+    derived_from = str(values.get("cluster_id_from", ""))
+    if derived_from:
+        if "cluster_id" in values:
+            raise ConfigError(f"cluster_id_from: {derived_from!r} and cluster_id {values['cluster_id']} are both "
+                              "given; give one")
+        if len(derived_from.encode()) > MAX_CLUSTER_NAME_BYTES or not derived_from.isprintable():
+            raise ConfigError(f"cluster_id_from: {derived_from[:40]!r} must be printable and at most "
+                              f"{MAX_CLUSTER_NAME_BYTES} bytes")
+        values["cluster_id"] = cluster_id_of(derived_from)
     if "cluster_id" not in values:
         if not args["print_config"]:
-            raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
+            raise ConfigError("cluster_id: required (--cluster-id, --cluster-id-from, KVBROKER_CLUSTER_ID, "
+                              "KVBROKER_CLUSTER_ID_FROM or the config file)")
         values["cluster_id"] = 0  # --print-config shows the defaults even before an id is chosen
     typed = {opt.label: _coerce(opt.label, values[opt.label], opt.field.type) for opt in options
              if opt.label in values}
