@@ -16,6 +16,7 @@ import pytest
 
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmStatus
 from kvbroker._local import LocalDaemon
+from kvbroker.v1 import peer_pb2
 from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import wait_until
@@ -72,6 +73,18 @@ def test_a_broken_link_past_its_ttl_is_removed_and_counted(tmp_path: Path) -> No
             [again] = c.link_clusters([ClusterInfo(1, peer.peer_address)], timeout=1.0)
             assert again.status == LlmStatus.LLM_LINK_FAILED  # the peer is still dead
             assert c.list_links() == []
+
+
+def test_an_unused_link_past_the_idle_ttl_is_removed_and_the_peer_told(tmp_path: Path) -> None:
+    with LocalDaemon(tmp_path, 2, extra_args=["--idle-link-ttl", "1", "--metrics-listen", "127.0.0.1:0"]) as d, \
+            LocalDaemon(tmp_path, 1, extra_args=["--metrics-listen", "127.0.0.1:0"]) as peer, d.client() as c:
+        assert c.link_clusters([cluster_of(peer)])[0].ok
+        wait_until(lambda: c.list_links() == [], timeout=20, what="the unused link gone from ListLinks")
+        assert _reclaimed(c.get_cluster_info().metrics_address)[("outbound", "idle")] == 1
+        with peer.client() as cp:  # told, not left to expire: its inbound slot is free at once
+            assert 'kvbroker_inbound_links 0.0' in urllib.request.urlopen(
+                f"http://{cp.get_cluster_info().metrics_address}/metrics", timeout=5).read().decode()
+        assert c.link_clusters([cluster_of(peer)])[0].ok  # linking again is an ordinary link
 
 
 def test_churn_of_many_dead_peers_never_fills_a_small_link_table(tmp_path: Path) -> None:
@@ -137,6 +150,13 @@ def dual_stack(tmp_path: Path) -> Iterator[LocalDaemon]:
         yield d
 
 
+def _keep_alive(links: list[peerkit.FakePeerLink]) -> int:
+    """A heartbeat on each link, as a token holder keeping its links live (never silent, so never evictable as
+    such) would send; returns how many of them the daemon still knows."""
+    return sum(link.stub.Heartbeat(link.signed("Heartbeat", peer_pb2.HeartbeatRequest()), timeout=5).link_known
+               for link in links)
+
+
 def _port(d: LocalDaemon) -> int:
     return int(d.peer_address.rpartition(":")[2])
 
@@ -151,8 +171,10 @@ def test_impostors_claiming_a_peers_cluster_id_do_not_lock_it_out(dual_stack: Lo
     impostors = [peerkit.link_as(f"127.0.0.1:{_port(d)}", token, 7, d.cluster_id, epoch=f"e{i}") for i in range(64)]
     try:
         with LocalDaemon(tmp_path, 7, backends=("tcp",)) as real, real.client() as c:
+            assert _keep_alive(impostors) == 64
             assert c.link_clusters([ClusterInfo(d.cluster_id, f"[::1]:{_port(d)}")])[0].ok
             _pull_ok(d, real)
+            assert _keep_alive(impostors) == 63  # one gave way to the real peer
             for i in range(3):  # more impostors: refused, never at the real peer's expense
                 with pytest.raises(grpc.RpcError):
                     peerkit.link_as(f"127.0.0.1:{_port(d)}", token, 7, d.cluster_id, epoch=f"more{i}")
@@ -180,6 +202,7 @@ def test_a_token_holder_filling_the_inbound_table_cannot_lock_new_peers_out(tmp_
                 for cluster_id in (1, 2):
                     peer = stack.enter_context(LocalDaemon(tmp_path, cluster_id, backends=("tcp",)))
                     with peer.client() as c:
+                        _keep_alive(hoard)
                         assert c.link_clusters([ClusterInfo(d.cluster_id, f"[::1]:{_port(d)}")])[0].ok
                     _pull_ok(d, peer)
         finally:
