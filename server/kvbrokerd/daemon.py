@@ -95,7 +95,8 @@ class Daemon:
                 cfg.cluster_id, epoch, {},
                 token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl,
+                broken_link_ttl_s=cfg.broken_link_ttl, idle_link_ttl_s=cfg.idle_link_ttl)
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -210,7 +211,10 @@ class Daemon:
         for link in list(node.links.links.values()):
             states[link.state.name] += 1
         caches = node.registry.list()
-        return {"links": states, "caches": len(caches),
+        reclaimed = {("outbound", reason): n for reason, n in node.links.reclaimed.items()}
+        reclaimed.update({("inbound", reason): n for reason, n in node.links.inbound.reclaimed.items()})
+        return {"links": states, "inbound_links": len(node.links.inbound.links), "links_reclaimed": reclaimed,
+                "caches": len(caches),
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
                 "sessions": len(node.sessions)}

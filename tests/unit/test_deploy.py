@@ -162,8 +162,9 @@ def test_daemonset_is_one_broker_per_node_with_tls_from_a_secret() -> None:
     assert pod_volumes == {"kvbroker-run": volumes["kvbroker-run"]["hostPath"]["path"], "dshm": "/dev/shm"}
 
 
-def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, str]:
-    refs = {"status.podIP": ip, "status.hostIP": ip}
+def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path, name: str = "model-server-7d9f8-x2x4q"
+             ) -> dict[str, str]:
+    refs = {"status.podIP": ip, "status.hostIP": ip, "metadata.name": name, "spec.nodeName": name}
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "valueFrom" in e:
@@ -182,27 +183,61 @@ def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, st
     return env
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
-def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) -> None:
+def _run_broker_script(path: Path, ip: str, name: str, tmp_path: Path) -> dict[str, str]:
     """Runs the manifest's own start-up script (with `kvbrokerd` = this checkout's daemon, --print-config) under the
-    manifest's environment: the cluster id is the IPv4 address as a uint32 and every setting is accepted."""
-    doc = _docs(path)[0]
-    broker = _broker(doc)
-    env = _k8s_env(broker, "10.1.2.3", tmp_path)
+    manifest's environment for a pod or node with address `ip` and name `name`; the printed config by key."""
+    broker = _broker(_docs(path)[0])
+    env = _k8s_env(broker, ip, tmp_path, name)
     assert {k for k in env if k.startswith("KVBROKER_")} <= config.environment_variables()
     shim = tmp_path / "bin"
-    shim.mkdir()
+    shim.mkdir(exist_ok=True)
     (shim / "kvbrokerd").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvbrokerd --print-config "$@"\n')
     (shim / "kvbrokerd").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVBROKER_")}
     out = subprocess.run([*broker["command"], *broker["args"]], capture_output=True, text=True, timeout=30,
                          env={**base, **env, "PATH": f"{shim}{os.pathsep}{base.get('PATH', '')}"})
     assert out.returncode == 0, out.stderr
-    printed = dict(re.findall(r"^(\w+) = (.*?)  #", out.stdout, re.MULTILINE))
-    assert printed["cluster_id"] == str((10 << 24) | (1 << 16) | (2 << 8) | 3)
+    return dict(re.findall(r"^(\w+) = (.*?)  #", out.stdout, re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) -> None:
+    """The manifest's start-up script under its environment: the cluster id is the hash of the pod (or node) name
+    and every setting is accepted."""
+    printed = _run_broker_script(path, "10.1.2.3", "model-server-7d9f8-x2x4q", tmp_path)
+    assert printed["cluster_id"] == str(config.cluster_id_of("model-server-7d9f8-x2x4q"))
     assert printed["advertise_address"] == '"10.1.2.3:7100"'
+    assert printed["peer_listen"] == '"0.0.0.0:7100"'
     assert printed["listen"] == '"unix:///run/kvbroker/kvbroker.sock"'
     assert printed["peer_token_file"].strip('"'), "the broker must authenticate its peers"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_an_ipv6_pod_gets_a_bracketed_address_and_an_id_from_its_name(path: Path, tmp_path: Path) -> None:
+    """Issue 20: the manifests derived the cluster id from an IPv4 address (`tr .`), which an IPv6 pod does not
+    have. Now any pod or node name (and any address family) gives a valid, distinct uint64."""
+    printed = _run_broker_script(path, "fd00:10:244::1a", "decode-0", tmp_path)
+    assert printed["cluster_id"] == str(config.cluster_id_of("decode-0"))
+    assert printed["advertise_address"] == '"[fd00:10:244::1a]:7100"'
+    assert printed["peer_listen"] == '"[::]:7100"'
+    ids = {config.cluster_id_of(n) for n in ("decode-0", "decode-1", "prefill-0", "10.1.2.3", "fd00::1")}
+    assert len(ids) == 5 and all(0 <= i < 2**64 for i in ids)
+
+
+def test_cluster_id_of_is_the_documented_hash(tmp_path: Path) -> None:
+    """The shell recipe in deploy/kvbroker.toml gives the same id as the daemon, and the key works from a file,
+    the environment and a flag; giving both ways is refused."""
+    out = subprocess.run(["sh", "-c", 'printf %s "$NAME" | sha256sum | cut -c1-16'], capture_output=True,
+                         text=True, env={**os.environ, "NAME": "prefill-7d9f8-abcde"}, check=True)
+    assert int(out.stdout.strip(), 16) == config.cluster_id_of("prefill-7d9f8-abcde")
+    cfg, _ = config.load(["--cluster-id-from", "[fd00::1]", "--insecure-peers"], {})
+    assert cfg.cluster_id == config.cluster_id_of("[fd00::1]")
+    cfg, _ = config.load(["--insecure-peers"], {"KVBROKER_CLUSTER_ID_FROM": "node-a"})
+    assert cfg.cluster_id == config.cluster_id_of("node-a")
+    with pytest.raises(config.ConfigError, match="give one"):
+        config.load(["--cluster-id", "3", "--cluster-id-from", "node-a", "--insecure-peers"], {})
+    with pytest.raises(config.ConfigError, match="cluster_id_from"):
+        config.load(["--cluster-id-from", "bad\nname", "--insecure-peers"], {})
 
 
 def test_every_client_variable_in_manifests_is_known() -> None:

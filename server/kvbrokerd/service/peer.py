@@ -8,6 +8,7 @@ import grpc.aio
 from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 from kvbrokerd.errors import LlmError
+from kvbrokerd.links.inbound import source_host
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors
@@ -26,7 +27,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def Authenticate(self, request: peer_pb2.AuthenticateRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.AuthenticateResponse:
         n = self.node
-        n.links.inbound.authenticate(request)
+        n.links.inbound.authenticate(request, source_host(context.peer()))
         return peer_pb2.AuthenticateResponse(
             cluster_id=n.cluster_id, instance_epoch=n.epoch,
             backend_info={name: b.advertise() for name, b in n.links.backends.items()})

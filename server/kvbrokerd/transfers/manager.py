@@ -203,6 +203,16 @@ class TransferManager:
     # -- execution ---------------------------------------------------------------------------------------------------
     async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
         """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
+        if job.link is None:
+            return await self._run_plan(job, deadline, transfer_id, plan)
+        job.link.busy += 1  # a link carrying a transfer is not idle, however long the transfer takes
+        try:
+            return await self._run_plan(job, deadline, transfer_id, plan)
+        finally:
+            job.link.busy -= 1
+            job.link.last_used = time.monotonic()
+
+    async def _run_plan(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None) -> int:
         plan = job.plan if plan is None else plan
         channel = job.channel
         on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)

@@ -105,7 +105,9 @@ class DataServer:
         self._block_locks = block_locks
         self.on_serving_change = on_serving_change
         self.serving = False
-        self._listener = socket.create_server((host, port), family=family(host), backlog=128, reuse_port=False)
+        # `::` (a peer API on [::]) serves IPv4 peers too, as gRPC's own listener on [::] does.
+        self._listener = socket.create_server((host, port), family=family(host), backlog=128, reuse_port=False,
+                                              dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         self._listener.settimeout(_ACCEPT_POLL_S)
         self.port: int = self._listener.getsockname()[1]
         self._handshaking: dict[_Conn, float] = {}  # -> handshake deadline; insertion order = oldest first
