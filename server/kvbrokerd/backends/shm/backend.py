@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections import OrderedDict
 import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
