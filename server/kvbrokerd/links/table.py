@@ -165,6 +165,14 @@ class Link:
         if remote is not None and self.channel is not None:
             self.channel.forget(remote)
 
+    def sweep(self) -> None:
+        """Forgets the caches that the channel knows are gone on the peer (their mappings with them)."""
+        if self.channel is None:
+            return
+        for cache_id, remote in list(self.remote_caches.items()):
+            if self.channel.gone(remote):
+                self.forget_cache(cache_id)
+
     def mark_broken(self, reason: str, *, final: bool = False) -> None:
         """`final`: the peer restarted or dropped the link, so only unlink + link (or auto re-link) repairs it;
         otherwise (a failed transfer, missed heartbeats) the next good heartbeat makes the link READY again."""
@@ -438,6 +446,8 @@ class LinkTable:
                                                timeout=HEARTBEAT_INTERVAL_S)
                 self._reclaim(link, *expired)
                 return
+            # Even while the peer does not answer (it may have died): what we hold of its memory must not outlive it.
+            link.sweep()
             try:
                 resp = await link.stub.Heartbeat(link.signed("Heartbeat", peer_pb2.HeartbeatRequest()),
                                                  timeout=HEARTBEAT_INTERVAL_S)

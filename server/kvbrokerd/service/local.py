@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
@@ -24,6 +25,8 @@ from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
 from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
+
+log = logging.getLogger(__name__)
 
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
@@ -91,6 +94,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         self.node = node
         self._listing_bytes: dict[int, int] = {}
         """Size of each cache's entry in the ListCaches reply, by cache id (see MAX_CACHE_LISTING_BYTES)."""
+        self._orphans: set[asyncio.Task[None]] = set()
+        """Releases of caches whose callers gave up while they were made (kept referenced until they finish)."""
 
     @property
     def _shm_dir(self) -> str:
@@ -115,10 +120,42 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                             ) -> broker_pb2.AllocateCacheResponse:
         if request.session_id:
             self.node.sessions.touch(request.session_id)
+        _check_caller_waits(context, "AllocateCache")
         # Reserving the memory takes about a second per GiB on a loaded host: off the event loop.
-        entry = await asyncio.to_thread(self.node.registry.allocate, _desc(request.desc),  # type: ignore[arg-type]
-                                        request.session_id)
+        entry = await self._unless_caller_gone(context, asyncio.to_thread(
+            self.node.registry.allocate, _desc(request.desc), request.session_id))  # type: ignore[arg-type]
         return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
+
+    async def _unless_caller_gone(self, context: grpc.aio.ServicerContext, making: Awaitable[CacheEntry]
+                                  ) -> CacheEntry:
+        """The cache that `making` adds, once made, if its caller still waits for the answer. A caller that gave up
+        (cancelled, or its deadline passed) never learns the cache's id, and a cache without a lease would live
+        forever: the daemon releases it then, even if the work that makes it finishes only after the caller left."""
+        work = asyncio.ensure_future(making)
+        try:
+            entry = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._release_orphan)
+            raise
+        if context.cancelled() or context.done() or time_remaining(context) == 0.0:
+            await self._release(entry)
+            fail(LlmStatus.LLM_TIMEOUT, f"the caller gave up before cache {entry.cache_id} was ready; it was "
+                 "released again")
+        return entry
+
+    def _release_orphan(self, work: asyncio.Future[CacheEntry]) -> None:
+        if work.cancelled() or work.exception() is not None:
+            return  # nothing was made (a failure left nothing behind)
+        task = asyncio.ensure_future(self._release(work.result()))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release(self, entry: CacheEntry) -> None:
+        try:
+            await self.node.registry.remove(entry.cache_id, daemon_owned=None, wait_s=0.0)
+            log.warning("released cache %d: its caller gave up before it was ready", entry.cache_id)
+        except LlmError as e:  # no one else knows the id: nothing can be using it, so this is not expected
+            log.error("could not release cache %d, whose caller gave up: %s", entry.cache_id, e)
 
     @llm_errors
     async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
@@ -134,9 +171,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             self.node.sessions.touch(request.session_id)
         if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
             # Opening IPC handles and registering device memory with an engine can take a while: off the event loop.
-            entry = await asyncio.to_thread(devicemem.register, _desc(request.desc),  # type: ignore[arg-type]
-                                            tensors, self.node.links.backends, owner=request.session_id,
-                                            known=backend_index.device_kinds())
+            _check_caller_waits(context, "RegisterKvCache")
+            entry = await self._unless_caller_gone(context, asyncio.to_thread(
+                devicemem.register, _desc(request.desc), tensors, self.node.links.backends,  # type: ignore[arg-type]
+                owner=request.session_id, known=backend_index.device_kinds()))
         else:
             entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
                                                 owner=request.session_id)
@@ -353,6 +391,12 @@ def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
     remaining = time_remaining(context)
     timeout = timeout_ms / 1000 if timeout_ms else DEFAULT_LINK_TIMEOUT_S
     return timeout if remaining is None else max(0.001, min(timeout, remaining - 0.1))
+
+
+def _check_caller_waits(context: grpc.aio.ServicerContext, what: str) -> None:
+    """Refuses work that makes a cache when the caller's deadline has already passed: it could not learn the id."""
+    if time_remaining(context) == 0.0:
+        fail(LlmStatus.LLM_TIMEOUT, f"{what}: the call's deadline passed before it started")
 
 
 def _wait(context: grpc.aio.ServicerContext) -> float:

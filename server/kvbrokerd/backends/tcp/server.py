@@ -3,8 +3,10 @@ in wire.py). The server validates a whole request against its registry before a 
 meanwhile; runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between the caches' memory.
 Nothing waits without a bound: a handshake has one total deadline and the oldest pending one gives way when
 MAX_HANDSHAKES are under way; a request's frame must arrive within REQUEST_TIMEOUT_S of its first byte; its payload
-moves within the sender's deadline (at most MAX_REQUEST_S), gives up after STALL_TIMEOUT_S without progress and,
-once its cache is being released, as soon as the other side stops taking bytes.
+moves within the sender's deadline (at most MAX_REQUEST_S), gives up after STALL_TIMEOUT_S without progress, below
+the minimum rate (`--tcp-min-rate` bytes/s over each `--tcp-rate-window-s`: a peer that reads or writes a trickle
+would otherwise pin the cache until its deadline) and, once its cache is being released, as soon as the other side
+stops taking bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvbrokerd.backends.tcp.wire import (
     MAX_HANDSHAKES,
     MAX_REQUEST_S,
     MAX_RUNS_PER_REQUEST,
+    MIN_RATE_BYTES_PER_S,
+    RATE_WINDOW_S,
     REPLY,
     REQUEST,
     REQUEST_TIMEOUT_S,
@@ -59,6 +63,8 @@ log = logging.getLogger(__name__)
 
 _SERVED_VERSIONS = (1, 2)
 _REQUEST_V1 = struct.Struct("<4sIq")
+DEFAULT_MIN_RATE = sockio.MinRate(MIN_RATE_BYTES_PER_S, RATE_WINDOW_S)
+
 # The accept loop wakes this often to end handshakes past their deadline.
 _ACCEPT_POLL_S = 0.25
 _BACKOFF_MIN_S = 0.01
@@ -98,8 +104,12 @@ class DataServer:
     def __init__(self, registry: Registry, secret_for: Callable[[bytes], bytes | None], host: str,
                  port: int = 0, tls: ssl.SSLContext | None = None, *,
                  block_locks: blocklocks.BlockLocks = blocklocks.DEFAULT,
-                 on_serving_change: Callable[[bool], None] | None = None) -> None:
+                 on_serving_change: Callable[[bool], None] | None = None,
+                 min_rate: sockio.MinRate = DEFAULT_MIN_RATE) -> None:
+        """`min_rate`: a peer reading or writing a cache slower than this is abandoned (the pin it holds blocks
+        the cache's release and its owner's lease expiry)."""
         self._tls = tls
+        self._min_rate = min_rate
         self._registry = registry
         self._secret_for = secret_for
         self._block_locks = block_locks
@@ -236,6 +246,8 @@ class DataServer:
             sockio.send_all(conn.sock, b"KVOK", sockio.Watch(deadline))
             while not self._stop.is_set() and self._serve_request(conn.sock, version):
                 pass
+        except TimeoutError as e:  # a stalled or too slow peer: worth an operator's look (one line per connection)
+            log.warning("dropped the data connection from %s: %s", _peer_name(conn.sock), e)
         except (ConnectionError, OSError, struct.error):
             pass
         except Exception:
@@ -298,7 +310,7 @@ class DataServer:
             with self._registry.pinned(cache_id) as entry:
                 check_before_tls(conn, entry)
                 # The pin blocks the cache's release: a reader that stopped reading must not keep it for long.
-                watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry))
+                watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry), self._min_rate)
                 if magic == b"KVRQ":
                     self._serve_read(conn, version, entry, runs, watch)
                 else:

@@ -65,6 +65,11 @@ REQUEST_TIMEOUT_S = 10.0
 MAX_REQUEST_S = 300.0
 """Longest a request may run (and pin its cache), whatever deadline its sender announces; version 1 gets this."""
 STALL_TIMEOUT_S = 10.0
+MIN_RATE_BYTES_PER_S = 1 << 20
+RATE_WINDOW_S = 10.0
+"""A request that moves less than MIN_RATE_BYTES_PER_S on average over any of its RATE_WINDOW_S windows is abandoned:
+a peer that trickles must not pin a cache (blocking its release and its lease's expiry) for MAX_REQUEST_S. Any
+link worth pulling KV blocks over moves far more; the defaults of `--tcp-min-rate` and `--tcp-rate-window-s`."""
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
