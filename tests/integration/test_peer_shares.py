@@ -1,0 +1,44 @@
+"""Every shared limit is per peer as well as global: one linked peer (a token holder, possibly hostile) or one
+stranger exhausts only its own share, and replies never exceed what gRPC can send (issue 23, findings 5, 6, 7, 9)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from kvbroker import CacheDesc, CacheIndex, DataType
+from kvbroker._local import LocalDaemon
+from tests import dataport
+from tests.conftest import cluster_of
+from tests.helpers import fill, snapshot
+
+SMALL = CacheDesc(num_tensors=2, shape=(8, 16 << 10), data_type=DataType.FLOAT32)  # 64 KiB blocks
+
+
+# -- 5: data connections ---------------------------------------------------------------------------------------------
+def test_one_link_hoarding_data_connections_leaves_other_peers_their_share(tmp_path: Path) -> None:
+    """A linked peer opens idle authenticated data connections until the daemon refuses one (it used to get all 512,
+    the global cap, and every other peer's tcp transfers failed); a real linked peer still pulls."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client() as d:
+        a, b = s.allocate_cache(SMALL), d.allocate_cache(SMALL)
+        fill(a, 3)
+        secret, port = dataport.fake_link(src, cluster_id=77)
+        held: list[socket.socket] = []
+        try:
+            for _ in range(600):
+                try:
+                    held.append(dataport.connect(port, secret, timeout=5.0))
+                except (ConnectionError, OSError):
+                    break  # refused: this link holds its share
+            assert len(held) < 512, "one link took every data connection the daemon serves"
+            [linked] = d.link_clusters([cluster_of(src)])
+            assert linked.ok, linked
+            d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, [0, 1, 2], [5, 6, 7], timeout=10)
+            assert all(np.array_equal(x.view(np.uint8)[[0, 1, 2]], y.view(np.uint8)[[5, 6, 7]])
+                       for x, y in zip(snapshot(a), snapshot(b), strict=True))
+        finally:
+            for sock in held:
+                sock.close()
