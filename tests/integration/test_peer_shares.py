@@ -6,13 +6,17 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from kvbroker import CacheDesc, CacheIndex, DataType
 from kvbroker._local import LocalDaemon
+from kvbroker.v1 import peer_pb2
+from kvbrokerd.links import notifications
 from tests import dataport
 from tests.conftest import cluster_of
 from tests.helpers import fill, snapshot
+from tests.peerkit import link_as, token_of
 
 SMALL = CacheDesc(num_tensors=2, shape=(8, 16 << 10), data_type=DataType.FLOAT32)  # 64 KiB blocks
 
@@ -42,3 +46,30 @@ def test_one_link_hoarding_data_connections_leaves_other_peers_their_share(tmp_p
         finally:
             for sock in held:
                 sock.close()
+
+
+# -- 7: a fetch never builds a reply gRPC cannot send, and loses nothing --------------------------------------------
+def test_fetching_a_full_topic_delivers_every_notification(tmp_path: Path) -> None:
+    """Linked peers queue 64 KiB notifications until refused (64 MiB in all used to fit, and the default fetch then
+    built a reply over the 64 MiB send limit: the call failed and what it had dequeued was gone). Fetches with the
+    default max_count now return every one of them, each reply under the limit."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as d, d.client() as c:
+        payload = b"z" * notifications.MAX_PAYLOAD_BYTES
+        sent = 0
+        for cluster_id in (71, 72, 73, 74, 75):
+            link = link_as(d.peer_address, token_of(d.workdir), cluster_id, d.cluster_id)
+            try:
+                for _ in range(1100):
+                    try:
+                        note = peer_pb2.PeerNotifyRequest(topic="big", payload=payload)
+                        link.stub.Notify(link.signed("Notify", note), timeout=10)
+                    except grpc.RpcError:
+                        break
+                    sent += 1
+            finally:
+                link.close()
+        assert sent * len(payload) > 48 << 20
+        fetched = 0
+        while got := c.fetch_notifications("big", timeout=30):
+            fetched += len(got)
+        assert fetched == sent
