@@ -15,7 +15,7 @@ from kvbroker.v1 import peer_pb2
 from kvbrokerd.links import notifications
 from tests import dataport
 from tests.conftest import cluster_of
-from tests.helpers import fill, snapshot
+from tests.helpers import fill, snapshot, wait_until
 from tests.peerkit import link_as, token_of
 
 SMALL = CacheDesc(num_tensors=2, shape=(8, 16 << 10), data_type=DataType.FLOAT32)  # 64 KiB blocks
@@ -73,3 +73,48 @@ def test_fetching_a_full_topic_delivers_every_notification(tmp_path: Path) -> No
         while got := c.fetch_notifications("big", timeout=30):
             fetched += len(got)
         assert fetched == sent
+
+
+# -- 9: the peer port holds a bounded number of connections ----------------------------------------------------------
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        while chunk := sock.recv(65536, socket.MSG_DONTWAIT):
+            del chunk
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def test_idle_strangers_on_the_peer_port_cannot_take_the_daemons_descriptors(tmp_path: Path) -> None:
+    """Strangers (no token) open 400 completed HTTP/2 connections to the peer port of a daemon limited to 256
+    descriptors and hold them (they used to be kept until the descriptors ran out: AllocateCache failed and the data
+    port stopped accepting). The port now holds at most a quarter of the limit and closes the others at once; the
+    daemon allocates caches and a linked peer still pulls."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",), wrapper=["prlimit", "--nofile=256:256"]) as src, \
+            LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, src.client() as s, dst.client() as d:
+        [linked] = d.link_clusters([cluster_of(src)])  # before the strangers: its peer-port connection is made
+        assert linked.ok, linked
+        port = int(src.peer_address.rpartition(":")[2])
+        strangers: list[socket.socket] = []
+        try:
+            for _ in range(400):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                sock.sendall(_HTTP2_PREFACE)
+                sock.setblocking(False)
+                strangers.append(sock)
+            wait_until(lambda: sum(map(_closed_by_peer, strangers)) >= 400 - 256 // 4, timeout=10,
+                       what="the peer port closing the strangers past its cap")
+            caches = [s.allocate_cache(SMALL) for _ in range(8)]  # each needs descriptors
+            fill(caches[0], 4)
+            b = d.allocate_cache(SMALL)
+            d.pull_kv_blocks(CacheIndex(src.cluster_id, caches[0].cache_id), b, [1], [2], timeout=10)
+            assert all(np.array_equal(x.view(np.uint8)[[1]], y.view(np.uint8)[[2]])
+                       for x, y in zip(snapshot(caches[0]), snapshot(b), strict=True))
+        finally:
+            for sock in strangers:
+                sock.close()
