@@ -553,7 +553,8 @@ class _Calls:
                 longer).
 
         Returns:
-            Up to `max_count` notifications; empty when none came within `wait`.
+            Up to `max_count` notifications, and at most 16 MiB of them (the daemon leaves the rest queued for
+            the next fetch); empty when none came within `wait`.
 
         Raises:
             ParamInvalidError: `wait`, `max_count` or `timeout` is out of bounds (refused before any call).

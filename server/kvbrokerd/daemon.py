@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from pathlib import Path
@@ -47,8 +48,36 @@ _SERVER_OPTIONS = [
 ]
 # Peers send small requests only; a stranger must not make us buffer 64 MiB messages.
 MAX_PEER_REQUEST_BYTES = 1 << 20
-_PEER_SERVER_OPTIONS = [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES),
-                        *_SERVER_OPTIONS[2:]]
+MAX_PEER_CONNECTIONS = 1024
+"""Connections the peer port holds at once (gRPC closes newer ones as soon as they are accepted); never more than a
+quarter of the process's descriptor limit, so that strangers holding connections cannot take the descriptors that
+caches, data connections and the local API need."""
+PEER_IDLE_TIMEOUT_S = 60.0
+"""A peer-port connection with no call for this long is closed (linked peers heartbeat every second)."""
+PEER_MAX_AGE_S = 600.0
+PEER_AGE_GRACE_S = 30.0
+"""Every peer-port connection is retired (GOAWAY) after PEER_MAX_AGE_S, its calls given PEER_AGE_GRACE_S to finish:
+the bound on a stranger that keeps a connection busy with a call it never completes. Peers' channels reconnect."""
+PEER_HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection must finish its TLS and HTTP/2 handshakes within this."""
+PEER_MAX_STREAMS = 128
+"""Concurrent calls on one peer-port connection."""
+
+
+def peer_server_options() -> list[tuple[str, Any]]:
+    """The peer port's gRPC options: small messages, a connection cap and idle, age and handshake timeouts."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = MAX_PEER_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_PEER_CONNECTIONS, soft // 4))
+    return [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES), *_SERVER_OPTIONS[2:],
+            ("grpc.max_allowed_incoming_connections", cap),
+            ("grpc.max_connection_idle_ms", int(PEER_IDLE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_age_ms", int(PEER_MAX_AGE_S * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(PEER_AGE_GRACE_S * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(PEER_HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_concurrent_streams", PEER_MAX_STREAMS),
+            # Dead connections are found by our pings; a peer may not ping us more than every 10 s without calls.
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000), ("grpc.http2.max_ping_strikes", 2)]
 LOCAL_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 
@@ -165,7 +194,7 @@ class Daemon:
                      credentials: grpc.ServerCredentials | None = None) -> int:
         """One listener: the local API (KvBroker) or the peer API (Peer), each with health and reflection. The
         local API is never served on the peer port: that port is reachable from the network."""
-        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else _PEER_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else peer_server_options())
         if service == LOCAL_SERVICE:
             broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
         else:

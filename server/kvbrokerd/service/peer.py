@@ -3,20 +3,48 @@ notifications). Every call but the handshake's first step must carry a valid Lin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import grpc.aio
 
 from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-from kvbrokerd.errors import LlmError
-from kvbrokerd.links.inbound import source_host
+from kvbrokerd.errors import LlmError, LlmStatus, fail
+from kvbrokerd.links.inbound import InboundLink, source_host
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors
+
+MAX_PENDING_LOOKUPS = 256
+"""GetCacheInfo calls under way at once, over all links (a lookup may wait for a backend to register the cache)."""
+MAX_PENDING_LOOKUPS_PER_LINK = 32
+"""GetCacheInfo calls one link may have under way: a peer that keeps lookups pending holds up only its own."""
 
 
 class PeerService(peer_pb2_grpc.PeerServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._lookups: dict[InboundLink, int] = {}  # pending GetCacheInfo calls by link
+        self._pending = 0
+
+    @contextlib.contextmanager
+    def _lookup(self, link: InboundLink) -> Iterator[None]:
+        """Counts a pending lookup against its link's share and the whole (LLM_LINK_BUSY past either: try again)."""
+        mine = self._lookups.get(link, 0)
+        if mine >= MAX_PENDING_LOOKUPS_PER_LINK:
+            fail(LlmStatus.LLM_LINK_BUSY, f"this link has {mine} cache lookups under way, the most one link may")
+        if self._pending >= MAX_PENDING_LOOKUPS:
+            fail(LlmStatus.LLM_LINK_BUSY, f"{self._pending} cache lookups are under way, the most this daemon runs")
+        self._lookups[link] = mine + 1
+        self._pending += 1
+        try:
+            yield
+        finally:
+            self._pending -= 1
+            self._lookups[link] -= 1
+            if not self._lookups[link]:
+                del self._lookups[link]
 
     @llm_errors
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
@@ -35,10 +63,10 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     @llm_errors
     async def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.GetCacheInfoResponse:
-        self.node.links.inbound.authorize("GetCacheInfo", request, request.proof)
+        link = self.node.links.inbound.authorize("GetCacheInfo", request, request.proof)
         # Pinned while backends describe it: an engine may still be registering its memory when the cache is
         # removed, and must not see it unmapped (or keep a registration the removal never learned of).
-        with self.node.registry.pinned(request.cache_id) as entry:
+        with self._lookup(link), self.node.registry.pinned(request.cache_id) as entry:
             backend_info = {name: info for name, b in self.node.links.backends.items()
                             if (info := await b.describe_cache(entry))}
         return peer_pb2.GetCacheInfoResponse(

@@ -33,6 +33,7 @@ from kvbrokerd.backends.tcp.wire import (
     HELLO,
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_LINK,
     MAX_HANDSHAKES,
     MAX_REQUEST_S,
     MAX_RUNS_PER_REQUEST,
@@ -90,6 +91,7 @@ class _Conn:
     """A served connection; `sock` becomes the TLS socket once wrapped (shutting that down wakes its thread)."""
 
     sock: socket.socket
+    link_id: bytes = b""  # the link it proved, once it did
 
 
 class DataServer:
@@ -122,6 +124,7 @@ class DataServer:
         self.port: int = self._listener.getsockname()[1]
         self._handshaking: dict[_Conn, float] = {}  # -> handshake deadline; insertion order = oldest first
         self._conns: set[_Conn] = set()
+        self._per_link: dict[bytes, int] = {}  # authenticated connections open, by link id
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kvbroker-tcp-accept", daemon=True)
@@ -239,10 +242,8 @@ class DataServer:
             with self._lock:
                 if self._handshaking.pop(conn, None) is None:
                     return  # it ran out of time, or gave way to newer connections
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+                if not self._admit(conn):
                     return
-                self._conns.add(conn)
             sockio.send_all(conn.sock, b"KVOK", sockio.Watch(deadline))
             while not self._stop.is_set() and self._serve_request(conn.sock, version):
                 pass
@@ -255,8 +256,27 @@ class DataServer:
         finally:
             with self._lock:
                 self._handshaking.pop(conn, None)
-                self._conns.discard(conn)
+                if conn in self._conns:
+                    self._conns.discard(conn)
+                    self._per_link[conn.link_id] -= 1
+                    if not self._per_link[conn.link_id]:
+                        del self._per_link[conn.link_id]
             conn.sock.close()
+
+    def _admit(self, conn: _Conn) -> bool:
+        """Counts an authenticated connection against both caps (under _lock): a link holding its share is refused
+        before the global cap is touched, so one peer cannot lock the others out."""
+        held = self._per_link.get(conn.link_id, 0)
+        if held >= MAX_CONNECTIONS_PER_LINK:
+            log.warning("refused a data connection of link %s: it holds %d already (the most one link may)",
+                        conn.link_id.hex()[:8], held)
+            return False
+        if len(self._conns) >= MAX_CONNECTIONS:
+            log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+            return False
+        self._conns.add(conn)
+        self._per_link[conn.link_id] = held + 1
+        return True
 
     def _handshake(self, conn: _Conn, deadline: float) -> int | None:
         """The connection's protocol version once it proved its link, else None."""
@@ -273,6 +293,7 @@ class DataServer:
         if secret is None or not linkauth.verify(secret, nonce, lid, mac):
             log.warning("refused a data connection from %s: no valid link proof", _peer_name(conn.sock))
             return None
+        conn.link_id = bytes(lid)
         return int(version)
 
     def _read_request(self, conn: socket.socket, version: int) -> tuple[bytes, int, float, np.ndarray] | None:

@@ -59,6 +59,11 @@ MAX_RUNS_PER_REQUEST = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 128
 MAX_CONNECTIONS = 512
+"""Authenticated data connections open at once, over all links."""
+MAX_CONNECTIONS_PER_LINK = 64
+"""Authenticated data connections one link may hold open: a peer that hoards them (idle ones stay IDLE_TIMEOUT_S)
+exhausts its own share, not MAX_CONNECTIONS. An honest puller pools 4 per kind (blocking and event-loop) and opens one
+more per concurrent transfer, so 64 leaves it ample room."""
 IDLE_TIMEOUT_S = 600.0
 """An authenticated connection may wait this long for its next request (clients retire pooled ones sooner)."""
 REQUEST_TIMEOUT_S = 10.0
