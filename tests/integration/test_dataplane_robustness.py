@@ -56,15 +56,17 @@ def test_data_port_survives_running_out_of_file_descriptors(tmp_path: Path) -> N
             LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, src.client() as s, dst.client() as d:
         a, b = s.allocate_cache(SMALL), d.allocate_cache(SMALL)
         fill(a, 1)
-        secret, port = dataport.fake_link(src)
+        # Several links: one link's own share of data connections is smaller than the descriptors to exhaust.
+        links = [dataport.fake_link(src, cluster_id) for cluster_id in range(77, 81)]
+        port = links[0][1]
         health = grpc.insecure_channel(src.target)  # connected before the flood: it needs no new descriptor
         check = health_pb2_grpc.HealthStub(health).Check
         assert check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         held: list[socket.socket] = []
         try:
-            for _ in range(400):
+            for i in range(400):
                 try:
-                    held.append(dataport.connect(port, secret, timeout=1.0))
+                    held.append(dataport.connect(port, links[i % len(links)][0], timeout=1.0))
                 except (TimeoutError, ConnectionError, OSError):
                     break  # no greeting: the daemon cannot accept any more
             else:

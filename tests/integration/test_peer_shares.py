@@ -3,6 +3,7 @@ stranger exhausts only its own share, and replies never exceed what gRPC can sen
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -118,3 +119,26 @@ def test_idle_strangers_on_the_peer_port_cannot_take_the_daemons_descriptors(tmp
         finally:
             for sock in strangers:
                 sock.close()
+
+
+async def test_an_honest_pullers_concurrent_small_pulls_stay_inside_its_share(tmp_path: Path) -> None:
+    """128 concurrent small tcp pulls from one link (the benchmark's concurrency series, and a decode engine under
+    load) all land: the puller queues them on a bounded set of connections instead of opening one each past the
+    data server's per-link share."""
+    from kvbroker import AsyncClient
+
+    desc = CacheDesc(num_tensors=2, shape=(2048, 32 << 10), data_type=DataType.UINT8)  # 1 MiB pulls: they overlap
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s:
+        a = s.allocate_cache(desc)
+        fill(a, 5)
+        async with AsyncClient(dst.target) as d:
+            [linked] = await d.link_clusters([cluster_of(src)])
+            assert linked.ok, linked
+            b = await d.allocate_cache(desc)
+            blocks = [list(range(16 * i, 16 * i + 16)) for i in range(128)]
+            results = await asyncio.gather(*(d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, bs, bs)
+                                              for bs in blocks))
+            assert all(r.backend == "tcp" for r in results)
+            for t in range(2):
+                assert np.array_equal(b.tensors[t], a.tensors[t])

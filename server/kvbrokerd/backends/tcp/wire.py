@@ -62,8 +62,8 @@ MAX_CONNECTIONS = 512
 """Authenticated data connections open at once, over all links."""
 MAX_CONNECTIONS_PER_LINK = 64
 """Authenticated data connections one link may hold open: a peer that hoards them (idle ones stay IDLE_TIMEOUT_S)
-exhausts its own share, not MAX_CONNECTIONS. An honest puller pools 4 per kind (blocking and event-loop) and opens one
-more per concurrent transfer, so 64 leaves it ample room."""
+exhausts its own share, not MAX_CONNECTIONS. An honest puller holds at most 16 on the event loop (small pulls wait their
+turn beyond that) and a few per worker-side transfer, so 64 leaves it ample room."""
 IDLE_TIMEOUT_S = 600.0
 """An authenticated connection may wait this long for its next request (clients retire pooled ones sooner)."""
 REQUEST_TIMEOUT_S = 10.0
