@@ -233,7 +233,19 @@ class Fleet:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(host.up.wait(), 0.5)
                 continue
-            await self.pull_once(host, rng, mine)
+            gen = host.generation
+            try:
+                await self.pull_once(host, rng, mine)
+            except asyncio.CancelledError:
+                if self.stopping or host.generation == gen:
+                    raise
+                # grpc.aio cancels the calls of a channel we closed: the decode node was killed under this pull.
+                self.pulls.append({"t": self.now(), "decode": host.cluster_id, "outcome": "decode_killed",
+                                   "status": "CANCELLED", "ms": 0.0})
+            except Exception as e:  # anything but an LlmError is a pull that did not say what happened
+                self.pulls.append({"t": self.now(), "decode": host.cluster_id, "outcome": "error",
+                                   "status": type(e).__name__, "ms": 0.0})
+                self.violations.append(("accounted", f"a pull raised {e!r}, not an LlmError"))
 
     async def pull_once(self, host: Host, rng: random.Random, mine: list[int]) -> None:
         entry = self.directory[rng.choice(sorted(self.directory))]
