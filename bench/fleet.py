@@ -375,10 +375,15 @@ class Fleet:
         for host in self.hosts:
             if not host.up.is_set() or host.client is None or host.daemon is None or host.daemon.proc is None:
                 continue
+            gen = host.generation
             try:
                 states = Counter(link.state.name for link in await host.client.list_links(timeout=2.0))
             except LlmError:
                 continue
+            except asyncio.CancelledError:
+                if self.stopping or host.generation == gen:
+                    raise
+                continue  # the node was killed during the call (its closed channel cancels the call)
             links[str(host.cluster_id)] = dict(states)
             with contextlib.suppress(OSError):
                 fds[str(host.cluster_id)] = len(os.listdir(f"/proc/{host.daemon.proc.pid}/fd"))
