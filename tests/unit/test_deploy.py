@@ -434,6 +434,32 @@ def test_llm_d_checks_catch_a_sidecar_patch_that_misses(tmp_path: Path) -> None:
         _broker(decode)
 
 
+def test_llm_d_overlay_in_the_docs_renders(tmp_path: Path) -> None:
+    """docs/deploy.md's example overlay, next to a copy of the base as its relative path expects: the model, the
+    images and the replica counts it sets are what renders, on both roles."""
+    _render_llm_d()  # skips (or fails in CI) without kubectl
+    kubectl = _kubectl()
+    assert kubectl is not None
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    m = re.search(r"`kustomization\.yaml` in a folder of its own, `my-pd`:\n\n   ```yaml\n(.*?)   ```", doc, re.DOTALL)
+    assert m, "docs/deploy.md lost its overlay example"
+    (tmp_path / "my-pd").mkdir()
+    (tmp_path / "my-pd" / "kustomization.yaml").write_text(
+        "\n".join(line[3:] for line in m.group(1).splitlines()) + "\n")
+    shutil.copytree(LLM_D, tmp_path / "deploy" / "kubernetes" / "llm-d")
+    out = subprocess.run([kubectl, "kustomize", str(tmp_path / "my-pd")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"}
+    assert {n: d["spec"]["replicas"] for n, d in docs.items()} == {"prefill": 2, "decode": 1}
+    for d in docs.values():
+        kubernetes_validate.validate(d, K8S_VERSIONS[-1], strict=True)
+        server = _container(d, "modelserver")
+        assert server["args"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+        assert server["image"] == "registry.mine/vllm-kvbroker:0.32.0"
+        assert _broker(d)["image"] == "registry.mine/kvbroker:0.1.0"
+
+
 # ---------------------------------------------------------------------------------------------------- compose
 
 
