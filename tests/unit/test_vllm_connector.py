@@ -196,6 +196,23 @@ def test_prefill_side_holds_blocks_and_returns_params() -> None:
     assert not side.take_plan().holds
 
 
+def test_dynamo_nixl_protocol_params_work_unchanged() -> None:
+    """docs/deploy.md says Dynamo needs only `"KvBrokerConnector": NixlConnectorProtocol` in its connector table:
+    that protocol's prefill params (NIXL's keys, the remote ones None) make the prefill engine compute and hold the
+    blocks, and the prefill answer's params, passed on unchanged, make the decode engine pull them."""
+    dynamo_prefill = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    prefill = SchedulerSide(ConnectorConfig(release_timeout_s=60), "engine-p", BS)
+    prefill.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, "tag-a")})
+    req = FakeRequest("p-req", 64, dict(dynamo_prefill), num_computed_tokens=64)
+    assert prefill.num_new_matched_tokens(req, 0) == (0, False)  # nothing to pull: it computes the prompt
+    delay, params = prefill.request_finished(req, [1, 2], finished_normally=True)
+    assert delay and params is not None and list(prefill.take_plan().holds) == ["p-req"]
+    decode = _decode_side()
+    dreq = FakeRequest("d-req", 64, params)
+    assert decode.num_new_matched_tokens(dreq, 0) == (64, True)
+
+
 def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
     side = _decode_side()
     req = FakeRequest("d-req", 100, _remote_params([10, 11, 12, 13], 100))
