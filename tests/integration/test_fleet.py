@@ -1,4 +1,4 @@
-"""A small fleet under churn (bench/fleet.py, issue 20 item 5): two prefill nodes and one decode node, each a network
+"""A small fleet under churn (bench/fleet.py): two prefill nodes and one decode node, each a network
 namespace with its own kvbrokerd (tcp backend), a steady stream of pulls, and one prefill node SIGKILLed and
 replaced by a new pod (new cluster id, new namespace, new address) mid-stream.
 
@@ -87,14 +87,10 @@ def test_no_segment_or_fd_leaks(fleet: dict[str, Any]) -> None:
     assert fleet["checks"]["fds"], fleet["fds"]
 
 
-@pytest.mark.xfail(strict=False, reason="links do not reclaim themselves yet (issue 20 item 1): the dead pod's BROKEN "
-                   "link stays in the decode daemon's table and refuses the new pod's link; remove this mark once "
-                   "that lands")
 def test_links_stay_bounded_under_churn(fleet: dict[str, Any]) -> None:
     """The bound the fleet must meet: after the churn settles, the decode daemon holds no more links than there are
-    live prefill nodes, and the new pod's link was never refused for room. On main before issue 20 item 1 (links
-    that reclaim themselves: a BROKEN or long-idle link is removed, a full table evicts dead links) the dead pod's
-    BROKEN link stays and fills the table: expected to fail there."""
+    live prefill nodes, and the new pod's link was never refused for room: a full table gives up the dead pod's
+    BROKEN link (without that, the dead link stays and refuses every link to the new pod)."""
     links = fleet["links"]
     assert not links["refused_for_room"], links
     assert all(n <= links["bound_per_decode"] for n in links["final_per_decode"].values()), links
