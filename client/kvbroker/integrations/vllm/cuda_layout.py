@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +160,7 @@ def run_tensors(kv_caches: Mapping[str, Any], runs: KvRuns) -> list[Any]:
     return [flat[s:s + runs.run_bytes].view(runs.num_blocks, runs.block_bytes) for s in runs.starts]
 
 
-def block_ranges(blocks: Sequence[int]) -> list[tuple[int, int]]:
+def block_ranges(blocks: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted block ids as [start, end) ranges of consecutive ids (one copy each)."""
     out: list[tuple[int, int]] = []
     for b in sorted(set(blocks)):
