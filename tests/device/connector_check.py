@@ -136,17 +136,25 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
     backends = ("nixl",) if mode == "device" else None
     out: dict[str, Any] = {"mode": mode, "blocks": num_blocks, "cache_bytes": LAYERS * num_blocks * PAGE}
     ctx = mp.get_context("spawn")
+    started = time.monotonic()
+    steps: dict[str, float] = {}
+    out["step_s"] = steps  # seconds from the start to the end of each step (where the time goes)
+
+    def step(name: str) -> None:
+        steps[name] = round(time.monotonic() - started, 2)
     with LocalDaemon(work, 11 if mode == "host" else 21, backends=backends, env=env) as p_daemon, \
             LocalDaemon(work, 12 if mode == "host" else 22, backends=backends, env=env) as d_daemon:
         out["daemon_logs"] = [str(p_daemon.log_path), str(d_daemon.log_path)]
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=prefill_process, args=(child, p_daemon.target, mode, device, num_blocks))
+        step("daemons")
         proc.start()
         decode = None
         try:
             if not parent.poll(240):
                 raise AssertionError("the prefill process did not register within 240 s")
             info = parent.recv()
+            step("prefill_registered")
             if "error" in info:
                 raise AssertionError(f"prefill process: {info['error']}")
             out["stage_d2h_GBps"] = _gbps(out["cache_bytes"], info["stage_s"]) if info["stage_s"] else None
@@ -156,6 +164,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             decode = WorkerSide(ConnectorConfig(target=d_daemon.target, pull_timeout_s=120, link_timeout_s=30),
                                 "engine-d", 0, _layout(num_blocks))
             decode.register_gpu(views, mode, "LBNHC", saves=False)
+            step("decode_registered")
             out["runs"] = decode.cache.desc.num_tensors if decode.cache else 0
             def remote_of(blocks: list[int], rid: str) -> RemoteKv:
                 return RemoteKv(cluster_id=info["cluster_id"], peer_address=info["peer_address"],
@@ -183,6 +192,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             src = torch.randperm(num_blocks, generator=gen)[:n].tolist()
             dst = torch.randperm(num_blocks, generator=gen)[:n].tolist()
             pull("d-1", src, dst, "p-1")
+            step("scattered_pull")
             _sync(torch, device)
             others = sorted(set(range(num_blocks)) - set(dst))
             out["scattered_bytes_ok"] = all(bool(torch.equal(views[k][dst], expected[k][src])) for k in views)
@@ -198,6 +208,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             out["whole_bytes_ok"] = all(bool(torch.equal(views[k], expected[k])) for k in views)
             out["pull_GBps"] = _gbps(out["cache_bytes"], min(times))
             out["pull_GBps_median"] = _gbps(out["cache_bytes"], sorted(times)[len(times) // 2])
+            step("whole_pulls")
             if not out["whole_bytes_ok"]:
                 raise AssertionError(f"{mode}: whole-cache pull bytes wrong")
             # 3. The release reached the prefill worker; then it unregisters and exits.
@@ -206,7 +217,9 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             out["release_received"] = bool(reply.get("released"))
             if not out["release_received"]:
                 raise AssertionError(f"{mode}: the prefill worker never saw the decode's release ({reply})")
+            step("released")
             closed = parent.recv() if parent.poll(60) else {}
+            step("prefill_closed")
             if not closed.get("closed"):
                 raise AssertionError(f"{mode}: the prefill worker did not close cleanly ({closed})")
             if device.startswith("cuda"):
@@ -218,6 +231,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+        step("decode_closed")
         with p_daemon.client() as cp, d_daemon.client() as cd:
             out["caches_left"] = len(cp.list_caches()) + len(cd.list_caches())
     logs = "".join(Path(p).read_text(errors="replace") for p in out["daemon_logs"])

@@ -207,3 +207,14 @@ def test_device_direct_on_a_daemon_without_nixl_says_which_backend(pair: tuple[L
     with pair[0].client() as client, pytest.raises(RuntimeError, match="--backends nixl"):
         open_gpu_kv(client, views, LAYOUT, "device", "LBNHC", exporter=lambda ts: raw_locations(
             [(t.data_ptr(), t.numel(), allocation.device) for t in ts], [allocation]))
+
+
+def test_device_direct_refuses_memory_it_cannot_export_before_registering(
+        pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    """Without an exporter the connector exports through torch (`kvbroker.device.torch_locations`), which refuses
+    what legacy CUDA IPC cannot export (here: CPU memory; on a GPU: VMM memory) before anything reaches the daemon,
+    and the error names the host-staged way out."""
+    with pair[0].client() as client:
+        with pytest.raises(RuntimeError, match=r'cannot export .*kv_buffer_device="cpu"'):
+            open_gpu_kv(client, _views("LBNHC"), LAYOUT, "device", "LBNHC")
+        assert client.list_caches() == []
