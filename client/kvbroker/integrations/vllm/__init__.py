@@ -20,6 +20,10 @@ What it does:
 - The engine's paged KV buffer is allocated by the daemon (shared memory owned by the engine's lease: freed when the
   engine exits, or `kvbroker_lease_ttl_s` after it dies) and used by vLLM in place; transfers never copy through the
   engine. One kvbroker cache per TP rank, one tensor per layer.
+- GPU engines (not yet run on a GPU; docs/vllm.md): vLLM keeps its KV buffer in VRAM; with vLLM's `kv_buffer_device`
+  "cuda" (its default there) the daemon serves it in place through CUDA IPC (`--backends nixl`), with "cpu" through a
+  daemon host buffer the connector stages to and from (any backend). The layout is read from vLLM's KV views
+  (`cuda_layout`); what cannot be served is refused at start-up.
 - The decode engine links its daemon to the prefill node's daemon on first use (then reuses the link) and pulls
   asynchronously: it keeps serving other requests while a pull runs.
 - A failed or partial pull reports the blocks that did not land; with `kv_load_failure_policy="recompute"` vLLM

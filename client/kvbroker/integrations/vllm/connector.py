@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
+from kvbroker.integrations.vllm import gpu
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
@@ -103,7 +104,12 @@ class KvBrokerConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             model_id = self.config.model_id or model_identity(vllm_config.model_config.hf_config)
-            layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size)
+            self._gpu_mode = ""
+            on_gpu = vllm_config.device_config.device_type != "cpu"
+            if on_gpu:  # validated at start-up: a typo must not fall back to another mode
+                self._gpu_mode = gpu.mode_for(transfer_config.kv_buffer_device)
+            layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
+                                      on_gpu=on_gpu)
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
     @property
@@ -121,7 +127,14 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return self.worker_side.allocation_context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register(kv_caches)
+        if gpu.on_gpu(kv_caches):
+            config = self._vllm_config
+            self.worker_side.register_gpu(
+                kv_caches, self._gpu_mode or gpu.mode_for(config.kv_transfer_config.kv_buffer_device),
+                getattr(config.cache_config, "kv_cache_layout", None),
+                saves=config.kv_transfer_config.kv_role != "kv_consumer")
+        else:
+            self.worker_side.register(kv_caches)
 
     def get_handshake_metadata(self) -> KvBrokerHandshake | None:
         endpoint = self.worker_side.endpoint
@@ -136,10 +149,15 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: a request is scheduled only once its whole pull has landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # nothing to save: the KV already lives in memory the daemon serves
+        # Nothing to save when the daemon serves the KV memory itself (CPU engine, GPU device-direct); host-staged:
+        # this layer's new blocks go to the host buffer on a side stream, overlapped with the next layers.
+        staged = self.worker_side.gpu
+        if isinstance(staged, gpu.HostStaged):
+            staged.save_from_metadata(layer_name, attn_metadata, self.worker_side.layout.block_size)
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker_side.gpu is not None:
+            self.worker_side.gpu.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._connector_metadata

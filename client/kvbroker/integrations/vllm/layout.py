@@ -52,6 +52,9 @@ class KvLayout:
     """Bytes of one block of one layer."""
     model_id: str
     tp_size: int
+    physical: str = ""
+    """GPU engines only: vLLM's resolved KV cache layout and the runs it gives (`gpu.physical_tag`); the bytes of a
+    block are in that order, so both sides must share it."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -74,7 +77,8 @@ class KvLayout:
 def compat_fields(layout: KvLayout) -> dict[str, str]:
     return {"model": layout.model_id, "dtype": layout.dtype, "block": str(layout.block_size),
             "kv_heads": str(layout.num_kv_heads), "head": str(layout.head_size), "layers": str(layout.num_layers),
-            "page": str(layout.page_bytes), "tp": str(layout.tp_size)}
+            "page": str(layout.page_bytes), "tp": str(layout.tp_size)} | (
+                {"phys": layout.physical} if layout.physical else {})
 
 
 def explain_mismatch(ours: str, theirs: str) -> str:
@@ -104,8 +108,9 @@ def model_identity(hf_config: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int) -> KvLayout:
-    """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy."""
+def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, on_gpu: bool = False) -> KvLayout:
+    """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy. On a GPU
+    engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedLayoutError(
@@ -117,6 +122,11 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int) -> KvLay
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
+    if on_gpu:
+        return KvLayout(num_layers=len(groups[0].layer_names), num_blocks=int(kv_cache_config.num_blocks),
+                        block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
+                        head_size=int(spec.head_size), dtype=dtype, page_bytes=int(spec.page_size_bytes),
+                        model_id=model_id, tp_size=tp_size)
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) != 1:
         raise UnsupportedLayoutError(f"{len(tensors)} KV backing allocations; one is supported")

@@ -22,6 +22,7 @@ import torch
 
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
@@ -67,6 +68,8 @@ class WorkerSide:
         self.endpoint: WorkerEndpoint | None = None
         self.transfers = TransferLog()
         self._allocation: DaemonKvAllocation | None = None
+        self.gpu: GpuKv | None = None
+        """Set on a GPU engine (register_gpu): the mode serving vLLM's device KV buffer."""
         self._lock = threading.Lock()
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
@@ -109,6 +112,17 @@ class WorkerSide:
         if layers != expected:
             raise RuntimeError(f"vLLM's KV layers start at offsets {[p - base for p in layers]} of the buffer, "
                                f"expected {[p - base for p in expected]}")
+        self._serve()
+
+    def register_gpu(self, kv_caches: dict[str, torch.Tensor], mode: str, vllm_layout: str | None,
+                     saves: bool = True) -> None:
+        """A GPU engine: vLLM keeps its KV buffer; the daemon serves it device-direct or host-staged (gpu.py)."""
+        self.gpu, self.layout = open_gpu_kv(self.client, kv_caches, self.layout, mode, vllm_layout, saves=saves)
+        self.cache = self.gpu.cache
+        self._serve()
+
+    def _serve(self) -> None:
+        assert self.cache is not None
         info = self.client.get_cluster_info()
         self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
@@ -227,6 +241,8 @@ class WorkerSide:
                 log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
                           "cannot be trusted, recomputing", spec.request_id)
                 return everything
+            if self.gpu is not None:
+                self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule the request
             seconds = time.monotonic() - started
             self.transfers.record(spec.request_id, result.bytes_moved, seconds, result.backend)
             if self.config.log_transfers:
@@ -318,7 +334,10 @@ class WorkerSide:
             self._poller = None
         if self.cache is not None:
             try:
-                self.client.deallocate_cache(self.cache.cache_id, timeout=5.0)
+                if self.gpu is not None:
+                    self.gpu.close()
+                else:
+                    self.client.deallocate_cache(self.cache.cache_id, timeout=5.0)
             except LlmError as e:  # the lease frees it anyway
                 log.warning("kvbroker connector: could not free KV cache %d (%s)", self.cache.cache_id, e.message)
             self.cache = None
