@@ -2,7 +2,7 @@
 
 Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, backend, peer, outcome};
 transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state},
-caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions.
+caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions, grants.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class _StateCollector(Collector):
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),
-                          ("sessions", "Client sessions with a live lease")):
+                          ("sessions", "Client sessions with a live lease"),
+                          ("grants", "Grants of held blocks with a live lease")):
             yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
 
 

@@ -21,6 +21,7 @@ from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LlmStatus, NotYetLinkEr
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 from kvbrokerd.links import linkauth
+from kvbrokerd.links.inbound import PROTOCOL_VERSION
 from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import fill, wait_until
@@ -144,7 +145,7 @@ def test_oversized_handshake_fields_are_refused(pair: tuple[LocalDaemon, LocalDa
     with grpc.insecure_channel(a.peer_address) as ch:
         stub = peer_pb2_grpc.PeerStub(ch)
         for req, code in ((peerkit.hello(77, 1, epoch="e" * 65), grpc.StatusCode.INVALID_ARGUMENT),
-                          (peer_pb2.HandshakeRequest(protocol_version=2, caller_nonce=b"short"),
+                          (peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, caller_nonce=b"short"),
                            grpc.StatusCode.INVALID_ARGUMENT),
                           (peerkit.hello(77, 1, epoch="e" * (8 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED)):
             with pytest.raises(grpc.RpcError) as info:
