@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,10 +144,11 @@ def pd(request: pytest.FixtureRequest, model: str, workdir: Path, baseline: Engi
         with daemon.client() as c:
             instances.append(c.get_cluster_info().instance_epoch)
     prefill = Engine(f"prefill-{backend}", EngineSpec(
-        model, p_daemon.target, {"kvbroker_release_timeout_s": RELEASE_TIMEOUT_S},
+        model, p_daemon.target, {"kvbroker_hold_lease_s": RELEASE_TIMEOUT_S},
         log_path=str(root / "prefill.log"))).start()
     decode = Engine(f"decode-{backend}", EngineSpec(
-        model, d_daemon.target, {"kvbroker_pull_timeout_s": PULL_TIMEOUT_S, "kvbroker_lease_ttl_s": LEASE_TTL_S},
+        model, d_daemon.target, {"kvbroker_pull_timeout_s": PULL_TIMEOUT_S, "kvbroker_lease_ttl_s": LEASE_TTL_S,
+                                 "kvbroker_prefill_daemons": f"{p_daemon.cluster_id}={p_daemon.peer_address}"},
         kv_cache_bytes=DECODE_KV_BLOCKS * NUM_LAYERS * PAGE_BYTES, log_path=str(root / "decode.log"))).start()
     try:
         prefill.wait_ready()
@@ -221,7 +221,7 @@ def test_prefill_frees_blocks_no_decode_node_asks_for_after_the_timeout(pd: PD) 
     assert pd.prefill.call("free_blocks") < free_before
     pd.wait_released(timeout_s=10.0)
     assert pd.prefill.call("free_blocks") == free_before
-    assert "no decode node released its KV blocks" in Path(pd.prefill.spec.log_path).read_text()
+    assert "its grant ended (lapsed)" in Path(pd.prefill.spec.log_path).read_text()
 
 
 def test_preempted_decode_requests_recompute_to_the_same_tokens(pd: PD) -> None:
@@ -255,16 +255,16 @@ def test_decode_keeps_serving_while_a_pull_is_stalled(pd: PD) -> None:
 def test_unreachable_prefill_daemon_means_recompute_not_wrong_tokens(pd: PD) -> None:
     prompts = pd.prompts.make((2 * BLOCK_SIZE + 11,))
     params = pd.run_prefill(prompts)
-    bogus = {k: {**p, "kvbroker_cluster_id": 999, "kvbroker_peer_address": "127.0.0.1:9"} for k, p in params.items()}
+    bogus = {k: {**p, "kvbroker_cluster_id": 999} for k, p in params.items()}  # not a trusted prefill daemon
     assert pd.run_decode(prompts, bogus) == pd.expected(prompts)
 
 
-def test_pull_after_the_prefill_hold_expired_is_refused(pd: PD) -> None:
+def test_pull_with_a_forged_grant_is_refused(pd: PD) -> None:
     prompts = pd.prompts.make((BLOCK_SIZE + 9,))
     params = pd.run_prefill(prompts)
-    expired = {k: {**p, "kvbroker_hold_expires_unix": time.time() - 5} for k, p in params.items()}
-    assert pd.run_decode(prompts, expired) == pd.expected(prompts)
-    assert "hold on its blocks has expired" in Path(pd.decode.spec.log_path).read_text()
+    forged = {k: {**p, "kvbroker_grant": p["kvbroker_grant"][:33] + "0" * 64} for k, p in params.items()}
+    assert pd.run_decode(prompts, forged) == pd.expected(prompts)
+    assert "grant unknown, lapsed or released" in Path(pd.decode.spec.log_path).read_text()
 
 
 def test_incompatible_layout_is_refused_and_recomputed(pd: PD) -> None:
