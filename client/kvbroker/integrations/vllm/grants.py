@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from kvbroker._client import Client
 from kvbroker.status import LlmError, LlmStatus
-from kvbroker.types import ClusterInfo, Grant, LinkState
+from kvbroker.types import ClusterInfo, ClusterResult, Grant, LinkState
 
 log = logging.getLogger(f"vllm.{__name__}")
 
 MIN_RENEW_S = 0.05
+LINK_POLL_S = 0.05
 
 
 class UntrustedPrefill(LlmError):
@@ -53,6 +54,10 @@ class PeerLinks:
                 return
             info = ClusterInfo(remote_cluster_id=cluster_id, remote_address=self.trusted[cluster_id])
             result = self.client.link_clusters([info], timeout=self.timeout_s)[0]
+            if result.status == LlmStatus.LLM_PROCESSING_LINK:
+                # Another client of the daemon (this engine's scheduler renewing a grant, or another rank) is making
+                # the same link right now: wait for it instead of failing this pull.
+                result = self._await_link(info)
             if result.status == LlmStatus.LLM_ALREADY_LINK and self._stale(info):
                 # The peer restarted (the link is BROKEN) or the operator moved it: only then is the link made anew,
                 # and only to the configured address.
@@ -62,7 +67,18 @@ class PeerLinks:
                 raise LlmError(result.status, f"cannot link to cluster {cluster_id} at {info.remote_address}: "
                                               f"{result.message}")
             self._ready.add(cluster_id)
-            log.info("kvbroker connector: linked to cluster %d at %s", cluster_id, info.remote_address)
+            if result.ok:  # logged by whichever of this engine's clients made the link, once
+                log.info("kvbroker connector: linked to cluster %d at %s", cluster_id, info.remote_address)
+
+    def _await_link(self, info: ClusterInfo) -> ClusterResult:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            state = next((link.state for link in self.client.list_links(timeout=self.timeout_s)
+                          if link.remote_cluster_id == info.remote_cluster_id), None)
+            if state != LinkState.LINKING or time.monotonic() >= deadline:
+                break  # up, or the other attempt failed (then this one links, or says why it cannot)
+            time.sleep(LINK_POLL_S)
+        return self.client.link_clusters([info], timeout=self.timeout_s)[0]  # ALREADY_LINK once it is up
 
     def _stale(self, info: ClusterInfo) -> bool:
         for link in self.client.list_links(timeout=self.timeout_s):
