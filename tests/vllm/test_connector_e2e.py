@@ -37,7 +37,7 @@ DECODE_TOKENS = 12
 LENGTHS = (17, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 5, 6 * BLOCK_SIZE + 9)
 RELEASE_TIMEOUT_S = 10.0  # the tests that expect a notification wait at most 5 s, so a timeout cannot pass for one
 PULL_TIMEOUT_S = 4.0
-LEASE_TTL_S = 2.0
+LEASE_TTL_S = 6.0  # the engine renews every third of it; a 2 s lease lapsed on a loaded 2-core machine
 # The decode engine's KV cache holds 28 blocks: room for every test's requests, yet three 250-token requests that grow
 # by 40 tokens each must preempt one another.
 DECODE_KV_BLOCKS = 28
@@ -320,6 +320,50 @@ def test_stopped_prefill_daemon_times_out_and_recomputes_then_pulls_resume(pd: P
         return report is not None and "kvbroker_transfer_ms" in report
 
     wait_until(pulled_again, timeout=30, poll=1.0, what="pulls resumed after the prefill daemon came back")
+
+
+def test_decode_renews_the_grant_of_a_request_that_waits_longer_than_its_lease(pd: PD, model: str) -> None:
+    """A prefill engine whose grants lapse 2 s after the last renewal: the decode engine holds a request for longer
+    than that before it schedules it (its grant renewed meanwhile) and still pulls its KV; a request no decode engine
+    holds (the control) lapses meanwhile, which shows that the wait really outlasted the lease."""
+    if pd.backend != "shm":
+        pytest.skip("grant renewals do not depend on the data backend: once is enough")
+    root = Path(pd.prefill.spec.log_path).parent
+    prefill = Engine(f"prefill-short-lease-{pd.backend}", EngineSpec(
+        model, pd.p_daemon.target, {"kvbroker_hold_lease_s": 2.0}, log_path=str(root / "prefill-short.log"))).start()
+    try:
+        prefill.wait_ready()
+        prompts = pd.prompts.make((2 * BLOCK_SIZE + 5, BLOCK_SIZE + 2))
+        expected = pd.expected(prompts)
+        out = prefill.call("generate", [(k, v, 1, {"do_remote_decode": True}) for k, v in prompts.items()])
+        kept, control = prompts
+        params = out[kept]["kv_transfer_params"]
+        pd.decode.call("submit", [(kept, prompts[kept], DECODE_TOKENS, params)])  # arrives; is not scheduled yet
+
+        def control_lapsed() -> bool:
+            if prefill.call("num_requests") == 1:  # only the kept request's blocks are still held
+                return True
+            prefill.call("step_for", 0.2)
+            return False
+
+        wait_until(control_lapsed, timeout=30, poll=0, what="the control request's grant lapsing")
+        assert f"request {control}: its grant ended (lapsed)" in Path(prefill.spec.log_path).read_text()
+        got = pd.decode.call("run", [kept], 60.0)[kept]
+        assert got["tokens"] == expected[kept]
+        report = got["kv_transfer_params"]
+        assert report is not None and report["kvbroker_transfer_ms"] > 0, report  # pulled, not recomputed
+        assert report["kvbroker_transfer_bytes"] == len(params["remote_block_ids"]) * PAGE_BYTES * NUM_LAYERS
+
+        def kept_released() -> bool:
+            if not prefill.call("num_requests"):
+                return True
+            prefill.call("step_for", 0.2)
+            return False
+
+        wait_until(kept_released, timeout=15, poll=0, what="the kept request's grant released after its pull")
+        assert f"request {kept}: its grant ended" not in Path(prefill.spec.log_path).read_text()
+    finally:
+        prefill.close()
 
 
 def test_engines_give_their_kv_memory_back_on_exit_and_on_death(pd: PD) -> None:
