@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from kvbroker import Client, Grant, KvCacheNotExistError
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.grants import PeerLinks
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.params import WorkerEndpoint, parse_release, release_topic
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
@@ -226,3 +228,31 @@ def test_another_address_for_the_trusted_prefill_daemon_neither_dials_nor_drops_
         assert after.remote_address == fleet.p.peer_address
     finally:
         evil.close()
+
+
+def test_clients_of_one_engine_linking_at_once_all_get_the_link(fleet: Fleet) -> None:
+    """The scheduler's grant renewals and each worker's pulls link on first use, each with its own client: whichever
+    comes second finds the link being made (LLM_PROCESSING_LINK) and waits for it instead of failing its pull."""
+    trusted = {fleet.p.cluster_id: fleet.p.peer_address}
+    clients = [fleet.d.client() for _ in range(4)]
+    barrier = threading.Barrier(len(clients))
+    errors: list[BaseException] = []
+
+    def link(client: Client) -> None:
+        barrier.wait()
+        try:
+            PeerLinks(client, trusted, timeout_s=5).ensure(fleet.p.cluster_id)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=link, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.close()
+    assert not errors, errors
+    with fleet.d.client() as c:
+        (link_info,) = c.list_links()
+    assert link_info.state == LinkState.READY
