@@ -30,7 +30,8 @@ from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
-from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.caches import CacheEntry, Registry
+from kvbrokerd.registry.grants import GrantTable
 from kvbrokerd.registry.sessions import SessionTable
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
@@ -99,6 +100,7 @@ class Daemon:
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
         self._sessions: SessionTable | None = None
+        self._grants: GrantTable | None = None
         self.metrics: Metrics | None = None
         self.metrics_port = 0
         self._stopped = asyncio.Event()
@@ -149,6 +151,15 @@ class Daemon:
             self._links.backends = {b.name: b for b in self._backends}
             node = Node(cfg.cluster_id, epoch, "", cfg.backends, self._registry, self._links, transfers,
                         self._sessions)
+            node.grants.start()
+            loop = asyncio.get_running_loop()
+            # Removal hooks run on an executor thread; the grant table lives on the event loop.
+            def end_grants(entry: CacheEntry) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone, and its grants
+                    loop.call_soon_threadsafe(node.grants.cache_removed, entry.cache_id)
+
+            self._registry.on_remove.append(end_grants)
+            self._grants = node.grants
             peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
                                           tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
@@ -246,7 +257,7 @@ class Daemon:
                 "caches": len(caches),
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
-                "sessions": len(node.sessions)}
+                "sessions": len(node.sessions), "grants": len(node.grants)}
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:
@@ -260,6 +271,8 @@ class Daemon:
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
         if self._sessions is not None:
             await self._sessions.stop()
+        if self._grants is not None:
+            await self._grants.stop()
         if self._links is not None:
             await self._links.close()
         for backend in self._backends:

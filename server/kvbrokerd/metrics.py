@@ -4,7 +4,8 @@ Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, ba
 transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state} (the
 links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
 reason} (links removed without an unlink: outbound `broken`, `idle`, `room`; inbound `expired`, `silent`,
-`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions.
+`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions,
+grants.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class _StateCollector(Collector):
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),
-                          ("sessions", "Client sessions with a live lease")):
+                          ("sessions", "Client sessions with a live lease"),
+                          ("grants", "Grants of held blocks with a live lease")):
             yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
 
 

@@ -60,7 +60,9 @@ def prefill_process(conn: Any, target: str, mode: str, device: str, num_blocks: 
     try:
         import torch
 
+        from kvbroker import Client
         from kvbroker.integrations.vllm.config import ConnectorConfig
+        from kvbroker.integrations.vllm.params import release_topic
         from kvbroker.integrations.vllm.worker import WorkerSide
 
         if device.startswith("cuda"):
@@ -79,11 +81,18 @@ def prefill_process(conn: Any, target: str, mode: str, device: str, num_blocks: 
                     worker.gpu.save_layer(name, range(num_blocks))
                 worker.gpu.wait_for_save()
                 stage_s = time.perf_counter() - t0
-            worker.start([], [], {"p-1": time.monotonic() + 120})
+            # What the scheduler does when the request finishes: its daemon grants the blocks to a decode node.
+            # Two grants: the scattered blocks the decode's first pull reads (in its order: the same seeded draw), and
+            # every block for the whole-cache pulls.
+            scattered = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SEED))[: num_blocks // 2]
+            with Client(target) as c:
+                grants = {label: c.create_grant([worker.endpoint.cache_id], blocks, 120.0, label=label,
+                                                event_topics=[release_topic("engine-p", 0)]).token()
+                          for label, blocks in (("p-0", scattered.tolist()), ("p-1", list(range(num_blocks))))}
+            worker.start([], {"p-0": 120.0, "p-1": 120.0})
             conn.send({"cluster_id": worker.endpoint.cluster_id, "peer_address": worker.endpoint.peer_address,
-                       "cache_id": worker.endpoint.cache_id, "layout_tag": worker.endpoint.layout_tag,
-                       "stage_s": stage_s})
-            # Serve until the decode says it is done, noting its release notification (sent after each pull).
+                       "grants": grants, "layout_tag": worker.endpoint.layout_tag, "stage_s": stage_s})
+            # Serve until the decode says it is done, noting the grant's end (the decode releases it after its pulls).
             released, deadline = False, time.monotonic() + 600
             while not conn.poll(0.05) and time.monotonic() < deadline:
                 released = released or "p-1" in worker.finished(0.0)[0]
@@ -127,6 +136,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
     """One mode end to end; raises AssertionError naming the failed step."""
     import torch
 
+    from kvbroker import Client, Grant
     from kvbroker._local import LocalDaemon
     from kvbroker.integrations.vllm.config import ConnectorConfig
     from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
@@ -161,21 +171,23 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             views = kv_views(torch, device, num_blocks)
             expected = kv_views(torch, device, num_blocks)
             fill(torch, expected, SEED)  # the same seeded pattern the prefill process computed
-            decode = WorkerSide(ConnectorConfig(target=d_daemon.target, pull_timeout_s=120, link_timeout_s=30),
+            decode = WorkerSide(ConnectorConfig(target=d_daemon.target, pull_timeout_s=120, link_timeout_s=30,
+                                                prefill_daemons=f"{info['cluster_id']}={info['peer_address']}"),
                                 "engine-d", 0, _layout(num_blocks))
+            grants = {label: Grant.from_token(token) for label, token in info["grants"].items()}
             decode.register_gpu(views, mode, "LBNHC", saves=False)
             step("decode_registered")
             out["runs"] = decode.cache.desc.num_tensors if decode.cache else 0
             def remote_of(blocks: list[int], rid: str) -> RemoteKv:
-                return RemoteKv(cluster_id=info["cluster_id"], peer_address=info["peer_address"],
-                                cache_ids=(info["cache_id"],), block_ids=tuple(blocks), request_id=rid,
+                return RemoteKv(cluster_id=info["cluster_id"], grant=grants[rid], block_ids=tuple(blocks),
+                                request_id=rid,
                                 engine_id="engine-p", layout_tag=info["layout_tag"],
-                                num_tokens=len(blocks) * BLOCK_TOKENS)
+                                num_tokens=len(blocks) * BLOCK_TOKENS, tp_size=1)
 
             def pull(rid: str, src: list[int], dst: list[int], remote_id: str) -> float:
                 assert decode is not None
                 t0 = time.perf_counter()
-                decode.start([PullSpec(rid, tuple(dst), tuple(src), remote_of(src, remote_id))], [], {})
+                decode.start([PullSpec(rid, tuple(dst), tuple(src), remote_of(src, remote_id))], {})
                 deadline = time.monotonic() + 180
                 while rid not in decode.finished(0.05)[1]:
                     if time.monotonic() > deadline:
@@ -191,7 +203,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             n = num_blocks // 2
             src = torch.randperm(num_blocks, generator=gen)[:n].tolist()
             dst = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-            pull("d-1", src, dst, "p-1")
+            pull("d-1", src, dst, "p-0")  # the grant of exactly these blocks, in this order
             step("scattered_pull")
             _sync(torch, device)
             others = sorted(set(range(num_blocks)) - set(dst))
@@ -211,7 +223,11 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             step("whole_pulls")
             if not out["whole_bytes_ok"]:
                 raise AssertionError(f"{mode}: whole-cache pull bytes wrong")
-            # 3. The release reached the prefill worker; then it unregisters and exits.
+            # 3. The decode's scheduler releases the grant (as vLLM's does once the pull finished); the grant's end
+            #    reaches the prefill worker, which frees the blocks; then it unregisters and exits.
+            with Client(d_daemon.target) as c:
+                for grant in grants.values():
+                    c.release_grant(grant, cluster_id=info["cluster_id"])
             parent.send("done")
             reply = parent.recv() if parent.poll(60) else {}
             out["release_received"] = bool(reply.get("released"))

@@ -55,8 +55,20 @@ def pair(tmp_path: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
         yield p, d
 
 
-def _worker(daemon: LocalDaemon, engine: str) -> WorkerSide:
-    return WorkerSide(ConnectorConfig(target=daemon.target), engine, 0, LAYOUT)
+def _worker(daemon: LocalDaemon, engine: str, prefill: LocalDaemon | None = None) -> WorkerSide:
+    """A worker of `daemon`; a decode one (`prefill` given) trusts that prefill daemon (kvbroker_prefill_daemons)."""
+    trusted = f"{prefill.cluster_id}={prefill.peer_address}" if prefill is not None else ""
+    return WorkerSide(ConnectorConfig(target=daemon.target, prefill_daemons=trusted), engine, 0, LAYOUT)
+
+
+def _remote(p_daemon: LocalDaemon, prefill: WorkerSide, blocks: tuple[int, ...], request_id: str,
+            num_tokens: int) -> RemoteKv:
+    """What the prefill node's params carry: a grant of `blocks` of its cache, made by its own daemon."""
+    assert prefill.cache is not None
+    with p_daemon.client() as c:
+        grant = c.create_grant([prefill.cache.cache_id], list(blocks), 60.0)
+    return RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=blocks, request_id=request_id,
+                    engine_id="engine-p", layout_tag=prefill.layout.tag(), num_tokens=num_tokens, tp_size=1)
 
 
 @pytest.mark.parametrize("order", ["LHBNC", "LBNHC", "BLHNC"])
@@ -66,7 +78,7 @@ def test_host_staged_prefill_stages_decode_pulls_and_copies_in(pair: tuple[Local
     a run has written (not before), and all of them by wait_for_save; decode: after the pull the blocks are in its
     (stand-in) device views, every byte equal, other blocks untouched."""
     p_daemon, d_daemon = pair
-    prefill, decode = _worker(p_daemon, "engine-p"), _worker(d_daemon, "engine-d")
+    prefill, decode = _worker(p_daemon, "engine-p"), _worker(d_daemon, "engine-d", p_daemon)
     p_views, d_views = _views(order), _views(order)
     try:
         prefill.register_gpu(p_views, HOST_STAGED, order, saves=True)
@@ -89,10 +101,8 @@ def test_host_staged_prefill_stages_decode_pulls_and_copies_in(pair: tuple[Local
         assert all(not bool(h[[0, 1, 3, 4, 7]].any()) for h in staged.host)  # only the written blocks
         assert prefill.cache is not None and decode.cache is not None
 
-        remote = RemoteKv(cluster_id=p_daemon.cluster_id, peer_address=p_daemon.peer_address,
-                          cache_ids=(prefill.cache.cache_id,), block_ids=(2, 5, 6), request_id="p-1",
-                          engine_id="engine-p", layout_tag=prefill.layout.tag(), num_tokens=3 * N)
-        decode.start([PullSpec("d-1", (4, 0, 7), (2, 5, 6), remote)], [], {})
+        remote = _remote(p_daemon, prefill, (2, 5, 6), "p-1", 3 * N)
+        decode.start([PullSpec("d-1", (4, 0, 7), (2, 5, 6), remote)], {})
         wait_until(lambda: "d-1" in decode.finished()[1], timeout=30, poll=0.02, what="pull d-1 finished")
         assert decode.take_load_errors() == set()
         for name in names:
@@ -107,15 +117,13 @@ def test_mismatched_physical_layouts_are_not_pulled(pair: tuple[LocalDaemon, Loc
     """Two GPU engines whose vLLM resolved different KV cache layouts: same runs, different byte order inside a
     block; the tags differ, so the decode node recomputes instead of reading permuted KV."""
     p_daemon, d_daemon = pair
-    prefill, decode = _worker(p_daemon, "engine-p"), _worker(d_daemon, "engine-d")
+    prefill, decode = _worker(p_daemon, "engine-p"), _worker(d_daemon, "engine-d", p_daemon)
     try:
         prefill.register_gpu(_views("LBNHC"), HOST_STAGED, "LBNHC")
         decode.register_gpu(_views("LBHNC"), HOST_STAGED, "LBHNC", saves=False)
         assert prefill.cache is not None
-        remote = RemoteKv(cluster_id=p_daemon.cluster_id, peer_address=p_daemon.peer_address,
-                          cache_ids=(prefill.cache.cache_id,), block_ids=(1,), request_id="p-2", engine_id="engine-p",
-                          layout_tag=prefill.layout.tag(), num_tokens=N)
-        decode.start([PullSpec("d-2", (3,), (1,), remote)], [], {})
+        remote = _remote(p_daemon, prefill, (1,), "p-2", N)
+        decode.start([PullSpec("d-2", (3,), (1,), remote)], {})
         wait_until(lambda: "d-2" in decode.finished()[1], timeout=30, poll=0.02, what="pull d-2 finished")
         assert decode.take_load_errors() == {3}
     finally:

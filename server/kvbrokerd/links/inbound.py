@@ -34,10 +34,11 @@ from kvbrokerd.links import linkauth
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Peer protocol history: 1 — Handshake hands out the link secret, calls carry it; 2 — challenge-response handshake
 (Handshake + Authenticate) bound to both cluster ids and nonces, link secrets derived on both sides and never sent,
-calls carry a LinkProof, segment names instead of paths, Notify."""
+calls carry a LinkProof, segment names instead of paths, Notify; 3 — answers that matter carry a MAC (Authenticate,
+GetCacheInfo, the grant calls), grants (RedeemGrant, RenewGrant, ReleaseGrant)."""
 MAX_EPOCH_BYTES = 64
 MAX_PENDING = 4096
 PENDING_TTL_S = 10.0
@@ -232,6 +233,26 @@ def _without_proof(request: Message) -> bytes:
     copy.CopyFrom(request)
     copy.ClearField("proof")
     return copy.SerializeToString(deterministic=True)
+
+
+def _without_mac(answer: Message) -> bytes:
+    copy = type(answer)()
+    copy.CopyFrom(answer)
+    copy.ClearField("mac")
+    return copy.SerializeToString(deterministic=True)
+
+
+def seal(answer: Message, method: str, secret: bytes, lid: bytes, seq: int) -> Message:
+    """Fills `answer.mac` (the responder's side of `answer_ok`)."""
+    answer.ClearField("mac")
+    answer.mac = linkauth.answer_mac(secret, method, lid, seq,  # type: ignore[attr-defined]
+                                     answer.SerializeToString(deterministic=True))
+    return answer
+
+
+def answer_ok(answer: Message, method: str, secret: bytes, lid: bytes, seq: int) -> bool:
+    mac = linkauth.answer_mac(secret, method, lid, seq, _without_mac(answer))
+    return hmac.compare_digest(mac, bytes(answer.mac))  # type: ignore[attr-defined]
 
 
 def sign(request: Message, method: str, secret: bytes, lid: bytes, seq: int) -> None:

@@ -43,7 +43,14 @@ from kvbrokerd.backends.base import (
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.links import linkauth
-from kvbrokerd.links.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
+from kvbrokerd.links.inbound import (
+    MAX_EPOCH_BYTES,
+    PROTOCOL_VERSION,
+    InboundLink,
+    InboundTable,
+    answer_ok,
+    sign,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,53 @@ class Link:
     def signed(self, method: str, request: Message) -> Message:
         sign(request, method, self.secret, linkauth.link_id(self.secret), next(self._seq))
         return request
+
+    def check_answer(self, answer: Message, method: str, request: Message) -> None:
+        """The peer's answer must carry its MAC under our link's secret, bound to this call: anything else came
+        from a relay (or a peer that does not speak protocol 3), and is refused before any of it is used."""
+        proof = request.proof  # type: ignore[attr-defined]
+        if not answer_ok(answer, method, self.secret, bytes(proof.link_id), proof.seq):
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id}'s answer to {method} failed "
+                 "authentication (a relay rewrote it?)")
+
+    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+                           ) -> peer_pb2.RedeemGrantResponse:
+        """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive for `hold_s`)."""
+        assert self.stub is not None
+        req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
+            grant_id=grant_id, secret=secret, hold_ms=max(0, min(600_000, int(hold_s * 1000)))))
+        try:
+            resp = await self.stub.RedeemGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "RedeemGrant", req)
+        answer: peer_pb2.RedeemGrantResponse = resp
+        if answer.instance_epoch != self.remote_epoch:
+            self.mark_broken("the peer restarted (new instance epoch)", final=True)
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
+                 "to its previous incarnation")
+        return answer
+
+    async def renew_grant(self, grant_id: bytes, secret: bytes, lease_ms: int, timeout: float) -> int:
+        """Milliseconds until the grant lapses, as the daemon that made it says."""
+        assert self.stub is not None
+        req = self.signed("RenewGrant", peer_pb2.PeerRenewGrantRequest(grant_id=grant_id, secret=secret,
+                                                                       lease_ms=lease_ms))
+        try:
+            resp = await self.stub.RenewGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "RenewGrant", req)
+        return int(resp.expires_in_ms)
+
+    async def release_grant(self, grant_id: bytes, secret: bytes, timeout: float) -> None:
+        assert self.stub is not None
+        req = self.signed("ReleaseGrant", peer_pb2.PeerReleaseGrantRequest(grant_id=grant_id, secret=secret))
+        try:
+            resp = await self.stub.ReleaseGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "ReleaseGrant", req)
 
     async def notify(self, topic: str, payload: bytes, timeout: float) -> None:
         assert self.stub is not None
@@ -133,6 +187,7 @@ class Link:
             resp = await self.stub.GetCacheInfo(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise peer_error(e, self.remote_cluster_id, f"the lookup of cache {cache_id}") from None
+        self.check_answer(resp, "GetCacheInfo", req)
         if resp.instance_epoch != self.remote_epoch:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
@@ -377,13 +432,17 @@ class LinkTable:
             resp = await link.stub.Authenticate(auth, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise peer_error(e, link.remote_cluster_id, where, linking=True) from None
+        secret = linkauth.derive_link_secret(self._key, bound)
+        if not answer_ok(resp, "Authenticate", secret, linkauth.link_id(secret), 0):
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: its self-description failed authentication (a relay between "
+                 "us rewrote it?)")
         if resp.cluster_id != link.remote_cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, f"{link.remote_address} is cluster {resp.cluster_id}, not "
                  f"{link.remote_cluster_id}")
         if len(resp.instance_epoch.encode()) > MAX_EPOCH_BYTES:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where} sent an instance epoch longer than {MAX_EPOCH_BYTES} bytes")
         link.remote_epoch = resp.instance_epoch
-        link.secret = linkauth.derive_link_secret(self._key, bound)
+        link.secret = secret
         link.channel, link.backend = await self._choose_backend(link, resp)
         link.state = LinkState.READY
         link.last_seen = time.time()

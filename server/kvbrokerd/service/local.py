@@ -20,10 +20,10 @@ from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAY
 from kvbrokerd.links import notifications
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
-from kvbrokerd.registry import devicemem
+from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
-from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction
+from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,48 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             broker_pb2.Notification(cluster_id=n.cluster_id, topic=n.topic, payload=n.payload,
                                     received_unix=n.received_unix) for n in got])
 
+    @llm_errors
+    async def CreateGrant(self, request: broker_pb2.CreateGrantRequest, context: grpc.aio.ServicerContext
+                          ) -> broker_pb2.CreateGrantResponse:
+        registry = self.node.registry
+        grant, secret = self.node.grants.create(
+            list(request.cache_ids), list(request.blocks), request.lease_ms, request.max_hold_ms, request.label,
+            list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0])
+        return broker_pb2.CreateGrantResponse(grant=broker_pb2.GrantRef(grant_id=grant.grant_id, secret=secret),
+                                              expires_in_ms=grant.expires_in_ms())
+
+    @llm_errors
+    async def RenewGrant(self, request: broker_pb2.RenewGrantRequest, context: grpc.aio.ServicerContext
+                         ) -> broker_pb2.RenewGrantResponse:
+        _check_ref(request.grant)
+        grants.lease_of(request.lease_ms, optional=True)
+        ref = request.grant
+        if request.cluster_id in (0, self.node.cluster_id):
+            grant = self.node.grants.renew(ref.grant_id, ref.secret, request.lease_ms)
+            return broker_pb2.RenewGrantResponse(expires_in_ms=grant.expires_in_ms())
+        link = self.node.links.get_ready(request.cluster_id)
+        expires_in_ms = await link.renew_grant(bytes(ref.grant_id), bytes(ref.secret), request.lease_ms,
+                                               _peer_timeout(context))
+        return broker_pb2.RenewGrantResponse(expires_in_ms=expires_in_ms)
+
+    @llm_errors
+    async def ReleaseGrant(self, request: broker_pb2.ReleaseGrantRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.ReleaseGrantResponse:
+        _check_ref(request.grant)
+        ref = request.grant
+        if request.cluster_id in (0, self.node.cluster_id):
+            self.node.grants.release(ref.grant_id, ref.secret)
+        else:
+            await self.node.links.get_ready(request.cluster_id).release_grant(
+                bytes(ref.grant_id), bytes(ref.secret), _peer_timeout(context))
+        return broker_pb2.ReleaseGrantResponse()
+
+
+def _peer_timeout(context: grpc.aio.ServicerContext) -> float:
+    """A call forwarded to a peer answers within the caller's deadline (or 10 s)."""
+    remaining = time_remaining(context)
+    return 10.0 if remaining is None else max(0.001, remaining - 0.05)
+
 
 # Constrained, not bound to Message: each response type's constructor is checked with the summary fields.
 _Summary = TypeVar("_Summary", broker_pb2.PullKvBlocksResponse, broker_pb2.PushKvBlocksResponse,
@@ -375,7 +417,20 @@ def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
                          src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")))
+                         layers=_layers(request.ext_param, request.HasField("ext_param")),
+                         grant=_claim(request.grant) if request.HasField("grant") else None)
+
+
+def _claim(msg: broker_pb2.GrantClaim) -> GrantClaim:
+    _check_ref(msg.grant)
+    return GrantClaim(bytes(msg.grant.grant_id), bytes(msg.grant.secret), msg.cache_slot, msg.first_block)
+
+
+def _check_ref(ref: broker_pb2.GrantRef) -> None:
+    # Checked here, so that a malformed grant is the caller's LLM_PARAM_INVALID, never a peer's refusal.
+    if len(ref.grant_id) != grants.ID_BYTES or len(ref.secret) != grants.SECRET_BYTES:
+        fail(LlmStatus.LLM_PARAM_INVALID, f"a grant is a {grants.ID_BYTES}-byte id and a {grants.SECRET_BYTES}-byte "
+             "secret")
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:

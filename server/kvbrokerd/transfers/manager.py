@@ -54,6 +54,9 @@ MAX_REPLY_MARGIN_S = 0.25
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
 PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
+GRANT_HOLD_MARGIN_S = 2.0
+"""A redeemed grant is held this much past our pull's deadline: a pull that began in time ends before the granting
+side may free (and reuse) the blocks."""
 
 
 class Direction(enum.Enum):
@@ -72,6 +75,18 @@ class BlocksRequest:
     src_blocks: Sequence[int]
     dst_blocks: Sequence[int]
     layers: LayerSelection
+    grant: GrantClaim | None = None
+    """Pull granted blocks (see `TransferManager._redeem`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrantClaim:
+    """PullKvBlocksRequest.grant: a peer's grant, which of its caches, and where in its block list to start."""
+
+    grant_id: bytes
+    secret: bytes
+    cache_slot: int
+    first_block: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +172,8 @@ class TransferManager:
             side = "src" if direction == Direction.PULL else "dst"
             param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
                           f"{req.remote_batch_index}")
+        if req.grant is not None:
+            req = await self._redeem(direction, req, deadline)
         src_blocks = block_array(req.src_blocks, "src_blocks")
         dst_blocks = block_array(req.dst_blocks, "dst_blocks")
         check_block_lists(src_blocks, dst_blocks)
@@ -169,6 +186,43 @@ class TransferManager:
             plan = await asyncio.get_running_loop().run_in_executor(
                 self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, req.layers)
         return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
+
+    async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
+        """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
+        names (never what the caller names): redeemed over the link, before any byte moves. The granting daemon
+        keeps the grant alive past our deadline, so the blocks cannot be freed under the pull."""
+        claim = req.grant
+        assert claim is not None
+        if direction != Direction.PULL:
+            param_invalid("a grant is pulled from, never pushed to")
+        if req.remote_cluster_id == self._links.cluster_id:
+            param_invalid(f"cannot pull with our own cluster {req.remote_cluster_id}")
+        dst_blocks = block_array(req.dst_blocks, "dst_blocks")
+        if not len(dst_blocks):
+            param_invalid("dst_blocks is empty")
+        self._registry.get(req.local_cache_id)
+        link = self._links.get_ready(req.remote_cluster_id)
+        granted = await link.redeem_grant(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
+                                          deadline.remaining())
+        if claim.cache_slot >= len(granted.cache_ids):
+            param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
+                          f"{claim.cache_slot}")
+        cache_id = int(granted.cache_ids[claim.cache_slot])
+        if req.remote_cache_id not in (0, cache_id):
+            param_invalid(f"the grant covers cache {cache_id} in slot {claim.cache_slot}, not cache "
+                          f"{req.remote_cache_id}")
+        blocks = [int(b) for b in granted.blocks]
+        if len(req.src_blocks):
+            src = [int(b) for b in req.src_blocks]
+            outside = sorted(set(src) - set(blocks))
+            if outside:
+                param_invalid(f"the grant does not cover src blocks {outside[:8]}{'...' if len(outside) > 8 else ''}")
+        else:
+            if claim.first_block + len(dst_blocks) > len(blocks):
+                param_invalid(f"the grant covers {len(blocks)} blocks; {len(dst_blocks)} from its block "
+                              f"{claim.first_block} on were asked for")
+            src = blocks[claim.first_block : claim.first_block + len(dst_blocks)]
+        return replace(req, remote_cache_id=cache_id, src_blocks=src, grant=None)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
         local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,

@@ -24,7 +24,7 @@ from kvbroker.integrations.vllm import gpu
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
-from kvbroker.integrations.vllm.params import PullSpec, ReleaseSpec, WorkerEndpoint
+from kvbroker.integrations.vllm.params import PullSpec, WorkerEndpoint
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
 from kvbroker.integrations.vllm.worker import WorkerSide
 
@@ -43,7 +43,6 @@ class KvBrokerMetadata(KVConnectorMetadata):
     """One step's work for the workers."""
 
     pulls: list[PullSpec] = dataclasses.field(default_factory=list)
-    releases: list[ReleaseSpec] = dataclasses.field(default_factory=list)
     holds: dict[str, float] = dataclasses.field(default_factory=dict)
     idle: bool = False
     """The step computes no token: its `get_finished` may wait for a pull to end (`ConnectorConfig.idle_wait_s`)."""
@@ -143,7 +142,7 @@ class KvBrokerConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvBrokerMetadata)
-        self.worker_side.start(meta.pulls, meta.releases, meta.holds)
+        self.worker_side.start(meta.pulls, meta.holds)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once its whole pull has landed
@@ -185,6 +184,8 @@ class KvBrokerConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # -- scheduler side -------------------------------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -196,6 +197,11 @@ class KvBrokerConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvBrokerWorkerMetadata):
             self.scheduler_side.on_transfers(meta.transfers)
+        if connector_output.finished_recving:
+            self.scheduler_side.on_pulls_ended(set(connector_output.finished_recving))
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
@@ -207,7 +213,7 @@ class KvBrokerConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
         plan = self.scheduler_side.take_plan()
-        return KvBrokerMetadata(pulls=plan.pulls, releases=plan.releases, holds=plan.holds,
+        return KvBrokerMetadata(pulls=plan.pulls, holds=plan.holds,
                                 idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -2,11 +2,11 @@
 
 Decode role: each pull runs on a small thread pool (the engine keeps stepping meanwhile); a finished pull, good or
 bad, is reported through `get_finished` in the same step as the blocks that did not land, so vLLM recomputes those
-instead of reading them. The decode node then tells the prefill node's daemon (a notification over the link it
-pulled through) that the request's blocks may be freed.
+instead of reading them. A pull names only the request's grant: the daemon redeems it with the prefill daemon (a
+trusted one: `kvbroker_prefill_daemons`), which names the cache and blocks. The scheduler side releases the grant.
 
-Prefill role: a finished request's blocks stay allocated until the decode node's notification arrives, or until
-`release_timeout_s` passes (logged), whichever comes first.
+Prefill role: a finished request's blocks stay allocated until its grant ends (released by the decode node, lapsed,
+or capped), which this node's own daemon posts on the rank's topic; notes from anyone else there are ignored.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ import torch
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
+from kvbroker.integrations.vllm.grants import PeerLinks
 from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
     PullSpec,
-    ReleaseSpec,
-    RemoteKv,
     WorkerEndpoint,
     parse_release,
-    release_payload,
     release_topic,
 )
 from kvbroker.integrations.vllm.stats import TransferLog
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
-from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
+from kvbroker.types import KvCacheExtParam
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -45,9 +43,8 @@ log = logging.getLogger(f"vllm.{__name__}")
 # One tensor per layer: the whole page of a block (K and V of every head) is one contiguous range.
 _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
-# A pull must end this long before the prefill node's hold on the blocks expires (covers clock skew between hosts):
-# past the hold the blocks may already serve another request there, and their bytes are not this request's KV.
-HOLD_MARGIN_S = 1.0
+_RELEASED_KEPT_S = 600.0
+"""A grant's end for a request this rank does not (yet) hold is kept this long (the daemon's notification age)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +71,9 @@ class WorkerSide:
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
         self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
-        # Releases go out on their own thread: a slow or unreachable prefill daemon (up to `link_timeout_s` per
-        # notification) must not hold a pull slot while other requests wait for their KV.
-        self._notifier = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-notify")
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
-        self._links: dict[int, str] = {}
-        self._link_lock = threading.Lock()
+        self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self._held: dict[str, float] = {}
         self._released: dict[str, tuple[float, str]] = {}
         self._stop = threading.Event()
@@ -134,15 +127,13 @@ class WorkerSide:
         self._poller.start()
 
     # -- per step -------------------------------------------------------------------------------------------------
-    def start(self, pulls: Iterable[PullSpec], releases: Iterable[ReleaseSpec], holds: dict[str, float]) -> None:
+    def start(self, pulls: Iterable[PullSpec], holds: dict[str, float]) -> None:
         pulls = list(pulls)
         with self._lock:
             self._held.update(holds)
             self._in_flight += len(pulls)
         for spec in pulls:
-            self._pulls.submit(self._pull_and_release, spec)
-        for rel in releases:
-            self._notifier.submit(self._release, rel.remote, rel.reason)
+            self._pulls.submit(self._pull_and_report, spec)
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose pull ended); the pulls' failed blocks are
@@ -156,19 +147,17 @@ class WorkerSide:
             for outcome in pulled:
                 self._load_errors |= outcome.failed_blocks
             sending = set()
-            for req_id, deadline in list(self._held.items()):
+            for req_id in list(self._held):
                 if req_id in self._released:
+                    _, ended = self._released.pop(req_id)
+                    if ended != "released":
+                        log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
+                                    "KV blocks", req_id, ended)
+                    del self._held[req_id]
                     sending.add(req_id)
-                elif now >= deadline:
-                    log.warning("request %s: no decode node released its KV blocks within %.0f s; freeing them",
-                                req_id, self.config.release_timeout_s)
-                    sending.add(req_id)
-            for req_id in sending:
-                del self._held[req_id]
-                self._released.pop(req_id, None)
-            # Releases for requests this worker never held (or no longer holds) are forgotten after the timeout.
+            # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
             for req_id, (at, _) in list(self._released.items()):
-                if now - at > self.config.release_timeout_s:
+                if now - at > _RELEASED_KEPT_S:
                     del self._released[req_id]
         return sending, {o.request_id for o in pulled}
 
@@ -178,7 +167,7 @@ class WorkerSide:
         return errors
 
     # -- decode: pulls --------------------------------------------------------------------------------------------
-    def _pull_and_release(self, spec: PullSpec) -> None:
+    def _pull_and_report(self, spec: PullSpec) -> None:
         failed: frozenset[int] = frozenset()
         try:
             failed = self._pull(spec)
@@ -191,7 +180,6 @@ class WorkerSide:
                 self._in_flight -= 1
                 self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
-        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
         """Returns the local blocks that did not land."""
@@ -206,23 +194,23 @@ class WorkerSide:
         if mismatch:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, mismatch)
             return everything
-        if self.rank >= len(remote.cache_ids):
+        if self.rank >= remote.tp_size:
             log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
-                      len(remote.cache_ids), self.rank)
+                      remote.tp_size, self.rank)
             return everything
-        if self._hold_expired(remote):
-            log.error("request %s: the prefill node's hold on its blocks has expired; recomputing (raise "
-                      "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
+        if why := self.links.refusal(remote.cluster_id):
+            log.error("request %s: not pulling: %s", spec.request_id, why)
             return everything
-        src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[self.rank])
         for attempt in (1, 2):
             try:
-                self._ensure_link(remote)
+                self.links.ensure(remote.cluster_id)
                 started = time.monotonic()  # the pull alone: linking on first use is not transfer time
-                result = self.client.pull_kv_blocks(src, self.cache.cache_id, spec.remote_blocks, spec.local_blocks,
-                                                    _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
+                # The grant alone: the prefill daemon names the cache (this rank's) and the blocks.
+                result = self.client.pull_granted_kv_blocks(
+                    remote.cluster_id, remote.grant, self.cache.cache_id, spec.local_blocks, cache_slot=self.rank,
+                    first_block=spec.first_block, ext_param=_ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
             except NotYetLinkError:
-                self._forget_link(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
+                self.links.forget(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
                 if attempt == 2:
                     log.warning("request %s: cluster %d is not linked; recomputing", spec.request_id,
                                 remote.cluster_id)
@@ -230,17 +218,15 @@ class WorkerSide:
                 continue
             except LlmError as e:
                 if e.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_TIMEOUT):
-                    self._forget_link(remote.cluster_id)
+                    self.links.forget(remote.cluster_id)
+                    if attempt == 1 and e.status == LlmStatus.LLM_LINK_FAILED and not e.failed_dst_blocks:
+                        continue  # nothing moved: check the link (restarted or moved peer) and try once more
                 landed_partly = e.failed_dst_blocks
                 failed = frozenset(landed_partly) & everything if landed_partly else everything
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
                 return failed or everything
-            if self._hold_expired(remote):
-                log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
-                          "cannot be trusted, recomputing", spec.request_id)
-                return everything
             if self.gpu is not None:
                 self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule the request
             seconds = time.monotonic() - started
@@ -251,47 +237,6 @@ class WorkerSide:
                          result.bytes_moved / max(seconds, 1e-9) / 1e9)
             return frozenset()
         return everything
-
-    @staticmethod
-    def _hold_expired(remote: RemoteKv) -> bool:
-        return bool(remote.hold_expires_unix) and time.time() > remote.hold_expires_unix - HOLD_MARGIN_S
-
-    def _ensure_link(self, remote: RemoteKv) -> None:
-        with self._link_lock:
-            if self._links.get(remote.cluster_id) == remote.peer_address:
-                return
-            info = ClusterInfo(remote_cluster_id=remote.cluster_id, remote_address=remote.peer_address)
-            result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
-            if result.status == LlmStatus.LLM_ALREADY_LINK and not self._link_usable(info):
-                # The daemon keeps a link we cannot use (the peer restarted, or moved): make it anew.
-                self.client.unlink_clusters([info], force=True, timeout=self.config.link_timeout_s)
-                result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
-            if not result.ok and result.status != LlmStatus.LLM_ALREADY_LINK:
-                raise LlmError(result.status, f"cannot link to cluster {remote.cluster_id} at {remote.peer_address}: "
-                                              f"{result.message}")
-            self._links[remote.cluster_id] = remote.peer_address
-            log.info("kvbroker connector: linked to cluster %d at %s", remote.cluster_id, remote.peer_address)
-
-    def _link_usable(self, info: ClusterInfo) -> bool:
-        for link in self.client.list_links(timeout=self.config.link_timeout_s):
-            if link.remote_cluster_id == info.remote_cluster_id:
-                return link.state == LinkState.READY and link.remote_address == info.remote_address
-        return False
-
-    def _forget_link(self, cluster_id: int) -> None:
-        with self._link_lock:
-            self._links.pop(cluster_id, None)
-
-    def _release(self, remote: RemoteKv, outcome: str, request_id: str = "") -> None:
-        """Tells the prefill node it may free the request's blocks. Best effort: its timeout covers a lost one."""
-        topic = release_topic(remote.engine_id, self.rank)
-        try:
-            self.client.send_notification(
-                remote.cluster_id, topic, release_payload(remote.request_id, outcome),
-                timeout=self.config.link_timeout_s)
-        except LlmError as e:
-            log.warning("request %s: could not tell cluster %d to free its blocks (%s); it frees them after its "
-                        "timeout", request_id or remote.request_id, remote.cluster_id, e.message)
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:
@@ -305,21 +250,27 @@ class WorkerSide:
             except LlmError as e:
                 if not failing_since:
                     failing_since = time.monotonic()
-                    log.warning("kvbroker connector: cannot fetch release notifications (%s); held blocks are freed "
-                                "after %.0f s until this recovers", e.message, self.config.release_timeout_s)
+                    log.warning("kvbroker connector: cannot fetch grant events (%s); held blocks stay held until "
+                                "this recovers", e.message)
                 self._stop.wait(_POLL_WAIT_S)
                 continue
             now = time.monotonic()
+            ours = self.endpoint.cluster_id if self.endpoint is not None else -1
             for note in notes:
+                if note.cluster_id != ours:
+                    # Only our daemon ends our grants; a peer's note on this topic frees nothing.
+                    log.warning("kvbroker connector: ignoring a note on the grant topic from cluster %d",
+                                note.cluster_id)
+                    continue
                 try:
                     req_id, outcome = parse_release(note.payload)
                 except ValueError:
-                    log.warning("kvbroker connector: ignoring a malformed release from cluster %d", note.cluster_id)
+                    log.warning("kvbroker connector: ignoring a malformed grant event")
                     continue
                 self.note_release(req_id, outcome, now)
 
     def note_release(self, request_id: str, outcome: str, at: float | None = None) -> None:
-        """A decode node is done with a request's blocks (its notification arrived, possibly before the hold)."""
+        """A request's grant ended (the event may arrive before the hold itself)."""
         with self._lock:
             self._released[request_id] = (time.monotonic() if at is None else at, outcome)
 
@@ -328,7 +279,6 @@ class WorkerSide:
         """Stops the threads and gives the KV memory back to the daemon; idempotent."""
         self._stop.set()
         self._pulls.shutdown(wait=True, cancel_futures=True)
-        self._notifier.shutdown(wait=True)  # after the pulls, which queue releases; each is bounded by its timeout
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
