@@ -570,8 +570,9 @@ class _Calls:
             The grant: hand `grant.token()` to the peer that will pull, keep it to renew or release.
 
         Raises:
-            ParamInvalidError: out of range; KvCacheNotExistError: a cache does not exist; OutOfMemoryError: too
-                many grants.
+            ParamInvalidError: an argument is out of range.
+            KvCacheNotExistError: a cache does not exist.
+            OutOfMemoryError: the daemon holds as many grants as it may.
         """
         req = broker_pb2.CreateGrantRequest(cache_ids=list(cache_ids), blocks=_blocks(blocks),
                                             lease_ms=_ms(lease), max_hold_ms=_ms(max_hold or None), label=label,
@@ -583,12 +584,19 @@ class _Calls:
                     timeout: float | None = None) -> _Call[float]:
         """Renews a grant's lease, on this daemon (`cluster_id` 0) or on the linked cluster that made it.
 
+        Args:
+            grant: the grant (its id and secret).
+            lease: seconds of the new lease (0: the grant's own lease).
+            cluster_id: the linked cluster that made the grant (0: this daemon).
+            timeout: deadline in seconds (default: the client's `timeout`).
+
         Returns:
             Seconds until it lapses unless renewed again.
 
         Raises:
             KvCacheNotExistError: the grant is unknown, lapsed or released (or the secret is wrong).
-            NotYetLinkError / LinkFailedError: `cluster_id` is not linked (READY).
+            NotYetLinkError: `cluster_id` has no READY link.
+            LinkFailedError: the cluster that made it cannot be reached.
         """
         req = broker_pb2.RenewGrantRequest(cluster_id=cluster_id, grant=_grant_ref(grant), lease_ms=_ms(lease or None))
         return _Call("RenewGrant", req, lambda resp: resp.expires_in_ms / 1000, timeout)
@@ -597,8 +605,18 @@ class _Calls:
     def release_grant(self, grant: Grant, *, cluster_id: int = 0, timeout: float | None = None) -> _Call[None]:
         """Ends a grant (its holder will not read the blocks): on this daemon or on the linked cluster that made it.
 
+        Args:
+            grant: the grant (its id and secret).
+            cluster_id: the linked cluster that made the grant (0: this daemon).
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the grant has ended (its maker's daemon posts the GrantEvent).
+
         Raises:
             KvCacheNotExistError: the grant is unknown, lapsed or already released.
+            NotYetLinkError: `cluster_id` has no READY link.
+            LinkFailedError: the cluster that made it cannot be reached.
         """
         req = broker_pb2.ReleaseGrantRequest(cluster_id=cluster_id, grant=_grant_ref(grant))
         return _Call("ReleaseGrant", req, _nothing, timeout)
@@ -621,10 +639,13 @@ class _Calls:
             ext_param: layer selection, as in `pull_kv_blocks`.
             timeout: deadline in seconds (default: the client's `timeout`).
 
+        Returns:
+            The TransferResult, as `pull_kv_blocks` returns it.
+
         Raises:
             KvCacheNotExistError: the grant is unknown, lapsed or released; nothing was moved.
             ParamInvalidError: the grant does not cover the blocks (or slot); nothing was moved.
-            As `pull_kv_blocks` otherwise.
+            LlmError: as `pull_kv_blocks` otherwise (links, timeouts, partial transfers with their report).
         """
         req = _pull_request(CacheIndex(cluster_id, 0), dst_cache, src_blocks, dst_blocks, ext_param)
         req.grant.CopyFrom(broker_pb2.GrantClaim(grant=_grant_ref(grant), cache_slot=cache_slot,
