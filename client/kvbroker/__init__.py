@@ -33,6 +33,7 @@ from kvbroker.types import (
     Placement,
     PullBlocks,
     PushBlocks,
+    SessionPull,
     TensorLocation,
     TransferResult,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Placement",
     "PullBlocks",
     "PushBlocks",
+    "SessionPull",
     "TensorLocation",
     "TransferResult",
 ]

@@ -24,6 +24,7 @@ import grpc.aio
 
 from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc
+from kvbroker._session import AsyncPullSession, PullSession
 from kvbroker.shm import Cache
 from kvbroker.status import (
     ACCEPT_DETAILS_HEADER,
@@ -976,6 +977,28 @@ class Client(_Calls):
             raise error_from_rpc(err) from None
         raise LlmError(LlmStatus.LLM_FAILED, "the progress stream ended without a terminal state")
 
+    def open_pull_session(self, *, timeout: float | None = None) -> PullSession:
+        """Opens a pull session: one long-lived stream that carries many pulls (plain or granted) and their
+        completions, without a call's set-up per pull (e.g. one per engine worker; the daemon runs each `submit`'s
+        pulls as one step, planned together per peer).
+
+        Args:
+            timeout: deadline of the whole stream in seconds (None: none; each pull has its own,
+                `SessionPull.timeout` or the client's `timeout`).
+
+        Returns:
+            The PullSession: `submit(pulls)` returns one future per pull (its TransferResult, or the LlmError
+            `pull_kv_blocks` would raise); `close()` waits for the pulls in flight.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED). A session the daemon refuses (too many open:
+                LLM_OUT_OF_MEMORY) fails its pulls and later submits with that error.
+        """
+        deadline = None if timeout is None else self._deadline(timeout)
+        self._call("Ping", broker_pb2.PingRequest(), None)  # creates the channel; fails fast if the daemon is down
+        return PullSession(self._stub, _CALL_METADATA, self.default_timeout, deadline)
+
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
         self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
         return getattr(self._stub, method)(  # type: ignore[no-any-return]
@@ -1039,6 +1062,30 @@ class AsyncClient(_Calls):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def open_pull_session(self, *, timeout: float | None = None) -> AsyncPullSession:
+        """Opens a pull session: one long-lived stream that carries many pulls (plain or granted) and their
+        completions, without a call's set-up per pull (e.g. one per engine worker; the daemon runs each `submit`'s
+        pulls as one step, planned together per peer).
+
+        Args:
+            timeout: deadline of the whole stream in seconds (None: none; each pull has its own,
+                `SessionPull.timeout` or the client's `timeout`).
+
+        Returns:
+            The AsyncPullSession: `await submit(pulls)` returns one future per pull (its TransferResult, or the
+            LlmError `pull_kv_blocks` would raise); `await close()` waits for the pulls in flight.
+
+        Raises:
+            ParamInvalidError: `timeout` is not > 0.
+            LlmError: the daemon could not be reached (LLM_FAILED). A session the daemon refuses (too many open:
+                LLM_OUT_OF_MEMORY) fails its pulls and later submits with that error.
+        """
+        deadline = None if timeout is None else self._deadline(timeout)
+        await self._call("Ping", broker_pb2.PingRequest(), None)  # creates the channel in this loop
+        call = self._stub.PullKvBlocksSession(  # type: ignore[union-attr]
+            metadata=_CALL_METADATA, timeout=deadline)
+        return AsyncPullSession(call, self.default_timeout)
 
     async def pull_kv_blocks_stream(
         self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],

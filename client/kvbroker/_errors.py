@@ -17,14 +17,14 @@ def error_from_rpc(err: grpc.RpcError) -> LlmError:
     failure = read_failure(err)
     details: dict[str, Any] = {"grpc_code": failure.code.name, **failure.metadata}
     if failure.report is not None:
-        details["transfer_report"] = _with_block_lists(failure.report)
+        details["transfer_report"] = with_block_lists(failure.report)
     if failure.status is None:
         message = f"{failure.code.name}: {failure.text}" if failure.text else failure.code.name
         return make_error(status_for_grpc_code(failure.code), message, details)
     return make_error(failure.status, failure.message, details)
 
 
-def _with_block_lists(report: errors_pb2.TransferReport) -> errors_pb2.TransferReport:
+def with_block_lists(report: errors_pb2.TransferReport) -> errors_pb2.TransferReport:
     """`report` with every block list as a list (the daemon sends runs when they are shorter)."""
     messages: list[errors_pb2.TransferReport | errors_pb2.GroupReport] = [report, *report.groups]
     for msg in messages:

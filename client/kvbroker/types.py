@@ -287,3 +287,23 @@ class PushBlocks:
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
     ext_param: KvCacheExtParam | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPull:
+    """One pull of a pull session (`open_pull_session`): `pull_kv_blocks` of `src_cache_index`, or, with `grant`,
+    `pull_granted_kv_blocks` of the blocks that `src_cache_index.cluster_id` granted (its cache_id then 0)."""
+
+    src_cache_index: CacheIndex
+    dst_cache: int
+    dst_blocks: tuple[int, ...]
+    src_blocks: tuple[int, ...] = ()
+    """Source blocks; with a grant, empty means the grant's blocks from `first_block` on."""
+    ext_param: KvCacheExtParam | None = None
+    grant: Grant | None = None
+    cache_slot: int = 0
+    """With a grant: which of its caches (e.g. the TP rank)."""
+    first_block: int = 0
+    """With a grant and no `src_blocks`: index into the grant's blocks of the first one to pull."""
+    timeout: float | None = None
+    """This pull's own deadline in seconds, from when the daemon reads it (None: the client's `timeout`)."""

@@ -51,6 +51,7 @@ def test_list_and_describe(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
     described = grpcurl(b, "describe", "kvbroker.v1.KvBroker")
     assert described.returncode == 0 and "rpc PullKvBlocks" in described.stdout
     assert "Pulls blocks of a remote cache" in described.stdout  # proto comments reach the operator
+    assert "rpc PullKvBlocksSession ( stream .kvbroker.v1.PullSessionRequest ) returns ( stream " in described.stdout
 
 
 def test_health_check(pair: tuple[LocalDaemon, LocalDaemon]) -> None:

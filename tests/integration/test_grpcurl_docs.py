@@ -161,6 +161,7 @@ def assert_the_transfers_landed(env: Env) -> None:
         assert not dst[t][10][512:].any()
         assert np.array_equal(dst[t][11:13], before[t][0:2])  # the batch's pull: blocks 0-1 -> 11-12
         assert np.array_equal(dst[t][13:15], before[t][6:8])  # the granted blocks 6-7 -> 13-14
+        assert np.array_equal(dst[t][[15, 4]], before[t][[1, 2]])  # the session's pulls: 1 -> 15, 2 -> 4
         assert np.array_equal(src[t][12], before[t][3])  # the batch's push: local block 8 -> remote 12
         assert np.array_equal(src[t][14:16], before[t][3:5])  # PushKvBlocks: local 8-9 -> remote 14-15
         # PushKvCache: local row 10 -> remote row 13, layer 0 (tensors 0 and 1) only

@@ -15,9 +15,10 @@ from kvbroker import AsyncClient, Client
 from kvbroker._client import CALLS, _Calls, _Rpc
 from kvbroker.v1 import broker_pb2
 
-# RPCs the clients use without a method of their own name: the session keep-alive runs in the background, and the
-# layer-wise stream is `Client.pull_kv_blocks(on_layer=...)` and `AsyncClient.pull_kv_blocks_stream`.
-NOT_A_ROW = {"keep_alive", "pull_kv_blocks_stream"}
+# RPCs the clients use without a method of their own name: the session keep-alive runs in the background, the
+# layer-wise stream is `Client.pull_kv_blocks(on_layer=...)` and `AsyncClient.pull_kv_blocks_stream`, and the pull
+# session is `open_pull_session` on both clients.
+NOT_A_ROW = {"keep_alive", "pull_kv_blocks_stream", "pull_kv_blocks_session"}
 # Rows that are another way to call an RPC that has a row of its own name.
 VARIANTS = {"pull_granted_kv_blocks": "pull_kv_blocks"}
 SECTIONS = ("Args", "Returns", "Raises")

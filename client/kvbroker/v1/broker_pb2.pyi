@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from kvbroker.v1 import errors_pb2 as _errors_pb2
 from kvbroker.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -1444,6 +1445,160 @@ class TransferKvBlocksBatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferKvBlocksBatchResponse: _TypeAlias = TransferKvBlocksBatchResponse  # noqa: Y015
+
+@_typing.final
+class SessionPull(_message.Message):
+    """One pull of a PullKvBlocksSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the caller, distinct among the session's pulls in flight; echoed in the pull's completion."""
+    timeout_ms: _builtins.int
+    """The pull's own deadline, from the moment the daemon reads it, in milliseconds; 0: 60 s."""
+    @_builtins.property
+    def pull(self) -> Global___PullKvBlocksRequest:
+        """The pull, as PullKvBlocks takes it (with `grant` for granted blocks)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        pull: Global___PullKvBlocksRequest | None = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pull", b"pull"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "pull", b"pull", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionPull: _TypeAlias = SessionPull  # noqa: Y015
+
+@_typing.final
+class PullSessionRequest(_message.Message):
+    """A message of the caller's side of a PullKvBlocksSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PULLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pulls(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionPull]:
+        """Pulls to start (at most 256 per message; e.g. one engine step's loads)."""
+
+    def __init__(
+        self,
+        *,
+        pulls: _abc.Iterable[Global___SessionPull] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pulls", b"pulls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullSessionRequest: _TypeAlias = PullSessionRequest  # noqa: Y015
+
+@_typing.final
+class PullCompletion(_message.Message):
+    """The outcome of one pull of a PullKvBlocksSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The pull's id (SessionPull.id)."""
+    status: _builtins.str
+    """LLM status name: "LLM_SUCCESS", or what PullKvBlocks would fail with ("LLM_PARAM_INVALID", ...)."""
+    status_code: _builtins.int
+    """LLM-DataDist numeric status code."""
+    message: _builtins.str
+    """Human-readable cause when the status is not LLM_SUCCESS."""
+    @_builtins.property
+    def result(self) -> Global___PullKvBlocksResponse:
+        """Set on success: bytes moved, backend, transfer id, runs."""
+
+    @_builtins.property
+    def report(self) -> _errors_pb2.TransferReport:
+        """Set on a failed transfer: which destination blocks did not land (as in PullKvBlocks' error details)."""
+
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """On failure, the ErrorInfo metadata PullKvBlocks would send (transfer_id, cluster_id, ...). On success, "job": the
+        id of the data-plane job that moved the pull's bytes (the same for the pulls that were planned and run together).
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        status: _builtins.str = ...,
+        status_code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        result: Global___PullKvBlocksResponse | None = ...,
+        report: _errors_pb2.TransferReport | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "message", b"message", "metadata", b"metadata", "report", b"report", "result", b"result", "status", b"status", "status_code", b"status_code"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullCompletion: _TypeAlias = PullCompletion  # noqa: Y015
+
+@_typing.final
+class PullSessionResponse(_message.Message):
+    """A message of the daemon's side of a PullKvBlocksSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPLETIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def completions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullCompletion]:
+        """Pulls that have ended, in the order they ended."""
+
+    def __init__(
+        self,
+        *,
+        completions: _abc.Iterable[Global___PullCompletion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completions", b"completions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullSessionResponse: _TypeAlias = PullSessionResponse  # noqa: Y015
 
 @_typing.final
 class SendNotificationRequest(_message.Message):

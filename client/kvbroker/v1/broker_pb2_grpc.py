@@ -127,6 +127,11 @@ class KvBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
                 _registered_method=True)
+        self.PullKvBlocksSession = channel.stream_stream(
+                '/kvbroker.v1.KvBroker/PullKvBlocksSession',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.PullSessionRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullSessionResponse.FromString,
+                _registered_method=True)
         self.SendNotification = channel.unary_unary(
                 '/kvbroker.v1.KvBroker/SendNotification',
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.SendNotificationRequest.SerializeToString,
@@ -287,6 +292,18 @@ class KvBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKvBlocksSession(self, request_iterator, context):
+        """A long-lived session of pulls (e.g. one per engine worker): each message carries one or more pulls (plain or
+        granted, e.g. one engine step's loads), each tagged with an id the caller chose; each pull ends in a completion
+        message with that id and the pull's own outcome: the status, message and report PullKvBlocks would give. Pulls
+        arriving in one message are validated one by one, then planned and run together per peer and cache (one plan,
+        pin and data-plane job where the bytes allow); one pull's failure fails that pull alone, and each has its own
+        deadline. Bounded: pulls per message, pulls in flight per session, sessions per daemon (docs/LIMITS.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SendNotification(self, request, context):
         """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
         engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
@@ -419,6 +436,11 @@ def add_KvBrokerServicer_to_server(servicer, server):
                     servicer.TransferKvBlocksBatch,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.SerializeToString,
+            ),
+            'PullKvBlocksSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullKvBlocksSession,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.PullSessionRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.PullSessionResponse.SerializeToString,
             ),
             'SendNotification': grpc.unary_unary_rpc_method_handler(
                     servicer.SendNotification,
@@ -935,6 +957,33 @@ class KvBroker:
             '/kvbroker.v1.KvBroker/TransferKvBlocksBatch',
             kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.TransferKvBlocksBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvBlocksSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbroker.v1.KvBroker/PullKvBlocksSession',
+            kvbroker_dot_v1_dot_broker__pb2.PullSessionRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.PullSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,14 @@ class KvBrokerStub:
     """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
     byte moves, one deadline, one terminal state.
     """
+    PullKvBlocksSession: _grpc.StreamStreamMultiCallable[_broker_pb2.PullSessionRequest, _broker_pb2.PullSessionResponse]
+    """A long-lived session of pulls (e.g. one per engine worker): each message carries one or more pulls (plain or
+    granted, e.g. one engine step's loads), each tagged with an id the caller chose; each pull ends in a completion
+    message with that id and the pull's own outcome: the status, message and report PullKvBlocks would give. Pulls
+    arriving in one message are validated one by one, then planned and run together per peer and cache (one plan,
+    pin and data-plane job where the bytes allow); one pull's failure fails that pull alone, and each has its own
+    deadline. Bounded: pulls per message, pulls in flight per session, sessions per daemon (docs/LIMITS.md).
+    """
     SendNotification: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SendNotificationRequest, _broker_pb2.SendNotificationResponse]
     """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
     engine telling the prefill engine that it has pulled a request's blocks). Needs a READY link to that cluster.
@@ -137,6 +145,14 @@ class KvBrokerAsyncStub(KvBrokerStub):
     TransferKvBlocksBatch: _aio.UnaryUnaryMultiCallable[_broker_pb2.TransferKvBlocksBatchRequest, _broker_pb2.TransferKvBlocksBatchResponse]  # type: ignore[assignment]
     """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
     byte moves, one deadline, one terminal state.
+    """
+    PullKvBlocksSession: _aio.StreamStreamMultiCallable[_broker_pb2.PullSessionRequest, _broker_pb2.PullSessionResponse]  # type: ignore[assignment]
+    """A long-lived session of pulls (e.g. one per engine worker): each message carries one or more pulls (plain or
+    granted, e.g. one engine step's loads), each tagged with an id the caller chose; each pull ends in a completion
+    message with that id and the pull's own outcome: the status, message and report PullKvBlocks would give. Pulls
+    arriving in one message are validated one by one, then planned and run together per peer and cache (one plan,
+    pin and data-plane job where the bytes allow); one pull's failure fails that pull alone, and each has its own
+    deadline. Bounded: pulls per message, pulls in flight per session, sessions per daemon (docs/LIMITS.md).
     """
     SendNotification: _aio.UnaryUnaryMultiCallable[_broker_pb2.SendNotificationRequest, _broker_pb2.SendNotificationResponse]  # type: ignore[assignment]
     """Sends a small message to a linked cluster's daemon, where its local clients fetch it by topic (e.g. a decode
@@ -306,6 +322,20 @@ class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.TransferKvBlocksBatchResponse, _abc.Awaitable[_broker_pb2.TransferKvBlocksBatchResponse]]:
         """Several block pulls/pushes (e.g. K and V caches, MLA parts) as one transfer: validated together before any
         byte moves, one deadline, one terminal state.
+        """
+
+    @_abc_1.abstractmethod
+    def PullKvBlocksSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[_broker_pb2.PullSessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_broker_pb2.PullSessionResponse], _abc.AsyncIterator[_broker_pb2.PullSessionResponse]]:
+        """A long-lived session of pulls (e.g. one per engine worker): each message carries one or more pulls (plain or
+        granted, e.g. one engine step's loads), each tagged with an id the caller chose; each pull ends in a completion
+        message with that id and the pull's own outcome: the status, message and report PullKvBlocks would give. Pulls
+        arriving in one message are validated one by one, then planned and run together per peer and cache (one plan,
+        pin and data-plane job where the bytes allow); one pull's failure fails that pull alone, and each has its own
+        deadline. Bounded: pulls per message, pulls in flight per session, sessions per daemon (docs/LIMITS.md).
         """
 
     @_abc_1.abstractmethod

@@ -22,7 +22,8 @@ from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
-from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
+from kvbrokerd.service.errors import llm_errors, status_of, time_remaining, to_rpc_status
+from kvbrokerd.service.pullsession import MAX_PULL_SESSIONS, PullSession
 from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 
@@ -96,6 +97,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         """Size of each cache's entry in the ListCaches reply, by cache id (see MAX_CACHE_LISTING_BYTES)."""
         self._orphans: set[asyncio.Task[None]] = set()
         """Releases of caches whose callers gave up while they were made (kept referenced until they finish)."""
+        self._pull_sessions = 0
+        """Open PullKvBlocksSession streams (at most MAX_PULL_SESSIONS)."""
 
     @property
     def _shm_dir(self) -> str:
@@ -276,6 +279,24 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             await context.abort_with_status(status_of(exc, "PullKvBlocksStream", context))
             return
         yield broker_pb2.PullKvBlocksProgress(result=_summary(broker_pb2.PullKvBlocksResponse, result))
+
+    async def PullKvBlocksSession(self, request_iterator: AsyncIterator[broker_pb2.PullSessionRequest],
+                                  context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[broker_pb2.PullSessionResponse]:
+        # The same gate as every other call of the local API: the socket's permissions (T1); a session adds no
+        # per-pull metadata to check.
+        if self._pull_sessions >= MAX_PULL_SESSIONS:
+            await context.abort_with_status(to_rpc_status(LlmError(
+                LlmStatus.LLM_OUT_OF_MEMORY, f"{self._pull_sessions} pull sessions are open (at most "
+                f"{MAX_PULL_SESSIONS}); close one or use PullKvBlocks")))
+            return
+        self._pull_sessions += 1
+        try:
+            session = PullSession(self.node.transfers, _pull_blocks, time_remaining(context))
+            async for msg in session.serve(request_iterator):
+                yield msg
+        finally:
+            self._pull_sessions -= 1
 
     @llm_errors
     async def PullKvCache(self, request: broker_pb2.PullKvCacheRequest, context: grpc.aio.ServicerContext

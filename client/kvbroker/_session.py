@@ -1,0 +1,280 @@
+"""Pull sessions (`Client.open_pull_session`, `AsyncClient.open_pull_session`): one long-lived
+KvBroker.PullKvBlocksSession stream that carries many pulls and their completions, with no call set-up per pull.
+
+`submit` sends its pulls as one message (the daemon runs them as one step) and returns one future per pull, which
+ends with the pull's TransferResult or raises the LlmError that `pull_kv_blocks` would have raised (same status,
+message, details and `failed_dst_blocks`). If the stream itself ends (the daemon stopped, the session was refused),
+every pull still pending fails with that error, and so does every later `submit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from kvbroker import convert as cv
+from kvbroker._errors import error_from_rpc, with_block_lists
+from kvbroker.status import LlmError, LlmStatus, ParamInvalidError, make_error
+from kvbroker.types import SessionPull, TransferResult
+from kvbroker.v1 import broker_pb2
+
+Metadata = tuple[tuple[str, str], ...]
+
+MAX_PULLS_PER_SUBMIT = 256
+"""The daemon's limit of pulls per message (a larger `submit` is refused before anything is sent)."""
+
+
+def _pull_pb(pull: SessionPull, pull_id: int, default_timeout: float | None) -> broker_pb2.SessionPull:
+    req = broker_pb2.PullKvBlocksRequest(
+        src_cache_index=cv.cache_index_to_pb(pull.src_cache_index), dst_cache_id=int(pull.dst_cache),
+        src_blocks=[int(b) for b in pull.src_blocks], dst_blocks=[int(b) for b in pull.dst_blocks],
+        ext_param=cv.ext_param_to_pb(pull.ext_param))
+    if pull.grant is not None:
+        req.grant.CopyFrom(broker_pb2.GrantClaim(
+            grant=broker_pb2.GrantRef(grant_id=pull.grant.grant_id, secret=pull.grant.secret),
+            cache_slot=pull.cache_slot, first_block=pull.first_block))
+    timeout = default_timeout if pull.timeout is None else pull.timeout
+    if timeout is not None and timeout <= 0:
+        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
+    timeout_ms = 0 if timeout is None else min(0xFFFFFFFF, max(1, int(timeout * 1000)))
+    return broker_pb2.SessionPull(id=pull_id, pull=req, timeout_ms=timeout_ms)
+
+
+def _message(pulls: Sequence[SessionPull], ids: Iterator[int], default_timeout: float | None
+             ) -> tuple[list[int], broker_pb2.PullSessionRequest]:
+    if not pulls:
+        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, "submit needs at least one pull")
+    if len(pulls) > MAX_PULLS_PER_SUBMIT:
+        raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"{len(pulls)} pulls in one submit; at most "
+                                f"{MAX_PULLS_PER_SUBMIT}")
+    numbered = [(next(ids), p) for p in pulls]
+    msg = broker_pb2.PullSessionRequest(pulls=[_pull_pb(p, i, default_timeout) for i, p in numbered])
+    return [i for i, _ in numbered], msg
+
+
+def outcome_of(c: broker_pb2.PullCompletion) -> TransferResult | LlmError:
+    """A completion as `pull_kv_blocks` would have ended: its result, or the error it would have raised."""
+    if c.status_code == LlmStatus.LLM_SUCCESS and c.status == LlmStatus.LLM_SUCCESS.name:
+        return cv.transfer_result_from_pb(c.result)
+    try:
+        status = LlmStatus(c.status_code)
+    except ValueError:
+        status = LlmStatus.LLM_FAILED
+    if status == LlmStatus.LLM_SUCCESS:  # a status name and code that disagree: not a success
+        status = LlmStatus.LLM_FAILED
+    details: dict[str, Any] = dict(c.metadata)
+    if c.HasField("report"):
+        details["transfer_report"] = with_block_lists(c.report)
+    return make_error(status, c.message, details)
+
+
+def _stream_error(err: grpc.RpcError) -> LlmError:
+    return error_from_rpc(err)
+
+
+class PullSession:
+    """A blocking client's pull session: `submit` from any thread; completions arrive on a reader thread."""
+
+    def __init__(self, stub: Any, metadata: Metadata, default_timeout: float | None, timeout: float | None) -> None:
+        self._default_timeout = default_timeout
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, concurrent.futures.Future[TransferResult]] = {}
+        self._ended: LlmError | None = None
+        self._closing = False
+        self._requests: queue.SimpleQueue[broker_pb2.PullSessionRequest | None] = queue.SimpleQueue()
+        self._call = stub.PullKvBlocksSession(self._outgoing(), metadata=metadata, timeout=timeout)
+        self._reader = threading.Thread(target=self._read, name="kvbroker-pull-session", daemon=True)
+        self._reader.start()
+
+    def _outgoing(self) -> Iterator[broker_pb2.PullSessionRequest]:
+        while (msg := self._requests.get()) is not None:
+            yield msg
+
+    def submit(self, pulls: Sequence[SessionPull]) -> list[concurrent.futures.Future[TransferResult]]:
+        """Sends `pulls` as one message (the daemon runs them as one step).
+
+        Args:
+            pulls: 1..256 pulls, each with its own deadline (`SessionPull.timeout`).
+
+        Returns:
+            One future per pull, in order: its TransferResult, or the LlmError `pull_kv_blocks` would raise.
+
+        Raises:
+            ParamInvalidError: no pulls, too many, or a timeout that is not > 0 (nothing was sent).
+            LlmError: the session has ended (closed, or the stream failed: its error).
+        """
+        with self._lock:
+            if self._ended is not None:
+                raise make_error(self._ended.status, self._ended.message, self._ended.details)
+            if self._closing:
+                raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
+            ids, msg = _message(pulls, self._ids, self._default_timeout)
+            futures = [concurrent.futures.Future[TransferResult]() for _ in ids]
+            self._pending.update(zip(ids, futures, strict=True))
+            self._requests.put(msg)
+        return futures
+
+    def _read(self) -> None:
+        error = LlmError(LlmStatus.LLM_FAILED, "the pull session ended with pulls in flight")
+        try:
+            for resp in self._call:
+                for c in resp.completions:
+                    with self._lock:
+                        fut = self._pending.pop(c.id, None)
+                    if fut is None:
+                        continue  # not ours (a daemon never sends one; a wrong id must not break the others)
+                    outcome = outcome_of(c)
+                    if isinstance(outcome, LlmError):
+                        fut.set_exception(outcome)
+                    else:
+                        fut.set_result(outcome)
+        except grpc.RpcError as err:
+            error = _stream_error(err)
+        with self._lock:
+            self._ended = error
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(make_error(error.status, error.message, error.details))
+
+    def close(self, wait: float | None = None) -> None:
+        """Stops submitting; the daemon finishes the pulls in flight. Idempotent.
+
+        Args:
+            wait: seconds to wait for their completions (None: until the daemon ends the stream, which it does once
+                every pull has completed, each within its deadline); then the stream is cancelled, and pulls still
+                pending fail.
+
+        Returns:
+            None.
+
+        Raises:
+            LlmError: never; failures reach the futures.
+        """
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._requests.put(None)
+        self._reader.join(wait)
+        if self._reader.is_alive():
+            self._call.cancel()
+            self._reader.join()
+
+    def __enter__(self) -> PullSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncPullSession:
+    """An asyncio client's pull session: `await submit(...)` returns futures of this loop."""
+
+    def __init__(self, call: Any, default_timeout: float | None) -> None:
+        self._call = call
+        self._default_timeout = default_timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[TransferResult]] = {}
+        self._ended: LlmError | None = None
+        self._closing = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def submit(self, pulls: Sequence[SessionPull]) -> list[asyncio.Future[TransferResult]]:
+        """Sends `pulls` as one message (the daemon runs them as one step).
+
+        Args:
+            pulls: 1..256 pulls, each with its own deadline (`SessionPull.timeout`).
+
+        Returns:
+            One future per pull, in order: its TransferResult, or the LlmError `pull_kv_blocks` would raise.
+
+        Raises:
+            ParamInvalidError: no pulls, too many, or a timeout that is not > 0 (nothing was sent).
+            LlmError: the session has ended (closed, or the stream failed: its error).
+        """
+        if self._ended is not None:
+            raise make_error(self._ended.status, self._ended.message, self._ended.details)
+        if self._closing:
+            raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
+        ids, msg = _message(pulls, self._ids, self._default_timeout)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in ids]
+        self._pending.update(zip(ids, futures, strict=True))
+        try:
+            await self._call.write(msg)
+        except (grpc.RpcError, asyncio.InvalidStateError) as err:
+            # The stream ended: the reader fails every pending pull (these too) with its status.
+            await asyncio.wait({self._reader})
+            if isinstance(err, grpc.RpcError) and self._ended is None:
+                raise error_from_rpc(err) from None
+        return futures
+
+    async def _read(self) -> None:
+        error = LlmError(LlmStatus.LLM_FAILED, "the pull session ended with pulls in flight")
+        try:
+            async for resp in _responses(self._call):
+                for c in resp.completions:
+                    fut = self._pending.pop(c.id, None)
+                    if fut is None or fut.done():
+                        continue
+                    outcome = outcome_of(c)
+                    if isinstance(outcome, LlmError):
+                        fut.set_exception(outcome)
+                    else:
+                        fut.set_result(outcome)
+        except grpc.RpcError as err:
+            error = _stream_error(err)
+        except asyncio.CancelledError:
+            error = LlmError(LlmStatus.LLM_FAILED, "the pull session was cancelled")
+        self._ended = error
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(make_error(error.status, error.message, error.details))
+
+    async def close(self, wait: float | None = None) -> None:
+        """Stops submitting; the daemon finishes the pulls in flight. Idempotent.
+
+        Args:
+            wait: seconds to wait for their completions (None: until the daemon ends the stream, which it does once
+                every pull has completed, each within its deadline); then the stream is cancelled, and pulls still
+                pending fail.
+
+        Returns:
+            None.
+
+        Raises:
+            LlmError: never; failures reach the futures.
+        """
+        if not self._closing:
+            self._closing = True
+            if self._ended is None:
+                with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: the reader says how
+                    await self._call.done_writing()
+        done, _ = await asyncio.wait({self._reader}, timeout=wait)
+        if not done:
+            self._call.cancel()
+            await asyncio.wait({self._reader})
+
+    async def __aenter__(self) -> AsyncPullSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _responses(call: Any) -> AsyncIterator[broker_pb2.PullSessionResponse]:
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return
+        yield msg

@@ -1,0 +1,162 @@
+"""`KvBroker.PullKvBlocksSession`: a long-lived stream of pulls and their completions (a decode engine worker's hot
+path), without a call's set-up, metadata and trailers per pull.
+
+Every pull of a message is checked as PullKvBlocks checks it and gets exactly one completion with its id: the
+status, message, ErrorInfo metadata and TransferReport that PullKvBlocks would have ended with. The pulls of one
+message run as one step (transfers/steps.py). Bounds: `MAX_SESSION_PULLS_PER_MESSAGE` pulls per message,
+`MAX_SESSION_PULLS_IN_FLIGHT` per session, `MAX_PULL_SESSIONS` sessions per daemon. When the caller half-closes, the
+session finishes the pulls in flight, sends their completions and ends; when the caller goes away, they are
+cancelled (as a cancelled PullKvBlocks is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from kvbroker.status import LlmStatus
+from kvbroker.types import TransferResult
+from kvbroker.v1 import broker_pb2
+from kvbrokerd.errors import LlmError
+from kvbrokerd.service.errors import report_to_pb
+from kvbrokerd.transfers.manager import BlocksRequest, TransferManager
+from kvbrokerd.transfers.reports import TransferReport
+from kvbrokerd.transfers.steps import StepPull, start_step
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_PULLS_PER_MESSAGE = 256
+"""Pulls in one PullSessionRequest (an engine step's loads); a message with more has every pull refused."""
+MAX_SESSION_PULLS_IN_FLIGHT = 1024
+"""Pulls of one session that have not completed yet; a pull past it is refused (LLM_OUT_OF_MEMORY)."""
+MAX_PULL_SESSIONS = 64
+"""Open PullKvBlocksSession streams per daemon (an engine opens one per worker); the next is refused at its start."""
+
+
+class PullSession:
+    """One PullKvBlocksSession stream: reads pulls, starts each message's as one step, streams completions."""
+
+    def __init__(self, transfers: TransferManager, parse: Callable[[broker_pb2.PullKvBlocksRequest], BlocksRequest],
+                 stream_timeout: float | None) -> None:
+        self._transfers = transfers
+        self._parse = parse
+        self._stream_timeout = stream_timeout
+        self._in_flight: dict[int, asyncio.Task[tuple[TransferResult, str]]] = {}
+        self._out: asyncio.Queue[broker_pb2.PullCompletion | None] = asyncio.Queue()
+        self._reading = True
+
+    async def serve(self, requests: AsyncIterator[broker_pb2.PullSessionRequest]
+                    ) -> AsyncIterator[broker_pb2.PullSessionResponse]:
+        reader = asyncio.ensure_future(self._read(requests))
+        try:
+            while True:
+                first = await self._out.get()
+                if first is None:
+                    break
+                batch = [first]
+                # Completions that are ready together go as one message.
+                while not self._out.empty():
+                    more = self._out.get_nowait()
+                    if more is None:
+                        self._out.put_nowait(None)
+                        break
+                    batch.append(more)
+                yield broker_pb2.PullSessionResponse(completions=batch)
+        finally:
+            reader.cancel()
+            for task in list(self._in_flight.values()):
+                task.cancel()
+
+    async def _read(self, requests: AsyncIterator[broker_pb2.PullSessionRequest]) -> None:
+        try:
+            async for msg in requests:
+                self._start(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the caller's side broke: the pulls in flight still complete
+            log.info("pull session: reading ended: %s", e)
+        self._reading = False
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        if not self._reading and not self._in_flight:
+            self._out.put_nowait(None)
+
+    def _refuse(self, pull_id: int, status: LlmStatus, message: str) -> None:
+        self._out.put_nowait(completion_of(pull_id, LlmError(status, message)))
+
+    def _start(self, msg: broker_pb2.PullSessionRequest) -> None:
+        if len(msg.pulls) > MAX_SESSION_PULLS_PER_MESSAGE:
+            for p in msg.pulls:
+                self._refuse(p.id, LlmStatus.LLM_PARAM_INVALID, f"{len(msg.pulls)} pulls in one message; at most "
+                             f"{MAX_SESSION_PULLS_PER_MESSAGE}")
+            return
+        ids: list[int] = []
+        pulls: list[StepPull] = []
+        for p in msg.pulls:
+            if p.id in self._in_flight or p.id in ids:
+                self._refuse(p.id, LlmStatus.LLM_PARAM_INVALID, f"pull id {p.id} is already in flight on this session")
+                continue
+            if len(self._in_flight) + len(ids) >= MAX_SESSION_PULLS_IN_FLIGHT:
+                self._refuse(p.id, LlmStatus.LLM_OUT_OF_MEMORY, f"{MAX_SESSION_PULLS_IN_FLIGHT} pulls in flight on "
+                             "this session (at most); retry when some have completed")
+                continue
+            if not p.HasField("pull"):
+                self._refuse(p.id, LlmStatus.LLM_PARAM_INVALID, f"pull {p.id} has no pull request")
+                continue
+            try:
+                request = self._parse(p.pull)
+            except LlmError as e:
+                self._out.put_nowait(completion_of(p.id, e))
+                continue
+            ids.append(p.id)
+            pulls.append(StepPull(request, self._timeout(p.timeout_ms)))
+        for pull_id, task in zip(ids, start_step(self._transfers, pulls), strict=True):
+            self._in_flight[pull_id] = task
+            task.add_done_callback(functools.partial(self._done, pull_id))
+
+    def _timeout(self, timeout_ms: int) -> float | None:
+        """The pull's own timeout, within the stream's deadline (if the caller gave the stream one)."""
+        own = timeout_ms / 1000 if timeout_ms else None
+        if self._stream_timeout is None:
+            return own
+        return self._stream_timeout if own is None else min(own, self._stream_timeout)
+
+    def _done(self, pull_id: int, task: asyncio.Task[tuple[TransferResult, str]]) -> None:
+        if self._in_flight.get(pull_id) is task:
+            del self._in_flight[pull_id]
+        if task.cancelled():
+            return  # the session is ending: no one reads completions any more
+        exc = task.exception()
+        if exc is None:
+            self._out.put_nowait(completion_of(pull_id, *task.result()))
+        elif isinstance(exc, LlmError):
+            self._out.put_nowait(completion_of(pull_id, exc))
+        else:
+            log.error("pull session: pull %d failed", pull_id, exc_info=exc)
+            self._out.put_nowait(completion_of(
+                pull_id, LlmError(LlmStatus.LLM_FAILED, f"internal error: {type(exc).__name__}: {exc}")))
+        self._maybe_end()
+
+
+def completion_of(pull_id: int, outcome: TransferResult | LlmError, job_id: str = "") -> broker_pb2.PullCompletion:
+    """A pull's completion: what PullKvBlocks would have answered (and, in `metadata["job"]`, the id of the job that
+    moved its bytes), or the status and details it would have failed with (the ErrorInfo metadata and the
+    TransferReport with its block lists)."""
+    if isinstance(outcome, TransferResult):
+        status = LlmStatus.LLM_SUCCESS
+        return broker_pb2.PullCompletion(
+            id=pull_id, status=status.name, status_code=int(status), metadata={"job": job_id},
+            result=broker_pb2.PullKvBlocksResponse(bytes_moved=outcome.bytes_moved, backend=outcome.backend,
+                                                   transfer_id=outcome.transfer_id, num_runs=outcome.num_runs))
+    err = outcome
+    metadata = {k: str(v) for k, v in err.details.items() if isinstance(v, str | int | float)}
+    metadata["status_code"] = str(int(err.status))
+    msg = broker_pb2.PullCompletion(id=pull_id, status=err.status.name, status_code=int(err.status),
+                                    message=err.message, metadata=metadata)
+    report = err.details.get("transfer_report")
+    if isinstance(report, TransferReport):
+        msg.report.CopyFrom(report_to_pb(report))
+    return msg
