@@ -378,14 +378,21 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
 
 
 def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> None:
+    from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem
     from kvbroker.integrations.vllm.params import PullSpec
 
     worker = _worker(link_timeout_s=0.5)
     landed = threading.Event()
 
-    def slow_pull(spec: PullSpec) -> frozenset[int]:
-        landed.wait(60)
-        return frozenset()
+    def slow_loads(items: list[PullItem]) -> None:
+        """The step's loads, ending only once `landed` is set (on a thread, as the pull session's do)."""
+        def end() -> None:
+            landed.wait(60)
+            for item in items:
+                worker._loaded(LoadOutcome(item.request_id, item.dst_blocks, frozenset(), 0, 0.0, ""))
+
+        if items:
+            threading.Thread(target=end, daemon=True).start()
 
     class Step(threading.Condition):
         """The worker's "a pull ended" condition, noting each wait of a step (and ending the pull, once asked to,
@@ -402,7 +409,8 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
                 landed.set()
             return super().wait(timeout)
 
-    worker._pull = slow_pull
+    worker._item = lambda spec: PullItem(spec.request_id, 1, Grant(bytes(16), bytes(32)), 0, 0, spec.local_blocks)
+    worker.loads.submit = slow_loads
     worker._pull_ended = step = Step()
     # A step that waited out a bound it need not wait would still end (the bound is an hour): pytest-timeout would
     # catch it, not a clock here.

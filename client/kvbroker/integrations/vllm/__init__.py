@@ -63,7 +63,7 @@ Settings (`kv_connector_extra_config`; all optional):
     kvbroker_release_timeout_s  prefill: the most renewals can keep a request's blocks held (the grant's cap;
                                 default 600)
     kvbroker_lease_ttl_s        how long after an engine dies its KV memory is freed (default 30)
-    kvbroker_max_concurrent_pulls  pulls in flight per worker (default 4)
+    kvbroker_max_concurrent_pulls  unused (accepted for old configs): a step's pulls go as one message
     kvbroker_model_id           model identity compared between engines (default: hash of the model's config)
     kvbroker_idle_wait_s        on a step with nothing to compute, how long `get_finished` waits for a pull in flight
                                 to end, so vLLM learns of it at once instead of spinning (default 0.01; 0: off)

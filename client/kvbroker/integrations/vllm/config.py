@@ -42,7 +42,8 @@ class ConnectorConfig:
     """The KV memory belongs to the engine's kvbroker session; if the engine dies without cleaning up, the daemon
     frees it this long after the last renewal (`kvbroker_lease_ttl_s`)."""
     max_concurrent_pulls: int = 4
-    """Pulls in flight at once per worker (`kvbroker_max_concurrent_pulls`)."""
+    """`kvbroker_max_concurrent_pulls`: no longer used (still accepted, so that existing configs load): a step's pulls
+    all go as one message of the worker's pull session, and the daemon bounds what runs at once."""
     model_id: str = ""
     """Model identity compared between prefill and decode (`kvbroker_model_id`); default: a hash of the model's
     architecture config, so that two engines serving different models never exchange KV."""

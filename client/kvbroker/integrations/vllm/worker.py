@@ -1,9 +1,10 @@
 """Worker side of the connector: owns the engine's KV memory (through the daemon), runs pulls, keeps held blocks.
 
-Decode role: each pull runs on a small thread pool (the engine keeps stepping meanwhile); a finished pull, good or
-bad, is reported through `get_finished` in the same step as the blocks that did not land, so vLLM recomputes those
-instead of reading them. A pull names only the request's grant: the daemon redeems it with the prefill daemon (a
-trusted one: `kvbroker_prefill_daemons`), which names the cache and blocks. The scheduler side releases the grant.
+Decode role: a step's pulls go to the daemon as one message of one long-lived pull session (loads.py; the engine
+keeps stepping meanwhile); a finished pull, good or bad, is reported through `get_finished` in the same step as the
+blocks that did not land, so vLLM recomputes those instead of reading them. A pull names only the request's
+grant: the daemon redeems it with the prefill daemon (a trusted one: `kvbroker_prefill_daemons`), which names the
+cache and blocks. The scheduler side releases the grant.
 
 Prefill role: a finished request's blocks stay allocated until its grant ends (released by the decode node, lapsed,
 or capped), which this node's own daemon posts on the rank's topic; notes from anyone else there are ignored.
@@ -15,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.grants import PeerLinks
 from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
+from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
     PullSpec,
@@ -34,7 +35,7 @@ from kvbroker.integrations.vllm.params import (
 )
 from kvbroker.integrations.vllm.stats import TransferLog
 from kvbroker.shm import Cache
-from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
+from kvbroker.status import LlmError
 from kvbroker.types import KvCacheExtParam
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
@@ -70,10 +71,10 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
-        self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
+        self.loads = StepLoads(self.client, self.links, self._loaded)
         self._held: dict[str, float] = {}
         self._released: dict[str, tuple[float, str]] = {}
         self._stop = threading.Event()
@@ -132,8 +133,18 @@ class WorkerSide:
         with self._lock:
             self._held.update(holds)
             self._in_flight += len(pulls)
+        items: list[PullItem] = []
         for spec in pulls:
-            self._pulls.submit(self._pull_and_report, spec)
+            try:
+                item = self._item(spec)
+            except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
+                log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
+                item = None
+            if item is None:
+                self._report(spec.request_id, frozenset(spec.local_blocks))
+            else:
+                items.append(item)
+        self.loads.submit(items)  # the step's pulls, one message
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose pull ended); the pulls' failed blocks are
@@ -167,76 +178,53 @@ class WorkerSide:
         return errors
 
     # -- decode: pulls --------------------------------------------------------------------------------------------
-    def _pull_and_report(self, spec: PullSpec) -> None:
-        failed: frozenset[int] = frozenset()
-        try:
-            failed = self._pull(spec)
-        except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
-            log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
-            failed = frozenset(spec.local_blocks)
-        finally:
-            with self._lock:
-                self._pulled.append(PullOutcome(spec.request_id, failed))
-                self._in_flight -= 1
-                self._pull_ended.notify_all()
+    def _report(self, request_id: str, failed: frozenset[int]) -> None:
+        with self._lock:
+            self._pulled.append(PullOutcome(request_id, failed))
+            self._in_flight -= 1
+            self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
 
-    def _pull(self, spec: PullSpec) -> frozenset[int]:
-        """Returns the local blocks that did not land."""
-        everything = frozenset(spec.local_blocks)
+    def _item(self, spec: PullSpec) -> PullItem | None:
+        """The request's pull as one item of the step, or None when it cannot run (then it is recomputed)."""
         if spec.refused:
             log.error("request %s: not pulling from prefill engine %s: %s", spec.request_id, spec.remote.engine_id,
                       spec.refused)
-            return everything
+            return None
         assert self.cache is not None
         remote = spec.remote
         mismatch = explain_mismatch(self.layout.tag(), remote.layout_tag)
         if mismatch:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, mismatch)
-            return everything
+            return None
         if self.rank >= remote.tp_size:
             log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
                       remote.tp_size, self.rank)
-            return everything
+            return None
         if why := self.links.refusal(remote.cluster_id):
             log.error("request %s: not pulling: %s", spec.request_id, why)
-            return everything
-        for attempt in (1, 2):
-            try:
-                self.links.ensure(remote.cluster_id)
-                started = time.monotonic()  # the pull alone: linking on first use is not transfer time
-                # The grant alone: the prefill daemon names the cache (this rank's) and the blocks.
-                result = self.client.pull_granted_kv_blocks(
-                    remote.cluster_id, remote.grant, self.cache.cache_id, spec.local_blocks, cache_slot=self.rank,
-                    first_block=spec.first_block, ext_param=_ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
-            except NotYetLinkError:
-                self.links.forget(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
-                if attempt == 2:
-                    log.warning("request %s: cluster %d is not linked; recomputing", spec.request_id,
-                                remote.cluster_id)
-                    return everything
-                continue
-            except LlmError as e:
-                if e.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_TIMEOUT):
-                    self.links.forget(remote.cluster_id)
-                    if attempt == 1 and e.status == LlmStatus.LLM_LINK_FAILED and not e.failed_dst_blocks:
-                        continue  # nothing moved: check the link (restarted or moved peer) and try once more
-                landed_partly = e.failed_dst_blocks
-                failed = frozenset(landed_partly) & everything if landed_partly else everything
-                log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
-                            spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
-                            len(everything))
-                return failed or everything
-            if self.gpu is not None:
-                self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule the request
-            seconds = time.monotonic() - started
-            self.transfers.record(spec.request_id, result.bytes_moved, seconds, result.backend)
-            if self.config.log_transfers:
-                log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s)",
-                         spec.request_id, len(spec.local_blocks), result.bytes_moved, seconds * 1e3, result.backend,
-                         result.bytes_moved / max(seconds, 1e-9) / 1e9)
-            return frozenset()
-        return everything
+            return None
+        # The grant alone: the prefill daemon names the cache (this rank's) and the blocks.
+        return PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, self.cache.cache_id,
+                        tuple(spec.local_blocks), first_block=spec.first_block, ext_param=_ONE_TENSOR_PER_LAYER,
+                        timeout=self.config.pull_timeout_s)
+
+    def _loaded(self, outcome: LoadOutcome) -> None:
+        """A request's pull ended (from loads.py's threads)."""
+        failed = outcome.failed_blocks
+        try:
+            if not failed:
+                if self.gpu is not None:
+                    self.gpu.landed(outcome.blocks)  # host-staged: into VRAM first
+                self.transfers.record(outcome.request_id, outcome.bytes_moved, outcome.seconds, outcome.backend)
+                if self.config.log_transfers:
+                    log.info("kvbroker pull: request %s, %d bytes in %.2f ms over %s (%.2f GB/s)",
+                             outcome.request_id, outcome.bytes_moved, outcome.seconds * 1e3, outcome.backend,
+                             outcome.bytes_moved / max(outcome.seconds, 1e-9) / 1e9)
+        except Exception:
+            log.exception("request %s: finishing its pull crashed; recomputing its KV", outcome.request_id)
+            failed = frozenset(outcome.blocks)
+        self._report(outcome.request_id, failed)
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:
@@ -278,7 +266,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Stops the threads and gives the KV memory back to the daemon; idempotent."""
         self._stop.set()
-        self._pulls.shutdown(wait=True, cancel_futures=True)
+        self.loads.close()
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
