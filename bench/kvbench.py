@@ -13,10 +13,11 @@ median of --trials timed trials):
   kvbroker-shm  PullKvBlocks through the public client between two local daemons with --backends shm
   kvbroker-tcp  the same with --backends tcp
   kvbroker-nixl the same with --backends nixl (NIXL in this venv: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)
-  concurrency   the same total bytes split into 1, 4, 16, 64 concurrent pulls (AsyncClient + asyncio.gather)
+  concurrency   the same total bytes split into 1, 4, 16, 64 concurrent pulls (AsyncClient + asyncio.gather), and
+                the same pulls as one pull-session message (the vLLM connector's way) and as one batch call
   nixl          NIXL 1.5.1 UCX READs, default UCX (same host; anonymous and /dev/shm memory) and UCX_TLS=tcp
   mooncake      Mooncake Transfer Engine tcp READs, batches of <= 2048 (bench/.venvs/mooncake)
-  latency       one 64 KiB block pull, p50/p99, beside a bare gRPC Ping to the same daemon
+  latency       one 64 KiB block pull (a call, and one message of a pull session), p50/p99, beside a bare gRPC Ping
   planning      kvbrokerd.transfers.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
   scale-blocks  one pull of 1 .. 1,048,576 small blocks, contiguous and scattered, with where its time goes (scale.py)
   scale-peers   the same bytes pulled from 1, 2, 4, 8, 16 linked peers at once, and the cost of a link (scale.py)
@@ -280,23 +281,33 @@ def bench_kv_throughput(cfg: Config, rep: Report, pair: KvPair) -> None:
 
 async def _concurrent_trials(target: str, index: Any, dst_id: int, chunks: list[tuple[list[int], list[int]]],
                              reps: int, trials: int, pull_bytes: int, timeout: float,
-                             batched: bool = False) -> list[float]:
-    """`batched`: the same pulls as the groups of one TransferKvBlocksBatch call per round (one RPC, not k)."""
-    from kvbroker import AsyncClient, PullBlocks
+                             mode: str = "calls") -> list[float]:
+    """`mode`: "calls", k concurrent PullKvBlocks calls per round; "batch", the same pulls as the groups of one
+    TransferKvBlocksBatch call (one RPC, not k); "session", the same pulls as one message of a pull session (the
+    vLLM connector's way: one long-lived stream, each pull its own outcome)."""
+    from kvbroker import AsyncClient, PullBlocks, SessionPull
 
     async with AsyncClient(target, timeout=timeout) as c:
+        session = await c.open_pull_session() if mode == "session" else None
 
         async def round_() -> None:
-            if batched:
+            if mode == "batch":
                 results = [await c.transfer_kv_blocks_batch(
                     [PullBlocks(index, dst_id, tuple(s), tuple(d)) for s, d in chunks])]
+            elif session is not None:
+                futures = await session.submit([SessionPull(index, dst_id, tuple(d), tuple(s)) for s, d in chunks])
+                results = await asyncio.gather(*futures)
             else:
                 results = await asyncio.gather(*(c.pull_kv_blocks(index, dst_id, s, d) for s, d in chunks))
             moved = sum(r.bytes_moved for r in results)
             if moved != pull_bytes:
                 raise RuntimeError(f"{len(chunks)} concurrent pulls moved {moved} bytes, expected {pull_bytes}")
 
-        return await timed_rounds(round_, reps, trials, pull_bytes)
+        try:
+            return await timed_rounds(round_, reps, trials, pull_bytes)
+        finally:
+            if session is not None:
+                await session.close()
 
 
 def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
@@ -308,6 +319,7 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
     levels = [k for k in CONCURRENCY if k <= lay.blocks_per_tensor]
     series: dict[str, float] = {}
     batched: dict[str, float] = {}
+    sessions: dict[str, float] = {}
     with pair.caches(cache_desc(cfg.tensors, lay.blocks_per_tensor, block)) as (src, dst):
         fill_cache(src.tensors)
         sperm, dperm = lay.perms()
@@ -332,18 +344,24 @@ def bench_kv_concurrency(cfg: Config, rep: Report, pair: KvPair) -> None:
                 check_cache(src.tensors, dst.tensors, sperm, dperm)
                 series[str(k)] = median(results)
                 log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} concurrent pulls: {series[str(k)]:.2f} GB/s")
-                if k > 1:  # the same pulls in one batch call: what the per-call cost of k calls takes away
+                # The same pulls as one pull-session message per round (every level, the connector's way), and
+                # as one batch call (what the per-call cost of k calls takes away).
+                for mode, out in (("session", sessions), ("batch", batched)):
+                    if mode == "batch" and k == 1:
+                        continue
                     for t in dst.tensors:
                         t[:] = 0
                     trials = _concurrent_trials(pair.dst_daemon.target, index, dst.cache_id, chunks,
                                                 lay.reps(cfg.total_bytes), cfg.trials, lay.pull_bytes, pair.timeout,
-                                                batched=True)
-                    batched[str(k)] = median(event_loop().run_until_complete(trials))
+                                                mode=mode)
+                    out[str(k)] = median(event_loop().run_until_complete(trials))
                     check_cache(src.tensors, dst.tensors, sperm, dperm)
-                    log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} pulls as one batch call: "
-                        f"{batched[str(k)]:.2f} GB/s")
+                    log(f"{subject:14s} {fmt_size(block):>5s} x {k:2d} pulls as one {mode} message: "
+                        f"{out[str(k)]:.2f} GB/s")
         finally:
             rep.concurrency[subject] = series
+            if sessions:
+                rep.concurrency[f"{subject}-session"] = sessions
             if batched:
                 rep.concurrency[f"{subject}-batch"] = batched
             rep.details.setdefault(f"{subject}-concurrency", {})["block"] = block
@@ -360,7 +378,7 @@ def bench_kv_latency(cfg: Config, rep: Report, pair: KvPair) -> None:
     same conditions. Two more interleaved calls split the pull's cost: a pull of one 64-byte block (the fixed cost of
     a pull, next to nothing to move) and a refused pull (destination block out of range: the request path and the
     validation, no transfer)."""
-    from kvbroker import CacheIndex, LlmError, TransferResult
+    from kvbroker import CacheIndex, LlmError, SessionPull, TransferResult
 
     block, nb = 64 * 1024, 16
     with pair.caches(cache_desc(1, nb, block)) as (src, dst), pair.caches(cache_desc(1, nb, 64)) as (tiny_src, tiny):
@@ -376,9 +394,12 @@ def bench_kv_latency(cfg: Config, rep: Report, pair: KvPair) -> None:
                 return
             raise RuntimeError("a pull into a block out of range was not refused")
 
+        session = c.open_pull_session()  # the vLLM connector's way: one message on a long-lived stream
         calls: dict[str, Callable[[int], object]] = {
             "ping": lambda i: c.ping(),
             "pull": lambda i: c.pull_kv_blocks(index, dst, [i % nb], [(i * 7 + 3) % nb]),
+            "session": lambda i: session.submit([SessionPull(index, dst.cache_id, ((i * 7 + 3) % nb,),
+                                                             (i % nb,))])[0].result(PULL_TIMEOUT_S),
             "pull64B": lambda i: c.pull_kv_blocks(tiny_index, tiny, [i % nb], [i % nb]),
             "refused": refused,
         }
@@ -389,17 +410,19 @@ def bench_kv_latency(cfg: Config, rep: Report, pair: KvPair) -> None:
                 call(i)
                 if i >= 50:
                     samples[kind].append(time.perf_counter_ns() - t0)
-        res = calls["pull"](cfg.latency_samples)
-        assert isinstance(res, TransferResult)
-        if res.bytes_moved != block or res.backend != pair.backend:
-            raise RuntimeError(f"latency pull moved {res.bytes_moved} bytes over {res.backend!r}")
         last = cfg.latency_samples
-        check_cache(src.tensors, dst.tensors, np.array([last % nb]), np.array([(last * 7 + 3) % nb]))
+        for kind in ("pull", "session"):
+            res = calls[kind](last)
+            assert isinstance(res, TransferResult)
+            if res.bytes_moved != block or res.backend != pair.backend:
+                raise RuntimeError(f"latency {kind} moved {res.bytes_moved} bytes over {res.backend!r}")
+            check_cache(src.tensors, dst.tensors, np.array([last % nb]), np.array([(last * 7 + 3) % nb]))
+        session.close()
     for kind, ns in samples.items():
         rep.latency[f"kvbroker-{pair.backend}-{kind}"] = percentiles(ns)
     lat = {k: rep.latency[f"kvbroker-{pair.backend}-{k}"]["p50_us"] for k in calls}
-    log(f"latency {pair.backend} p50: 64K pull {lat['pull']:.0f} us, 64B pull {lat['pull64B']:.0f} us, "
-        f"refused pull {lat['refused']:.0f} us, ping {lat['ping']:.0f} us")
+    log(f"latency {pair.backend} p50: 64K pull {lat['pull']:.0f} us, 64K session pull {lat['session']:.0f} us, "
+        f"64B pull {lat['pull64B']:.0f} us, refused pull {lat['refused']:.0f} us, ping {lat['ping']:.0f} us")
 
 
 def py_spy() -> str | None:
@@ -596,22 +619,24 @@ def compute_ratios_and_targets(cfg: Config, rep: Report) -> None:
             target(rep, f"{label} @ {fmt_size(block)}", v, None if v is None else v >= threshold,
                    f">= {threshold}")
     for backend in ("shm", "tcp") if "latency" in cfg.items else ():
-        pull = rep.latency.get(f"kvbroker-{backend}-pull")
         ping = rep.latency.get(f"kvbroker-{backend}-ping")
-        v = pull["p50_us"] / ping["p50_us"] if pull and ping else None
-        if v is not None:
-            rep.ratios.setdefault("latency-p50-pull/ping", {})[backend] = v
-        limit = LATENCY_TARGETS[backend]
-        target(rep, f"{backend} 64K pull p50 <= {limit}x gRPC ping p50", v, None if v is None else v <= limit,
-               f"<= {limit}")
+        for kind, label in (("pull", "64K pull"), ("session", "64K session pull")):
+            pull = rep.latency.get(f"kvbroker-{backend}-{kind}")
+            v = pull["p50_us"] / ping["p50_us"] if pull and ping else None
+            if v is not None:
+                rep.ratios.setdefault(f"latency-p50-{kind}/ping", {})[backend] = v
+            limit = LATENCY_TARGETS[backend]
+            target(rep, f"{backend} {label} p50 <= {limit}x gRPC ping p50", v, None if v is None else v <= limit,
+                   f"<= {limit}")
     for backend in ("shm", "tcp") if "concurrency" in cfg.items else ():
-        series = rep.concurrency.get(f"kvbroker-{backend}")
-        v = flatness(series) if series else None
-        if v is not None:
-            rep.ratios.setdefault("concurrency-min/max", {})[backend] = v
-        top = max(k for k in CONCURRENCY if k <= cfg.layout(cfg.concurrency_block).blocks_per_tensor)
-        target(rep, f"{backend} flat from 1 to {top} concurrent pulls (min/max GB/s)", v,
-               None if v is None else v >= 0.9, ">= 0.9")
+        for suffix, way in (("", "concurrent pulls"), ("-session", "pulls as one session message")):
+            series = rep.concurrency.get(f"kvbroker-{backend}{suffix}")
+            v = flatness(series) if series else None
+            if v is not None:
+                rep.ratios.setdefault(f"concurrency{suffix}-min/max", {})[backend] = v
+            top = max(k for k in CONCURRENCY if k <= cfg.layout(cfg.concurrency_block).blocks_per_tensor)
+            target(rep, f"{backend} flat from 1 to {top} {way} (min/max GB/s)", v,
+                   None if v is None else v >= 0.9, ">= 0.9")
     pts = rep.planning.get("points", {})
     if "planning" in cfg.items:
         mid = pts.get("4096", {}).get("ms")
@@ -667,10 +692,12 @@ def render(cfg: Config, rep: Report) -> str:
         lines += ["", f"{'latency (us)':<26s}{'p50':>9s}{'p99':>9s}{'mean':>9s}"]
         for name, lat in rep.latency.items():
             label = (name.replace("-pull64B", " 64B pull").replace("-pull", " 64K pull")
-                     .replace("-ping", " gRPC ping").replace("-refused", " refused pull"))
+                     .replace("-session", " 64K session").replace("-ping", " gRPC ping")
+                     .replace("-refused", " refused pull"))
             lines.append(f"{label:<26s}{lat['p50_us']:9.0f}{lat['p99_us']:9.0f}{lat['mean_us']:9.0f}")
-        for backend, ratio in rep.ratios.get("latency-p50-pull/ping", {}).items():
-            lines.append(f"{'p50 64K pull/ping ' + backend:<26s}{ratio:9.2f}")
+        for kind in ("pull", "session"):
+            for backend, ratio in rep.ratios.get(f"latency-p50-{kind}/ping", {}).items():
+                lines.append(f"{'p50 64K ' + kind + '/ping ' + backend:<26s}{ratio:9.2f}")
     if rep.planning:
         lines += ["", f"planning ({rep.planning['layers']} layers x 2 tensors)   blocks      runs        ms   ns/run"]
         for n, pt in rep.planning["points"].items():

@@ -19,7 +19,9 @@ def test_quick_benchmark_runs_and_reports_every_item() -> None:
     for subject in ("memcpy-1t", "socket-1c", "kvbroker-shm", "kvbroker-tcp"):
         assert all(v > 0 for v in report["throughput"][subject].values()), subject
     assert report["latency"]["kvbroker-shm-pull"]["samples"] > 0
-    assert set(report["concurrency"]) == {"kvbroker-shm", "kvbroker-tcp", "kvbroker-shm-batch", "kvbroker-tcp-batch"}
+    assert report["latency"]["kvbroker-shm-session"]["samples"] > 0
+    assert set(report["concurrency"]) == {f"kvbroker-{b}{way}" for b in ("shm", "tcp")
+                                          for way in ("", "-session", "-batch")}
     for subject, series in report["concurrency"].items():
         assert all(v > 0 for v in series.values()), subject
         assert ("1" in series) != subject.endswith("-batch"), subject  # a batch of one pull is no batch

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvbroker import (
     CacheDesc,
     CacheIndex,
+    DataType,
     Grant,
     KvCacheNotExistError,
     LinkState,
@@ -344,3 +345,42 @@ def test_any_message_gets_one_completion_per_pull_and_refused_pulls_write_nothin
     for src, dst in moved:
         expected = expected_pull(trio.src, expected, src, dst, range(4), range(4))
     assert_bytes_equal(trio.dst.tensors, expected)
+
+
+def test_two_pulls_writing_one_block_both_land_one_after_the_other(trio: Trio) -> None:
+    """Pulls of one message that write the same destination block cannot share a plan: each still lands (the
+    daemon's block claims order them), and the block holds one of the two sources."""
+    with trio.dc.open_pull_session() as session:
+        results = _outcomes(session.submit([trio.pull([20, 21], [1, 2]), trio.pull([21, 22], [3, 4])]))
+    assert all(isinstance(r, TransferResult) for r in results), results
+    src = [t.reshape(t.shape[0], -1).view(np.uint8) for t in trio.src.tensors]
+    dst = [t.reshape(t.shape[0], -1).view(np.uint8) for t in trio.dst.tensors]
+    for s, d in zip(src, dst, strict=True):
+        assert np.array_equal(d[20], s[1]) and np.array_equal(d[22], s[4])
+        assert np.array_equal(d[21], s[2]) or np.array_equal(d[21], s[3])
+
+
+def test_a_failed_job_gives_each_pull_its_own_report(trio: Trio) -> None:
+    """Four pulls that run as one job past a 1 ms deadline: each fails with LLM_TIMEOUT, names the shared job, and
+    reports only its own destination blocks as not landed."""
+    desc = CacheDesc(num_tensors=2, shape=(32, 1 << 20), data_type=DataType.UINT8)
+    src, dst = trio.pc.allocate_cache(desc), trio.dc.allocate_cache(desc)
+    try:
+        fill(src, 4)
+        index = CacheIndex(trio.p.cluster_id, src.cache_id)
+        trio.dc.pull_kv_blocks(index, dst, [0], [0])  # the daemon knows the remote cache: the deadline hits the job
+        pulls = [SessionPull(index, dst.cache_id, tuple(range(8 * i, 8 * i + 8)), tuple(range(8 * i, 8 * i + 8)),
+                             timeout=0.001) for i in range(4)]
+        with trio.dc.open_pull_session() as session:
+            outcomes = _outcomes(session.submit(pulls))
+        assert all(isinstance(o, LlmError) and o.status == LlmStatus.LLM_TIMEOUT for o in outcomes), outcomes
+        jobs = {o.details.get("job") for o in outcomes if isinstance(o, LlmError)}
+        assert len(jobs) == 1 and None not in jobs
+        for pull, o in zip(pulls, outcomes, strict=True):
+            assert isinstance(o, LlmError)
+            failed = o.failed_dst_blocks
+            assert failed and set(failed) <= set(pull.dst_blocks), (pull.dst_blocks, failed)
+            assert o.details["transfer_report"].transfer_id == o.details["transfer_id"]
+    finally:
+        trio.pc.deallocate_cache(src)
+        trio.dc.deallocate_cache(dst)

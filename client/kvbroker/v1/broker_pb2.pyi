@@ -1545,7 +1545,9 @@ class PullCompletion(_message.Message):
     """Human-readable cause when the status is not LLM_SUCCESS."""
     @_builtins.property
     def result(self) -> Global___PullKvBlocksResponse:
-        """Set on success: bytes moved, backend, transfer id, runs."""
+        """Set on success: bytes moved, backend, transfer id (the pull's own), runs (of a pull that ran with others: its
+        share of the job's runs).
+        """
 
     @_builtins.property
     def report(self) -> _errors_pb2.TransferReport:

@@ -23,7 +23,7 @@ from kvbrokerd.errors import LlmError
 from kvbrokerd.service.errors import report_to_pb
 from kvbrokerd.transfers.manager import BlocksRequest, TransferManager
 from kvbrokerd.transfers.reports import TransferReport
-from kvbrokerd.transfers.steps import StepPull, start_step
+from kvbrokerd.transfers.steps import Outcome, StepPull, start_step
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class PullSession:
         self._transfers = transfers
         self._parse = parse
         self._stream_timeout = stream_timeout
-        self._in_flight: dict[int, asyncio.Task[tuple[TransferResult, str]]] = {}
+        self._in_flight: dict[int, asyncio.Future[Outcome]] = {}
         self._out: asyncio.Queue[broker_pb2.PullCompletion | None] = asyncio.Queue()
         self._reading = True
 
@@ -66,8 +66,8 @@ class PullSession:
                 yield broker_pb2.PullSessionResponse(completions=batch)
         finally:
             reader.cancel()
-            for task in list(self._in_flight.values()):
-                task.cancel()
+            for fut in list(self._in_flight.values()):
+                fut.cancel()
 
     async def _read(self, requests: AsyncIterator[broker_pb2.PullSessionRequest]) -> None:
         try:
@@ -113,9 +113,9 @@ class PullSession:
                 continue
             ids.append(p.id)
             pulls.append(StepPull(request, self._timeout(p.timeout_ms)))
-        for pull_id, task in zip(ids, start_step(self._transfers, pulls), strict=True):
-            self._in_flight[pull_id] = task
-            task.add_done_callback(functools.partial(self._done, pull_id))
+        for pull_id, fut in zip(ids, start_step(self._transfers, pulls), strict=True):
+            self._in_flight[pull_id] = fut
+            fut.add_done_callback(functools.partial(self._done, pull_id))
 
     def _timeout(self, timeout_ms: int) -> float | None:
         """The pull's own timeout, within the stream's deadline (if the caller gave the stream one)."""
@@ -124,7 +124,7 @@ class PullSession:
             return own
         return self._stream_timeout if own is None else min(own, self._stream_timeout)
 
-    def _done(self, pull_id: int, task: asyncio.Task[tuple[TransferResult, str]]) -> None:
+    def _done(self, pull_id: int, task: asyncio.Future[Outcome]) -> None:
         if self._in_flight.get(pull_id) is task:
             del self._in_flight[pull_id]
         if task.cancelled():

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvbroker.types import TransferResult
+from kvbroker.types import CacheDesc, TransferResult
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
@@ -156,6 +156,17 @@ class TransferManager:
         return local, link, remote
 
     async def prepare_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> Job:
+        req, src_blocks, dst_blocks = await self.check_blocks(direction, req, deadline)
+        local, link, remote = await self.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
+                                                   req.local_cache_id, deadline)
+        src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
+        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers)
+        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
+
+    async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline
+                           ) -> tuple[BlocksRequest, np.ndarray, np.ndarray]:
+        """The checks of a block transfer that come before its caches are looked at: the batch index, the grant
+        (redeemed: the request then names the granted cache and blocks) and the block lists."""
         if req.remote_batch_index != 0:
             side = "src" if direction == Direction.PULL else "dst"
             param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
@@ -165,15 +176,25 @@ class TransferManager:
         src_blocks = block_array(req.src_blocks, "src_blocks")
         dst_blocks = block_array(req.dst_blocks, "dst_blocks")
         check_block_lists(src_blocks, dst_blocks)
-        local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
-                                                 req.local_cache_id, deadline)
-        src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
+        return req, src_blocks, dst_blocks
+
+    async def endpoints(self, direction: Direction, cluster_id: int, cache_id: int, local_cache_id: int,
+                        deadline: Deadline) -> tuple[CacheEntry, Link, RemoteCache]:
+        """The local cache, the READY link and the remote cache of a transfer (`_remote`)."""
+        return await self._remote(direction, cluster_id, cache_id, local_cache_id, deadline)
+
+    async def plan(self, src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                   layers: LayerSelection) -> Plan:
+        """`plan_blocks`, off the event loop when the lists are long."""
         if len(src_blocks) < PLAN_ON_LOOP_MAX_BLOCKS:
-            plan = plan_blocks(src, dst, src_blocks, dst_blocks, req.layers)
-        else:  # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
-            plan = await asyncio.get_running_loop().run_in_executor(
-                self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, req.layers)
-        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
+            return plan_blocks(src, dst, src_blocks, dst_blocks, layers)
+        # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, layers)
+
+    @staticmethod
+    def channel_of(link: Link) -> PeerChannel:
+        return _channel_of(link)
 
     async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
         """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon

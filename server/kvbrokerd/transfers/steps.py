@@ -1,37 +1,49 @@
 """A step of pulls: pulls that arrived together (one PullKvBlocksSession message, e.g. one engine step's loads), each
 with its own deadline and its own terminal state, run with as little per-pull work as the bytes allow.
 
-Each pull is validated and planned alone (`TransferManager.prepare_blocks`: a stale grant, an unknown cache or a bad
-block fails that pull alone, before any byte moves). The pulls to one peer then wait for each other's planning (a
-dead peer's pulls wait only for each other, never for the other peers'), and the planned ones are packed into
-groups: same link, same remote and local cache, same timeout, disjoint destination blocks, at most
-`MAX_GROUP_BYTES`. A group's plans are concatenated into one plan that runs as one job: one turn at the gate, one
-claim of the destination blocks, one pin, one data-plane job. If the job fails, every pull of the group fails with
-its status and a report of its own blocks that did not land.
+Per pull, only what is the pull's own: its record (`Tracked`: id, metrics), the checks PullKvBlocks makes first (batch
+index, grant redeemed, block lists; a stale grant or a bad list fails that pull alone, before any byte moves). The
+pulls to one peer then wait for each other (a dead peer's pulls wait only for each other, never for the other
+peers'), and those that name the same caches, layers and timeout are handled as one: one look-up of the caches and the
+link, one plan of all their blocks, one job (one turn at the gate, one claim of the destination blocks, one pin, one
+data-plane job), up to `MAX_GROUP_BYTES` a job. If that plan is refused (a pull's block out of range, two pulls
+writing one block), each pull is planned alone, so that the refusal is the guilty pull's, with PullKvBlocks' message,
+and the others still run together where their blocks are disjoint. If a job fails, every pull of it fails with its
+status and a report of its own blocks that did not land.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbroker.status import make_error
 from kvbroker.types import TransferResult
+from kvbrokerd.backends.base import RemoteCache
 from kvbrokerd.errors import LlmError
+from kvbrokerd.links.table import Link
+from kvbrokerd.logs import LOG_CONTEXT
+from kvbrokerd.registry.caches import CacheEntry
 from kvbrokerd.transfers.manager import BlocksRequest, Direction, Job, TransferManager
 from kvbrokerd.transfers.planner import Plan
 from kvbrokerd.transfers.reports import TransferReport
 from kvbrokerd.transfers.tracking import Deadline, Tracked
 
 MAX_GROUP_BYTES = 1 << 30
-"""At most this many bytes (and at most half of max_inflight_bytes) run as one job: a larger group would hold its
+"""At most this many bytes (and at most half of max_inflight_bytes) run as one job: a larger one would hold its
 destination claims and its share of the in-flight limit for longer than the pulls that make it up would."""
 
 _PLAN_COLUMNS = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
+
+Outcome = tuple[TransferResult, str]
+"""A pull's result and the id of the job that moved its bytes (shared by the pulls that ran together)."""
+
+_running: set[asyncio.Task[None]] = set()
+"""Steps in progress (kept referenced until they end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,172 +56,253 @@ class StepPull:
 
 @dataclass(eq=False)
 class _Member:
-    """A planned pull waiting for its group's job."""
+    """A pull of the step on its way to its terminal state."""
 
-    index: int
-    job: Job
+    pull: StepPull
     tracked: Tracked
-    timeout: float | None
-    moved: asyncio.Future[tuple[int, str]]
-    """Its bytes moved and the id of the job that moved them."""
+    future: asyncio.Future[Outcome]
+    request: BlocksRequest | None = None
+    """After the first checks: the request (a granted one redeemed)."""
+    src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    plan: Plan | None = None
+    """Its own plan, when it had to be planned alone."""
+    ended: bool = False
+
+    def fail(self, err: BaseException) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.tracked.__exit__(type(err), err, None)
+        if not self.future.done():
+            self.future.set_exception(err)
+
+    def succeed(self, result: TransferResult, job_id: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.tracked.moved = result.bytes_moved
+        self.tracked.__exit__(None, None, None)
+        if not self.future.done():
+            self.future.set_result((result, job_id))
+
+    def cancel(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.tracked.__exit__(asyncio.CancelledError, asyncio.CancelledError(), None)
+        self.future.cancel()
 
 
-def start_step(manager: TransferManager, pulls: Sequence[StepPull]) -> list[asyncio.Task[tuple[TransferResult, str]]]:
-    """One task per pull, in order; each ends with the pull's TransferResult and the id of the job that moved its
-    bytes (shared by the pulls that ran together), or raises its LlmError."""
-    rounds: dict[int, _PeerRound] = {}
-    for pull in pulls:
-        peer = pull.request.remote_cluster_id
-        rounds.setdefault(peer, _PeerRound(manager)).expected += 1
-    return [asyncio.ensure_future(_pull(manager, rounds[p.request.remote_cluster_id], i, p))
-            for i, p in enumerate(pulls)]
+def start_step(manager: TransferManager, pulls: Sequence[StepPull]) -> list[asyncio.Future[Outcome]]:
+    """One future per pull, in order: its TransferResult and job id, or its LlmError. Cancelling every future
+    cancels the step (its jobs stop moving bytes, as a cancelled PullKvBlocks does)."""
+    loop = asyncio.get_running_loop()
+    members = [_Member(p, manager.track("pull_blocks", p.request.remote_cluster_id, p.timeout), loop.create_future())
+               for p in pulls]
+    task = asyncio.ensure_future(_step(manager, members))
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    left = [len(members)]
 
-
-async def _pull(manager: TransferManager, peer_round: _PeerRound, index: int, pull: StepPull
-                ) -> tuple[TransferResult, str]:
-    with manager.track("pull_blocks", pull.request.remote_cluster_id, pull.timeout) as t:
-        try:
-            job = await manager.prepare_blocks(Direction.PULL, pull.request, t.deadline)
-        except BaseException:
-            peer_round.planned(None)
-            raise
-        t.started(job.backend)
-        member = _Member(index, job, t, pull.timeout, asyncio.get_running_loop().create_future())
-        peer_round.planned(member)
-        t.moved, job_id = await member.moved
-        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id,
-                              num_runs=job.plan.num_runs), job_id
-
-
-class _PeerRound:
-    """The pulls of one step to one peer: once every one has been planned (or refused), the planned ones are packed
-    into groups and each group is started as one job."""
-
-    def __init__(self, manager: TransferManager) -> None:
-        self.manager = manager
-        self.expected = 0
-        self.members: list[_Member] = []
-        self.runs: set[asyncio.Task[None]] = set()
-
-    def planned(self, member: _Member | None) -> None:
-        self.expected -= 1
-        if member is not None:
-            self.members.append(member)
-        if self.expected == 0:
-            for group in _pack(sorted(self.members, key=lambda m: m.index), self._group_bytes()):
-                task = asyncio.ensure_future(_run_group(self.manager, group))
-                self.runs.add(task)
-                task.add_done_callback(self.runs.discard)
-                _cancel_when_abandoned(task, group)
-
-    def _group_bytes(self) -> int:
-        return max(1, min(MAX_GROUP_BYTES, self.manager.max_inflight_bytes // 2))
-
-
-@dataclass(eq=False)
-class _Group:
-    key: tuple[object, ...]
-    members: list[_Member]
-    blocks: set[int]
-    nbytes: int
-
-
-def _pack(members: Sequence[_Member], max_bytes: int) -> list[list[_Member]]:
-    """Groups of members that can share one job, in arrival order (greedy: a member joins the first group of its
-    key that it fits, i.e. under `max_bytes` and with none of its destination blocks)."""
-    groups: list[_Group] = []
-    for m in members:
-        job = m.job
-        key = (id(job.link), id(job.channel), job.remote.cache_id, job.local_cache_id, m.timeout,
-               job.plan.block_nbytes)
-        blocks = set(job.plan.dst_blocks.tolist())
-        size = job.plan.total_bytes
-        for g in groups:
-            if g.key == key and g.nbytes + size <= max_bytes and g.blocks.isdisjoint(blocks):
-                g.members.append(m)
-                g.blocks |= blocks
-                g.nbytes += size
-                break
-        else:
-            groups.append(_Group(key, [m], blocks, size))
-    return [g.members for g in groups]
-
-
-def _cancel_when_abandoned(task: asyncio.Task[None], group: list[_Member]) -> None:
-    """A group whose every pull was cancelled (the session ended) stops moving bytes."""
-    left = [len(group)]
-
-    def one_gone(fut: asyncio.Future[tuple[int, str]]) -> None:
+    def one_gone(fut: asyncio.Future[Outcome]) -> None:
         if fut.cancelled():
             left[0] -= 1
             if left[0] == 0:
                 task.cancel()
 
-    for m in group:
-        m.moved.add_done_callback(one_gone)
+    for m in members:
+        m.future.add_done_callback(one_gone)
+    return [m.future for m in members]
+
+
+async def _step(manager: TransferManager, members: list[_Member]) -> None:
+    by_peer: dict[int, list[_Member]] = {}
+    for m in members:
+        by_peer.setdefault(m.pull.request.remote_cluster_id, []).append(m)
+    try:
+        if len(by_peer) == 1:  # the common step (one prefill node): no task per peer
+            await _peer(manager, members)
+        else:
+            await asyncio.gather(*(_peer(manager, ms) for ms in by_peer.values()))
+    finally:
+        for m in members:
+            m.cancel()  # (only those that have not ended: a bug, or the step was cancelled)
+
+
+async def _peer(manager: TransferManager, members: list[_Member]) -> None:
+    try:
+        # A grant is redeemed with the peer (a round trip): those run concurrently; the other checks need no task.
+        await asyncio.gather(*(_check(manager, m) for m in members if m.pull.request.grant is not None))
+        for m in members:
+            if m.pull.request.grant is None:
+                await _check(manager, m)
+        groups: dict[tuple[object, ...], list[_Member]] = {}
+        for m in members:
+            if m.request is not None and not m.ended:
+                r = m.request
+                groups.setdefault((r.remote_cache_id, r.local_cache_id, r.layers, m.pull.timeout), []).append(m)
+        jobs: list[tuple[Job, list[_Member]]] = []
+        for ms in groups.values():
+            jobs.extend(await _plan_group(manager, ms))
+        if len(jobs) == 1:
+            await _run_job(manager, *jobs[0])
+        else:
+            await asyncio.gather(*(_run_job(manager, job, ms) for job, ms in jobs))
+    except Exception as e:  # a bug: every pull of the peer that has not ended ends with it
+        for m in members:
+            m.fail(e)
+
+
+async def _check(manager: TransferManager, m: _Member) -> None:
+    try:
+        m.request, m.src, m.dst = await manager.check_blocks(Direction.PULL, m.pull.request, m.tracked.deadline)
+    except LlmError as e:
+        m.fail(e)
+
+
+def _earliest(members: Sequence[_Member]) -> Deadline:
+    return min((m.tracked.deadline for m in members), key=lambda d: d.at)
+
+
+async def _plan_group(manager: TransferManager, members: list[_Member]) -> list[tuple[Job, list[_Member]]]:
+    """Jobs for pulls that name the same caches and layers: one plan per job where the pulls allow it."""
+    first = members[0].request
+    assert first is not None
+    try:
+        local, link, remote = await manager.endpoints(Direction.PULL, first.remote_cluster_id, first.remote_cache_id,
+                                                      first.local_cache_id, _earliest(members))
+    except LlmError as e:
+        for m in members:
+            m.fail(make_error(e.status, e.message, dict(e.details)))
+        return []
+    jobs = []
+    for chunk in _chunks(members, local.desc.block_nbytes * local.desc.num_tensors, _max_bytes(manager)):
+        src = np.concatenate([m.src for m in chunk]) if len(chunk) > 1 else chunk[0].src
+        dst = np.concatenate([m.dst for m in chunk]) if len(chunk) > 1 else chunk[0].dst
+        try:
+            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers)
+        except LlmError as e:
+            if len(chunk) == 1:
+                chunk[0].fail(e)
+                continue
+            jobs.extend(await _plan_alone(manager, chunk, local, link, remote))
+            continue
+        jobs.append((_job(plan, first.local_cache_id, link, remote), chunk))
+    return jobs
+
+
+async def _plan_alone(manager: TransferManager, members: list[_Member], local: CacheEntry, link: Link,
+                      remote: RemoteCache) -> list[tuple[Job, list[_Member]]]:
+    """The pulls of a refused plan, each planned alone (a refusal is then the guilty pull's own), and those that pass
+    run together again where no two write one block."""
+    planned = []
+    for m in members:
+        assert m.request is not None
+        try:
+            m.plan = await manager.plan(remote.desc, local.desc, m.src, m.dst, m.request.layers)
+            planned.append(m)
+        except LlmError as e:
+            m.fail(e)
+    jobs = []
+    for group in _disjoint(planned):
+        plan = merged_plan([m.plan for m in group if m.plan is not None])
+        jobs.append((_job(plan, local.cache_id, link, remote), group))
+    return jobs
+
+
+def _job(plan: Plan, local_cache_id: int, link: Link, remote: RemoteCache) -> Job:
+    return Job(Direction.PULL, plan, local_cache_id, TransferManager.channel_of(link), remote, link)
+
+
+def _max_bytes(manager: TransferManager) -> int:
+    return max(1, min(MAX_GROUP_BYTES, manager.max_inflight_bytes // 2))
+
+
+def _chunks(members: list[_Member], bytes_per_block: int, max_bytes: int) -> Iterator[list[_Member]]:
+    """Consecutive runs of members of at most `max_bytes` (a member larger than that alone)."""
+    chunk: list[_Member] = []
+    size = 0
+    for m in members:
+        n = len(m.dst) * bytes_per_block
+        if chunk and size + n > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(m)
+        size += n
+    if chunk:
+        yield chunk
+
+
+def _disjoint(members: list[_Member]) -> list[list[_Member]]:
+    """Groups in which no two members write one destination block (first fit, in order)."""
+    groups: list[tuple[list[_Member], set[int]]] = []
+    for m in members:
+        blocks = set(m.dst.tolist())
+        for group, taken in groups:
+            if taken.isdisjoint(blocks):
+                group.append(m)
+                taken |= blocks
+                break
+        else:
+            groups.append(([m], blocks))
+    return [g for g, _ in groups]
 
 
 def merged_plan(plans: Sequence[Plan]) -> Plan:
-    """The plans' runs one after the other: each plan's runs stay contiguous and in order."""
+    """The plans' runs one after the other."""
     if len(plans) == 1:
         return plans[0]
     return Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in _PLAN_COLUMNS},
                 block_nbytes=plans[0].block_nbytes)
 
 
-async def _run_group(manager: TransferManager, group: list[_Member]) -> None:
-    first = group[0]
-    if len(group) == 1:
-        job, deadline, transfer_id = first.job, first.tracked.deadline, first.tracked.id
-    else:
-        job = dataclasses.replace(first.job, plan=merged_plan([m.job.plan for m in group]))
-        deadline = min((m.tracked.deadline for m in group), key=_at)
-        transfer_id = f"{first.tracked.id}+{len(group) - 1}"
+async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -> None:
+    first = members[0]
+    transfer_id = first.tracked.id if len(members) == 1 else f"{first.tracked.id}+{len(members) - 1}"
+    LOG_CONTEXT.set({"transfer": transfer_id, "op": "pull_session", "peer": first.tracked.peer})
+    for m in members:
+        m.tracked.started(job.backend)
+    if len(members) == 1:
+        await _run_one(manager, job, first)
+        return
+    # Bytes of a pull: its blocks times the bytes each moves (the same in every run of one plan's selection).
+    per_block = job.plan.total_bytes // max(1, len(job.plan.dst_blocks))
     try:
-        moved = await manager.run(job, deadline, transfer_id)
+        await manager.run(job, _earliest(members), transfer_id)
     except LlmError as e:
-        for m in group:
-            _settle(m.moved, exc=e if len(group) == 1 else _member_error(e, m))
+        for m in members:
+            m.fail(_member_error(e, m, per_block))
         return
-    except asyncio.CancelledError:
-        for m in group:
-            m.moved.cancel()
-        raise
-    except Exception as e:  # a bug: every pull of the group ends with it (the service reports LLM_FAILED)
-        for m in group:
-            _settle(m.moved, exc=e)
+    for m in members:
+        runs = job.plan.num_runs * len(m.dst) // max(1, len(job.plan.dst_blocks)) if m.plan is None \
+            else m.plan.num_runs
+        m.succeed(TransferResult(bytes_moved=per_block * len(m.dst), backend=job.backend, transfer_id=m.tracked.id,
+                                 num_runs=max(1, runs)), transfer_id)
+
+
+async def _run_one(manager: TransferManager, job: Job, m: _Member) -> None:
+    try:
+        moved = await manager.run(job, m.tracked.deadline, m.tracked.id)
+    except LlmError as e:
+        m.fail(e)
         return
-    for m in group:
-        _settle(m.moved, result=(moved if len(group) == 1 else m.job.plan.total_bytes, transfer_id))
+    m.succeed(TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=m.tracked.id,
+                             num_runs=job.plan.num_runs), m.tracked.id)
 
 
-def _at(deadline: Deadline) -> float:
-    return deadline.at
-
-
-def _settle(fut: asyncio.Future[tuple[int, str]], *, result: tuple[int, str] = (0, ""),
-            exc: BaseException | None = None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
-def _member_error(err: LlmError, member: _Member) -> LlmError:
-    """The group's failure as one of its pulls sees it: same status and message, its own report (its destination
-    blocks that did not land; the group's blocks are disjoint, so they are exactly its share)."""
+def _member_error(err: LlmError, m: _Member, per_block: int) -> LlmError:
+    """A job's failure as one of its pulls sees it: same status and message, its own report (its destination blocks
+    that did not land; the job's pulls write disjoint blocks, so they are exactly its share)."""
     details = dict(err.details)
-    details["transfer_id"] = member.tracked.id
-    details["group_transfer_id"] = str(err.details.get("transfer_id", ""))
+    details["transfer_id"] = m.tracked.id
+    details["job"] = str(err.details.get("transfer_id", ""))
     report = err.details.get("transfer_report")
     if isinstance(report, TransferReport):
-        own = member.job.plan.dst_blocks
-        failed = np.intersect1d(report.failed_dst_blocks, own) if len(report.failed_dst_blocks) else own[:0]
-        # The group's runs do not say which member's bytes landed; a block that did not land counts as no bytes.
-        per_block = member.job.plan.total_bytes // max(1, len(own))
-        moved = max(0, member.job.plan.total_bytes - per_block * len(failed))
-        details["transfer_report"] = dataclasses.replace(report, transfer_id=member.tracked.id,
-                                                         failed_dst_blocks=failed, bytes_moved=moved)
+        failed = np.intersect1d(report.failed_dst_blocks, m.dst) if len(report.failed_dst_blocks) else m.dst[:0]
+        # Which of the job's bytes were this pull's is not kept; a block that did not land counts as no bytes.
+        moved = max(0, per_block * (len(m.dst) - len(failed)))
+        details["transfer_report"] = dataclasses.replace(report, transfer_id=m.tracked.id, failed_dst_blocks=failed,
+                                                         bytes_moved=moved)
     return make_error(err.status, err.message, details)
+
