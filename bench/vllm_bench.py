@@ -14,6 +14,12 @@ produces one token. Measured on the decode side, for one request at a time:
 - ttft_ms: from handing the request to the decode engine until its first token (the KV, then the one prompt token
   the decode engine computes itself, then sampling).
 
+Load mode (`--load 16:512,64:128`): N requests of T-token prompts at once. The prefill engine computes all N (its
+time is not measured), then the decode engine gets all N in one go, as a server under load would: per request, the
+decode TTFT (from handing the N requests over until that request's first token), its p50 and p99 over `--requests`
+repeats, and the time until the last one (median repeat); every token checked against the prefill engine's, and every
+request must have pulled its KV. One untimed round of each load comes first.
+
 Subjects: `nixl-samehost` (NIXL with UCX's default transports: shared memory on one host), `nixl-tcp` (UCX over TCP
 on loopback), `kvbroker-shm` and `kvbroker-tcp` (the daemons limited to one backend). The first request of each
 subject (the handshake) is a warm-up and not counted; each point is the median of `--requests` requests. The
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -114,9 +121,24 @@ def kv_transfer_config(subject: str, kvbroker_target: str, prefill_daemons: str 
     }
 
 
+@dataclass(frozen=True, slots=True)
+class LoadPoint:
+    subject: str
+    requests: int
+    prompt_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    total_ms: float
+    tokens_match: bool
+    pulled: int
+    """Requests for which the decode engine took KV from the prefill engine (must be all)."""
+    ttft_ms_all: tuple[float, ...]
+    """Every request's TTFT over the repeats (p50 and p99 are of these; total_ms is the median repeat's)."""
+
+
 def engine_main(
     conn: multiprocessing.connection.Connection, env: dict[str, str], model: str, kv_config: dict[str, Any],
-    block_size: int, max_len: int,
+    block_size: int, max_len: int, max_seqs: int = 4, kv_bytes: int = 256 * 1024 * 1024,
 ) -> None:
     """One engine process: builds the engine, then answers ("prefill" | "decode", ...) messages until "stop"."""
     os.environ.update(env)
@@ -134,9 +156,9 @@ def engine_main(
             block_size=block_size,
             max_model_len=max_len,
             max_num_batched_tokens=max_len,
-            max_num_seqs=4,
+            max_num_seqs=max_seqs,
             enable_prefix_caching=False,
-            kv_cache_memory_bytes=256 * 1024 * 1024,
+            kv_cache_memory_bytes=kv_bytes,
             kv_transfer_config=KVTransferConfig(**kv_config),
             seed=0,
         )
@@ -188,6 +210,12 @@ def engine_main(
         message = conn.recv()
         if message[0] == "stop":
             break
+        if message[0] == "batch":
+            try:
+                conn.send(("ok", _run_batch(llm, message[1], message[2], matched)))
+            except Exception as exc:
+                conn.send(("error", f"batch: {type(exc).__name__}: {exc}"))
+            continue
         kind, prompt, params = message
         try:
             extra = {"kv_transfer_params": params}
@@ -214,13 +242,39 @@ def engine_main(
     conn.send(("stopped", None))
 
 
+def _run_batch(llm: Any, prompts: list[list[int]], params: list[dict[str, Any]], matched: list[int]
+               ) -> dict[str, Any]:
+    """All `prompts` handed to the engine at once, then stepped until each has its one token: per request, its
+    token, kv_transfer_params and the ms from the hand-over to its token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    matched.clear()
+    started = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                  extra_args={"kv_transfer_params": p})
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), sampling)
+    done: dict[str, tuple[float, int, Any]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id not in done:
+                token = out.outputs[0].token_ids[0] if out.outputs and out.outputs[0].token_ids else -1
+                done[out.request_id] = ((time.perf_counter() - started) * 1e3, token, out.kv_transfer_params)
+    rows = [done[str(i)] for i in range(len(prompts))]
+    return {"ms": [r[0] for r in rows], "tokens": [r[1] for r in rows], "params": [r[2] for r in rows],
+            "total_ms": (time.perf_counter() - started) * 1e3, "pulled": sum(1 for m in matched if m)}
+
+
 class Engine:
     def __init__(self, name: str, env: dict[str, str], model: str, kv_config: dict[str, Any], block_size: int,
-                 max_len: int) -> None:
+                 max_len: int, max_seqs: int = 4, kv_bytes: int = 256 * 1024 * 1024) -> None:
         self.name = name
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, env, model, kv_config, block_size, max_len),
+        self.proc = ctx.Process(target=engine_main,
+                                args=(child, env, model, kv_config, block_size, max_len, max_seqs, kv_bytes),
                                 name=name, daemon=True)
         self.proc.start()
         child.close()
@@ -231,6 +285,12 @@ class Engine:
     def request(self, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
         self.conn.send(("request", prompt, params))
         result = self._expect("ok", REQUEST_TIMEOUT_S)
+        assert isinstance(result, dict)
+        return result
+
+    def batch(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> dict[str, Any]:
+        self.conn.send(("batch", prompts, params))
+        result = self._expect("ok", REQUEST_TIMEOUT_S * 4)
         assert isinstance(result, dict)
         return result
 
@@ -326,6 +386,68 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
             prefill.stop()
 
 
+def run_load(subject: str, model: str, workdir: Path, loads: list[tuple[int, int]], block_size: int, seed: int,
+             repeats: int) -> list[LoadPoint]:
+    """For each (N, T) of `loads`: N requests of T-token prompts handed to the decode engine at once, `repeats` times
+    after one untimed round (which also faults in the KV memory that load uses: a fresh page costs this VM far more
+    than the copy into it)."""
+    import random
+
+    rng = random.Random(seed)
+    max_len = max(t for _, t in loads) + 64
+    max_seqs = max(n for n, _ in loads)
+    kv_bytes = 1 << 30
+    with sidecars(subject, workdir) as (p_target, d_target, trusted):
+        prefill = Engine(f"{subject}/prefill", engine_env(subject, "prefill", free_port()), model,
+                         kv_transfer_config(subject, p_target), block_size, max_len, max_seqs, kv_bytes)
+        decode = Engine(f"{subject}/decode", engine_env(subject, "decode", free_port()), model,
+                        kv_transfer_config(subject, d_target, trusted), block_size, max_len, max_seqs, kv_bytes)
+        try:
+            prefill.wait_ready()
+            decode.wait_ready()
+
+            def batch(n: int, t: int) -> tuple[list[float], float, bool, int]:
+                prompts = [[rng.randrange(8, 500) for _ in range(t)] for _ in range(n)]
+                first = prefill.batch(prompts, [{"do_remote_decode": True}] * n)
+                if not all(first["params"]):
+                    raise RuntimeError(f"{subject}: the prefill engine returned no kv_transfer_params")
+                second = decode.batch(prompts, first["params"])
+                return second["ms"], second["total_ms"], second["tokens"] == first["tokens"], second["pulled"]
+
+            for n, t in loads:
+                batch(n, t)  # the handshake, first-use costs and first touch of the memory: not counted
+            points = []
+            for n, t in loads:
+                runs = [batch(n, t) for _ in range(repeats)]
+                ms = sorted(x for r in runs for x in r[0])
+                point = LoadPoint(subject, n, t, statistics.median(ms), ms[math.ceil(0.99 * len(ms)) - 1],
+                                  statistics.median(r[1] for r in runs), all(r[2] for r in runs),
+                                  min(r[3] for r in runs), tuple(ms))
+                print(f"  {subject:14} {n:3} x {t:5} tokens: decode ttft p50 {point.ttft_p50_ms:7.1f} ms, p99 "
+                      f"{point.ttft_p99_ms:7.1f} ms, all done {point.total_ms:7.1f} ms, {point.pulled} of {n} pulled"
+                      f"{'' if point.tokens_match else ' (tokens differ)'}", flush=True)
+                points.append(point)
+            return points
+        finally:
+            decode.stop()
+            prefill.stop()
+
+
+def load_table(points: list[LoadPoint], subjects: list[str]) -> str:
+    keys = sorted({(p.requests, p.prompt_tokens) for p in points}, key=lambda k: (k[1], k[0]), reverse=True)
+    by_key = {(p.subject, p.requests, p.prompt_tokens): p for p in points}
+    lines = ["| load | " + " | ".join(f"{s} ttft p50 / p99 / all ms" for s in subjects) + " |",
+             "|---|" + "---:|" * len(subjects)]
+    for n, t in keys:
+        cells = []
+        for s in subjects:
+            p = by_key.get((s, n, t))
+            flags = "" if p is None or (p.tokens_match and p.pulled >= n) else " (tokens differ or not pulled)"
+            cells.append("-" if p is None else f"{p.ttft_p50_ms:.0f} / {p.ttft_p99_ms:.0f} / {p.total_ms:.0f}{flags}")
+        lines.append(f"| {n} x {t} tokens | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def make_model(path: Path, shape: ModelShape) -> None:
     sys.path.insert(0, str(ROOT / "examples" / "vllm_pd"))
     from make_tiny_model import build  # type: ignore[import-not-found]
@@ -380,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=default.kv_heads)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", type=Path, help="write the results as JSON here")
+    parser.add_argument("--load", help="load mode instead: N:T pairs, N requests of T-token prompts at once "
+                        "(e.g. 16:512,64:128)")
     args = parser.parse_args(argv)
     subjects = [s for s in args.subjects.split(",") if s]
     if unknown := set(subjects) - set(SUBJECTS):
@@ -388,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape(layers=args.layers, hidden_size=args.hidden_size, heads=args.hidden_size // 64,
                        kv_heads=args.kv_heads)
 
+    loads = [(int(n), int(t)) for n, _, t in (x.partition(":") for x in args.load.split(",") if x)] \
+        if args.load else []
     started = time.monotonic()
     points: list[Point] = []
+    load_points: list[LoadPoint] = []
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-vllm-bench-") as tmp:
         model = Path(tmp) / "model"
@@ -399,15 +526,19 @@ def main(argv: list[str] | None = None) -> int:
         for subject in subjects:
             t0 = time.monotonic()
             try:
-                points += run_subject(subject, str(model), Path(tmp), sizes, args.requests, args.block_size,
-                                      args.seed, shape)
+                if loads:
+                    load_points += run_load(subject, str(model), Path(tmp), loads, args.block_size, args.seed,
+                                            args.requests)
+                else:
+                    points += run_subject(subject, str(model), Path(tmp), sizes, args.requests, args.block_size,
+                                          args.seed, shape)
             except Exception as exc:
                 errors[subject] = f"{type(exc).__name__}: {exc}"
                 print(f"  {subject}: FAILED: {errors[subject]}", flush=True)
             print(f"  {subject}: {time.monotonic() - t0:.0f} s", flush=True)
 
     print()
-    print(table(points, subjects, sizes))
+    print(load_table(load_points, subjects) if loads else table(points, subjects, sizes))
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "vllm": _version("vllm"),
@@ -416,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "requests": args.requests,
         "points": [asdict(p) for p in points],
+        "load_points": [asdict(p) for p in load_points],
         "errors": errors,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -423,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     if args.save:
         args.save.write_text(json.dumps(result, indent=2) + "\n")
-    return 1 if errors or any(_flags(p) for p in points) else 0
+    bad_load = any(not p.tokens_match or p.pulled < p.requests for p in load_points)
+    return 1 if errors or bad_load or any(_flags(p) for p in points) else 0
 
 
 def _version(dist: str) -> str | None:

@@ -143,6 +143,7 @@ class PullSession:
         with self._lock:
             self._ended = error
             pending, self._pending = self._pending, {}
+        self._requests.put(None)  # gRPC's thread that sends our messages stops waiting for more
         for fut in pending.values():
             fut.set_exception(make_error(error.status, error.message, error.details))
 

@@ -139,7 +139,12 @@ class StepLoads:
                 ready.append(item)
         for start in range(0, len(ready), MAX_PULLS_PER_SUBMIT):
             chunk = ready[start:start + MAX_PULLS_PER_SUBMIT]
-            futures = self._submit([_session_pull(i) for i in chunk])
+            try:
+                futures = self._submit([_session_pull(i) for i in chunk])
+            except LlmError as e:  # the daemon is unreachable (or refused the session): these are recomputed
+                for item in chunk:
+                    self._ended(requests[item.request_id], item, None, e)
+                continue
             for item, fut in zip(chunk, futures, strict=True):
                 fut.add_done_callback(functools.partial(self._item_done, requests[item.request_id], item,
                                                         attempt=attempt))
