@@ -33,20 +33,30 @@ MAX_PULLS_PER_SUBMIT = 256
 """The daemon's limit of pulls per message (a larger `submit` is refused before anything is sent)."""
 
 
-def _pull_pb(pull: SessionPull, pull_id: int, default_timeout: float | None) -> broker_pb2.SessionPull:
-    req = broker_pb2.PullKvBlocksRequest(
-        src_cache_index=cv.cache_index_to_pb(pull.src_cache_index), dst_cache_id=int(pull.dst_cache),
-        src_blocks=[int(b) for b in pull.src_blocks], dst_blocks=[int(b) for b in pull.dst_blocks],
-        ext_param=cv.ext_param_to_pb(pull.ext_param))
-    if pull.grant is not None:
-        req.grant.CopyFrom(broker_pb2.GrantClaim(
-            grant=broker_pb2.GrantRef(grant_id=pull.grant.grant_id, secret=pull.grant.secret),
-            cache_slot=pull.cache_slot, first_block=pull.first_block))
+def _add_pull(msg: broker_pb2.PullSessionRequest, pull: SessionPull, pull_id: int, default_timeout: float | None
+              ) -> None:
+    """Appends `pull` to `msg`, built in place (no message is built twice: this is every pull's cost)."""
     timeout = default_timeout if pull.timeout is None else pull.timeout
     if timeout is not None and timeout <= 0:
         raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
     timeout_ms = 0 if timeout is None else min(0xFFFFFFFF, max(1, int(timeout * 1000)))
-    return broker_pb2.SessionPull(id=pull_id, pull=req, timeout_ms=timeout_ms)
+    one = msg.pulls.add(id=pull_id, timeout_ms=timeout_ms)
+    req = one.pull
+    index = pull.src_cache_index
+    req.src_cache_index.cluster_id = index.cluster_id
+    req.src_cache_index.cache_id = index.cache_id
+    req.src_cache_index.batch_index = index.batch_index
+    req.dst_cache_id = int(pull.dst_cache)
+    req.src_blocks.extend(pull.src_blocks)
+    req.dst_blocks.extend(pull.dst_blocks)
+    ext = cv.ext_param_to_pb(pull.ext_param)
+    if ext is not None:
+        req.ext_param.CopyFrom(ext)
+    if pull.grant is not None:
+        req.grant.grant.grant_id = pull.grant.grant_id
+        req.grant.grant.secret = pull.grant.secret
+        req.grant.cache_slot = pull.cache_slot
+        req.grant.first_block = pull.first_block
 
 
 def _message(pulls: Sequence[SessionPull], ids: Iterator[int], default_timeout: float | None
@@ -56,9 +66,12 @@ def _message(pulls: Sequence[SessionPull], ids: Iterator[int], default_timeout: 
     if len(pulls) > MAX_PULLS_PER_SUBMIT:
         raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"{len(pulls)} pulls in one submit; at most "
                                 f"{MAX_PULLS_PER_SUBMIT}")
-    numbered = [(next(ids), p) for p in pulls]
-    msg = broker_pb2.PullSessionRequest(pulls=[_pull_pb(p, i, default_timeout) for i, p in numbered])
-    return [i for i, _ in numbered], msg
+    msg = broker_pb2.PullSessionRequest()
+    ids_used = []
+    for p in pulls:
+        ids_used.append(next(ids))
+        _add_pull(msg, p, ids_used[-1], default_timeout)
+    return ids_used, msg
 
 
 def outcome_of(c: broker_pb2.PullCompletion) -> TransferResult | LlmError:
