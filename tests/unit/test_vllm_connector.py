@@ -127,9 +127,14 @@ def _kv_config(num_blocks: int = 100, page: int = 16384, layers: int = 3, layer_
 def test_layer_outermost_buffer_is_one_cache_with_a_tensor_per_layer() -> None:
     layout = layout_from_vllm(_kv_config(), "m1", tp_size=1)
     desc = layout.desc()
-    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (100, 1, 32, 128), "FLOAT32")
+    # Addressed in units of 16 tokens of one head's K or V: 1 head x 2 (K, V) x 2 chunks per 32-token block.
+    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (400, 16, 64), "FLOAT32")
     assert desc.tensor_nbytes * desc.num_tensors == layout.buffer_bytes
-    assert desc.layout_tag == layout.tag() and "model=m1" in layout.tag() and "layers=3" in layout.tag()
+    assert "model=m1" in layout.tag() and "layers=3" in layout.tag() and "memory=block.head.kv.token.dim" in (
+        layout.tag())
+    # The daemon checks only what gives a unit its meaning: TP, block size and heads per rank are the plan's.
+    assert desc.layout_tag == layout.daemon_tag() and "model=m1" in desc.layout_tag
+    assert "tp=" not in desc.layout_tag and "block=" not in desc.layout_tag
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -146,7 +151,8 @@ def test_mismatch_names_the_fields() -> None:
     a = KvLayout(3, 100, 32, 1, 64, "float32", 16384, "m1", 1).tag()
     b = KvLayout(3, 500, 32, 2, 64, "bfloat16", 16384, "m1", 1).tag()
     assert explain_mismatch(a, a) == ""
-    assert explain_mismatch(a, b) == "dtype: local float32 vs remote bfloat16; kv_heads: local 1 vs remote 2"
+    assert explain_mismatch(a, b) == ("dtype: local float32 vs remote bfloat16; kv_heads: local 1 vs remote 2; "
+                                      "total_kv_heads: local 1 vs remote 2")
 
 
 def test_model_identity_ignores_where_the_model_was_loaded_from() -> None:
@@ -171,20 +177,24 @@ class FakeRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+TAG_A = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1).tag()
+TAG_B = KvLayout(3, 100, BS, 1, 64, "bfloat16", 8192, "m1", 1).tag()
+
+
 def _decode_side() -> SchedulerSide:
     side = SchedulerSide(ConnectorConfig(), "engine-d", BS)
-    side.set_endpoints({0: WorkerEndpoint(0, 2, "127.0.0.1:2", 9, "tag-a")})
+    side.set_endpoints({0: WorkerEndpoint(0, 2, "127.0.0.1:2", 9, TAG_A)})
     return side
 
 
-def _remote_params(blocks: list[int], num_tokens: int, tag: str = "tag-a") -> dict[str, Any]:
+def _remote_params(blocks: list[int], num_tokens: int, tag: str = TAG_A) -> dict[str, Any]:
     endpoints = {0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}
     return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens, time.time() + 60)
 
 
 def test_prefill_side_holds_blocks_and_returns_params() -> None:
     side = SchedulerSide(ConnectorConfig(release_timeout_s=60), "engine-p", BS)
-    side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, "tag-a")})
+    side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, TAG_A)})
     req = FakeRequest("p-req", 70, {"do_remote_decode": True}, num_computed_tokens=70)
     delay, params = side.request_finished(req, [1, 2, 3, 4], finished_normally=True)
     assert delay and params is not None
@@ -203,17 +213,23 @@ def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
     side.after_alloc(req, all_blocks=[50, 51, 52, 53], new_blocks=[51, 52, 53], num_external_tokens=68)
     (pull,) = side.take_plan().pulls
     assert (pull.local_blocks, pull.remote_blocks, pull.refused) == ((51, 52, 53), (11, 12, 13), "")
+    assert (pull.start_token, pull.end_token) == (32, 100)
     assert req.kv_transfer_params is not None and not req.kv_transfer_params["do_remote_prefill"]
     assert side.num_new_matched_tokens(req, 0) == (0, False)  # one transfer per request
 
 
 def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> None:
     side = _decode_side()
-    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40, tag="tag-b"))
+    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40, tag=TAG_B))
     assert side.num_new_matched_tokens(req, 0) == (0, False)
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     plan = side.take_plan()
     assert not plan.pulls and [r.reason for r in plan.releases] == ["incompatible"]
+    # The output says so, with the field, and the refusal is counted by field.
+    assert side.request_finished(req, [8, 9], finished_normally=True) == (False, {
+        "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 0, "kvbroker_tokens_cached": 0,
+        "kvbroker_tokens_recomputed": 40, "kvbroker_refused": "dtype: local float32 vs remote bfloat16"})
+    assert side.take_stats() == {"dtype": 1} and side.take_stats() == {}
 
 
 def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> None:
@@ -232,9 +248,11 @@ def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> N
         side.num_new_matched_tokens(req, 0)
         side.after_alloc(req, [8, 9], [8, 9], 40)
     assert side.request_finished(reqs[1], [], finished_normally=False) == (False, None)  # aborted mid-pull
-    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp") for r in reqs})
+    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp", 40) for r in reqs})
     assert side.request_finished(reqs[0], [8, 9], finished_normally=True) == (False, {
-        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp"})
+        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp",
+        "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 40, "kvbroker_tokens_cached": 0,
+        "kvbroker_tokens_recomputed": 0})
     assert not side._transfers
 
 

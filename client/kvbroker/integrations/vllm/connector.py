@@ -84,7 +84,7 @@ class KvBrokerStats(KVConnectorStats):
         return stats_mod.summarize(self.data)
 
     def is_empty(self) -> bool:
-        return not self.data.get("num_pulls")
+        return not self.data.get("num_pulls") and not self.data.get("refused")
 
 
 class KvBrokerConnector(KVConnectorBase_V1):
@@ -103,7 +103,8 @@ class KvBrokerConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             model_id = self.config.model_id or model_identity(vllm_config.model_config.hf_config)
-            layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size)
+            layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
+                                      vllm_config.model_config.get_total_num_kv_heads())
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
     @property
@@ -151,8 +152,9 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return self.worker_side.take_load_errors()
 
     def get_kv_connector_stats(self) -> KvBrokerStats | None:
-        if self._worker is None:
-            return None  # vLLM also asks the scheduler side; only workers transfer
+        if self._worker is None:  # the scheduler side: the refusals it decided
+            refused = self.scheduler_side.take_stats()
+            return KvBrokerStats(data=stats_mod.refusals(refused)) if refused else None
         data = self._worker.transfers.take()
         return None if data is None else KvBrokerStats(data=data)
 

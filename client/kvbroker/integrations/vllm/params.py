@@ -66,6 +66,11 @@ class PullSpec:
     remote: RemoteKv
     refused: str = ""
     """Why the scheduler already knows this pull cannot run (then every local block is reported as failed)."""
+    start_token: int = 0
+    end_token: int = 0
+    """The prompt tokens [start_token, end_token) the pull covers: `local_blocks` hold them from our block
+    start_token // block_size on, `remote_blocks` from the prefill engine's (block sizes may differ). 0, 0: whole
+    blocks, `remote_blocks[i]` into `local_blocks[i]`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +152,10 @@ def release_topic(engine_id: str, rank: int) -> str:
     return f"kvbroker.vllm/{engine_id}/{rank}/release"
 
 
-def release_payload(request_id: str, outcome: str) -> bytes:
-    return json.dumps({"request_id": request_id, "outcome": outcome}).encode()
+def release_payload(request_id: str, outcome: str, rank: int = 0, of: int = 1) -> bytes:
+    """`rank`: the decode rank that is done; `of`: how many decode ranks will say so to this prefill rank (with
+    different TP sizes several read one prefill rank, which may free the blocks only once all of them are done)."""
+    return json.dumps({"request_id": request_id, "outcome": outcome, "rank": rank, "of": of}).encode()
 
 
 def parse_release(payload: bytes) -> tuple[str, str]:
@@ -157,3 +164,12 @@ def parse_release(payload: bytes) -> tuple[str, str]:
     if not isinstance(msg, dict) or not isinstance(msg.get("request_id"), str):
         raise ValueError("not a release notification")
     return msg["request_id"], str(msg.get("outcome", ""))
+
+
+def release_count(payload: bytes) -> tuple[int, int]:
+    """(decode rank, decode ranks expected) of a release notification: (0, 1) for senders that do not say."""
+    msg = json.loads(payload)
+    rank, of = msg.get("rank", 0), msg.get("of", 1)
+    if not isinstance(rank, int) or not isinstance(of, int) or not 0 <= rank < 1 << 16 or not 1 <= of <= 1 << 16:
+        raise ValueError("malformed release notification")
+    return rank, of

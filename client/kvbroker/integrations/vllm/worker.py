@@ -17,12 +17,13 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
-from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
+from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
     PullSpec,
@@ -30,9 +31,11 @@ from kvbroker.integrations.vllm.params import (
     RemoteKv,
     WorkerEndpoint,
     parse_release,
+    release_count,
     release_payload,
     release_topic,
 )
+from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal, release_targets
 from kvbroker.integrations.vllm.stats import TransferLog
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
@@ -41,12 +44,19 @@ from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
 
-# One tensor per layer: the whole page of a block (K and V of every head) is one contiguous range.
+# One tensor per layer, addressed in units of a few tokens of one head (layout.KvLayout.desc).
 _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
 # A pull must end this long before the prefill node's hold on the blocks expires (covers clock skew between hosts):
 # past the hold the blocks may already serve another request there, and their bytes are not this request's KV.
 HOLD_MARGIN_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Pulled:
+    bytes_moved: int
+    seconds: float
+    backend: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +90,8 @@ class WorkerSide:
         self._link_lock = threading.Lock()
         self._held: dict[str, float] = {}
         self._released: dict[str, tuple[float, str]] = {}
+        self._votes: dict[str, tuple[float, set[int]]] = {}
+        """Releases heard from some, not yet all, of the decode ranks that read a request (first heard, ranks)."""
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
@@ -109,6 +121,15 @@ class WorkerSide:
         if layers != expected:
             raise RuntimeError(f"vLLM's KV layers start at offsets {[p - base for p in layers]} of the buffer, "
                                f"expected {[p - base for p in expected]}")
+        # The tag says which byte is which token of which head: the attention backend's views must agree with it.
+        lay = self.layout
+        shape = ((lay.num_blocks, lay.block_size, lay.head_size) if lay.memory == MEMORY_MLA
+                 else (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_size))
+        for name, t in kv_caches.items():
+            if tuple(t.shape) != shape:
+                raise RuntimeError(f"vLLM's KV layer {name} has shape {tuple(t.shape)}, not the {shape} of memory "
+                                   f"layout {lay.memory} (this attention backend is not supported by "
+                                   "KvBrokerConnector)")
         info = self.client.get_cluster_info()
         self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
@@ -156,6 +177,9 @@ class WorkerSide:
             for req_id, (at, _) in list(self._released.items()):
                 if now - at > self.config.release_timeout_s:
                     del self._released[req_id]
+            for req_id, (at, _) in list(self._votes.items()):
+                if now - at > self.config.release_timeout_s:
+                    del self._votes[req_id]
         return sending, {o.request_id for o in pulled}
 
     def take_load_errors(self) -> set[int]:
@@ -172,12 +196,14 @@ class WorkerSide:
             log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
             failed = frozenset(spec.local_blocks)
         finally:
+            if failed:  # reported too: the request's output says its tokens were recomputed, not pulled
+                self.transfers.record_failed(spec.request_id)
             with self._lock:
                 self._pulled.append(PullOutcome(spec.request_id, failed))
                 self._in_flight -= 1
                 self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
-        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id)
+        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id, True)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
         """Returns the local blocks that did not land."""
@@ -188,24 +214,55 @@ class WorkerSide:
             return everything
         assert self.cache is not None
         remote = spec.remote
-        mismatch = explain_mismatch(self.layout.tag(), remote.layout_tag)
-        if mismatch:
-            log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, mismatch)
+        refused = refusal(self.layout, remote.layout_tag)
+        if refused is not None:
+            log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, refused.message)
             return everything
-        if self.rank >= len(remote.cache_ids):
-            log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
-                      len(remote.cache_ids), self.rank)
+        theirs = layout_of_tag(remote.layout_tag)
+        if theirs.tp_size != len(remote.cache_ids):
+            log.error("request %s: prefill engine names %d caches for tp %d; recomputing", spec.request_id,
+                      len(remote.cache_ids), theirs.tp_size)
+            return everything
+        try:
+            start, end = (spec.start_token, spec.end_token) if spec.end_token else (
+                0, len(spec.local_blocks) * self.layout.block_size)
+            pulls = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
+        except ValueError as e:
+            log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
             return everything
         if self._hold_expired(remote):
             log.error("request %s: the prefill node's hold on its blocks has expired; recomputing (raise "
                       "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
             return everything
-        src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[self.rank])
+        nbytes, seconds, backend = 0, 0.0, ""
+        for pull in pulls:  # one per prefill rank this rank reads (several when prefill TP is larger)
+            src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[pull.remote_rank])
+            outcome = self._pull_units(spec, src, pull.src_units, pull.dst_units)
+            if isinstance(outcome, frozenset):
+                return outcome
+            nbytes, seconds, backend = nbytes + outcome.bytes_moved, seconds + outcome.seconds, outcome.backend
+        if self._hold_expired(remote):
+            log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
+                      "cannot be trusted, recomputing", spec.request_id)
+            return everything
+        self.transfers.record(spec.request_id, nbytes, seconds, backend, tokens=end - start)
+        if self.config.log_transfers:
+            log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s) from %d prefill "
+                     "rank(s)", spec.request_id, len(spec.local_blocks), nbytes, seconds * 1e3, backend,
+                     nbytes / max(seconds, 1e-9) / 1e9, len(pulls))
+        return frozenset()
+
+    def _pull_units(self, spec: PullSpec, src: CacheIndex, src_units: Any, dst_units: Any
+                    ) -> _Pulled | frozenset[int]:
+        """One pull from one prefill rank's cache; the failed local blocks if it did not land."""
+        assert self.cache is not None
+        everything = frozenset(spec.local_blocks)
+        remote = spec.remote
         for attempt in (1, 2):
             try:
                 self._ensure_link(remote)
                 started = time.monotonic()  # the pull alone: linking on first use is not transfer time
-                result = self.client.pull_kv_blocks(src, self.cache.cache_id, spec.remote_blocks, spec.local_blocks,
+                result = self.client.pull_kv_blocks(src, self.cache.cache_id, src_units, dst_units,
                                                     _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
             except NotYetLinkError:
                 self._forget_link(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
@@ -218,22 +275,12 @@ class WorkerSide:
                 if e.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_TIMEOUT):
                     self._forget_link(remote.cluster_id)
                 landed_partly = e.failed_dst_blocks
-                failed = frozenset(landed_partly) & everything if landed_partly else everything
+                failed = blocks_of_units(self.layout, landed_partly) & everything if landed_partly else everything
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
                 return failed or everything
-            if self._hold_expired(remote):
-                log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
-                          "cannot be trusted, recomputing", spec.request_id)
-                return everything
-            seconds = time.monotonic() - started
-            self.transfers.record(spec.request_id, result.bytes_moved, seconds, result.backend)
-            if self.config.log_transfers:
-                log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s)",
-                         spec.request_id, len(spec.local_blocks), result.bytes_moved, seconds * 1e3, result.backend,
-                         result.bytes_moved / max(seconds, 1e-9) / 1e9)
-            return frozenset()
+            return _Pulled(result.bytes_moved, time.monotonic() - started, result.backend)
         return everything
 
     @staticmethod
@@ -246,6 +293,12 @@ class WorkerSide:
                 return
             info = ClusterInfo(remote_cluster_id=remote.cluster_id, remote_address=remote.peer_address)
             result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
+            if result.status == LlmStatus.LLM_PROCESSING_LINK:
+                # Another TP rank of this engine (same daemon, another process) is making this link: wait for it.
+                deadline = time.monotonic() + self.config.link_timeout_s
+                while not self._link_usable(info) and time.monotonic() < deadline:
+                    self._stop.wait(0.02)
+                result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
             if result.status == LlmStatus.LLM_ALREADY_LINK and not self._link_usable(info):
                 # The daemon keeps a link we cannot use (the peer restarted, or moved): make it anew.
                 self.client.unlink_clusters([info], force=True, timeout=self.config.link_timeout_s)
@@ -266,16 +319,26 @@ class WorkerSide:
         with self._link_lock:
             self._links.pop(cluster_id, None)
 
-    def _release(self, remote: RemoteKv, outcome: str, request_id: str = "") -> None:
-        """Tells the prefill node it may free the request's blocks. Best effort: its timeout covers a lost one."""
-        topic = release_topic(remote.engine_id, self.rank)
-        try:
-            self.client.send_notification(
-                remote.cluster_id, topic, release_payload(remote.request_id, outcome),
-                timeout=self.config.link_timeout_s)
-        except LlmError as e:
-            log.warning("request %s: could not tell cluster %d to free its blocks (%s); it frees them after its "
-                        "timeout", request_id or remote.request_id, remote.cluster_id, e.message)
+    def _release(self, remote: RemoteKv, outcome: str, request_id: str = "", mapped: bool = False) -> None:
+        """Tells the prefill node it may free the request's blocks. Best effort: its timeout covers a lost one.
+
+        Goes to every prefill rank this rank read (`mapped`: a pull ran) and to the ranks it answers for; each
+        notification says how many decode ranks will notify that prefill rank (remap.release_targets)."""
+        theirs = None
+        if mapped and refusal(self.layout, remote.layout_tag) is None:
+            theirs = layout_of_tag(remote.layout_tag)
+            if theirs.tp_size != len(remote.cache_ids):
+                theirs = None
+        targets = release_targets(self.layout, self.rank, len(remote.cache_ids), theirs)
+        for prefill_rank, of in sorted(targets.items()):
+            try:
+                self.client.send_notification(
+                    remote.cluster_id, release_topic(remote.engine_id, prefill_rank),
+                    release_payload(remote.request_id, outcome, self.rank, of), timeout=self.config.link_timeout_s)
+            except LlmError as e:
+                log.warning("request %s: could not tell cluster %d to free its blocks (%s); it frees them after its "
+                            "timeout", request_id or remote.request_id, remote.cluster_id, e.message)
+                return
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:
@@ -297,15 +360,23 @@ class WorkerSide:
             for note in notes:
                 try:
                     req_id, outcome = parse_release(note.payload)
+                    rank, of = release_count(note.payload)
                 except ValueError:
                     log.warning("kvbroker connector: ignoring a malformed release from cluster %d", note.cluster_id)
                     continue
-                self.note_release(req_id, outcome, now)
+                self.note_release(req_id, outcome, now, rank=rank, of=of)
 
-    def note_release(self, request_id: str, outcome: str, at: float | None = None) -> None:
-        """A decode node is done with a request's blocks (its notification arrived, possibly before the hold)."""
+    def note_release(self, request_id: str, outcome: str, at: float | None = None, rank: int = 0,
+                     of: int = 1) -> None:
+        """Decode rank `rank` is done with a request's blocks (its notification arrived, possibly before the hold);
+        they are released once `of` distinct decode ranks have said so."""
+        at = time.monotonic() if at is None else at
         with self._lock:
-            self._released[request_id] = (time.monotonic() if at is None else at, outcome)
+            ranks = self._votes.setdefault(request_id, (at, set()))[1]
+            ranks.add(rank)
+            if len(ranks) >= of:
+                del self._votes[request_id]
+                self._released[request_id] = (at, outcome)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,0 +1,143 @@
+"""Heterogeneous prefill/decode: whether a prefill engine's KV can be used here, and the plan that moves it.
+
+The check (`refusal`) compares the two layout tags field by field: what changes the meaning of a byte (model, dtype,
+memory layout, head size, layers, the model's KV heads) must be equal; what only changes where a byte is (TP size,
+block size, heads per rank) is mapped where one size divides the other, and refused otherwise. A refusal names its
+field, before any byte moves.
+
+The plan is a list of (source unit, destination unit) pairs per prefill rank, where a unit is `chunk_tokens` tokens
+of one head's K or V in one block (`KvLayout.desc`): the daemon executes it as strided runs over the caches it
+already serves, merging consecutive units into one run, with no staging copy.
+
+- TP: a rank holds the model's KV heads `rank_heads(rank, tp, total)`; a decode rank takes each of its heads from one
+  prefill rank holding it (several prefill ranks when prefill TP is larger; a slice of one when it is smaller; each
+  head once when ranks hold replicas, TP > KV heads). MLA's latent cache is on every rank: one prefill rank each.
+- Block sizes: token t is chunk (t % block) // chunk of block t // block on either side, so a plan maps chunks, not
+  blocks, and any two block sizes that are multiples of the same chunk work; one must divide the other (as vLLM's
+  NixlConnector requires), which keeps a request's blocks aligned on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbroker.integrations.vllm.layout import LAYOUT_VERSION, MEMORY_MLA, MUST_MATCH, KvLayout, layout_of_tag, parse_tag
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    field: str
+    message: str
+
+
+def rank_heads(rank: int, tp: int, total: int) -> list[int]:
+    """The model's KV heads a TP rank holds (vLLM's split: consecutive slices, or one replica when tp > total)."""
+    if tp <= total:
+        per = total // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank * total // tp]
+
+
+def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
+    """Why the KV described by `theirs_tag` cannot be used here (None: it can, through `plan_pull`)."""
+    theirs = parse_tag(theirs_tag)
+    mine = {"version": f"vllm-kv/{LAYOUT_VERSION}", **ours.fields()}
+    for name in MUST_MATCH:
+        if theirs.get(name) != mine[name]:
+            return Refusal(name, f"{name}: local {mine[name]} vs remote {theirs.get(name, '?')}")
+    try:
+        remote = layout_of_tag(theirs_tag)
+    except ValueError as e:
+        return Refusal("version", f"version: unreadable remote layout ({e})")
+    small, large = sorted((ours.tp_size, remote.tp_size))
+    if small < 1 or large % small:
+        return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
+    small, large = sorted((ours.block_size, remote.block_size))
+    if small < 1 or large % small or ours.chunk_tokens != remote.chunk_tokens:
+        return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (neither divides "
+                                "the other)")
+    for side, layout in (("local", ours), ("remote", remote)):
+        want = len(rank_heads(0, layout.tp_size, layout.model_kv_heads))
+        if layout.memory != MEMORY_MLA and layout.num_kv_heads != want:
+            return Refusal("kv_heads", f"kv_heads: {side} {layout.num_kv_heads} per rank, expected {want} "
+                                       f"({layout.model_kv_heads} heads over tp {layout.tp_size})")
+    if remote.units_per_block * remote.unit_bytes != remote.page_bytes:
+        return Refusal("page", f"page: remote {remote.page_bytes} bytes is not {remote.units_per_block} units of "
+                               f"{remote.unit_bytes} bytes (padded pages are not supported)")
+    return None
+
+
+def head_sources(ours: KvLayout, rank: int, remote: KvLayout) -> dict[int, list[tuple[int, int]]]:
+    """Remote rank -> [(its local head, our local head)] for everything our `rank` holds."""
+    total = ours.model_kv_heads
+    out: dict[int, list[tuple[int, int]]] = {}
+    for local, head in enumerate(rank_heads(rank, ours.tp_size, total)):
+        holders = [p for p in range(remote.tp_size) if head in rank_heads(p, remote.tp_size, total)]
+        # Spread the ranks that want the same head over its holders (MLA: decode rank r of R reads prefill rank
+        # r * P // R, as NixlConnector does).
+        source = holders[rank * len(holders) // ours.tp_size]
+        out.setdefault(source, []).append((rank_heads(source, remote.tp_size, total).index(head), local))
+    return out
+
+
+def release_targets(ours: KvLayout, rank: int, remote_tp: int, remote: KvLayout | None) -> dict[int, int]:
+    """Remote rank -> how many of our ranks notify it, for the remote ranks our `rank` notifies when it is done.
+
+    Every prefill rank must hear from every decode rank that reads it (it may free its blocks only once all of them
+    are done), and from at least one decode rank (ranks nobody reads: replicas). `remote` None: no pull ran."""
+    def targets(r: int) -> set[int]:
+        read = set(head_sources(ours, r, remote)) if remote is not None else set()
+        return read | {p for p in range(remote_tp) if p % ours.tp_size == r}
+
+    return {p: sum(p in targets(r) for r in range(ours.tp_size)) for p in targets(rank)}
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPull:
+    """One pull from one remote rank: `src_units[i]` lands in `dst_units[i]` (sorted by destination)."""
+
+    remote_rank: int
+    src_units: np.ndarray
+    dst_units: np.ndarray
+
+
+def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequence[int],
+              remote_blocks: Sequence[int], start_token: int, end_token: int) -> list[UnitPull]:
+    """Tokens [start_token, end_token) of a request: `local_blocks` hold them from block start_token // our block
+    size on, `remote_blocks` from start_token // theirs on. ValueError if the lists do not cover them."""
+    chunk = ours.chunk_tokens
+    if start_token % ours.block_size or start_token % chunk or end_token <= start_token:
+        raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our blocks")
+    tokens = np.arange(start_token // chunk, -(-end_token // chunk), dtype=np.int64) * chunk
+    local_at = tokens // ours.block_size - start_token // ours.block_size
+    remote_at = tokens // remote.block_size - start_token // remote.block_size
+    if int(local_at[-1]) >= len(local_blocks) or int(remote_at[-1]) >= len(remote_blocks):
+        raise ValueError(f"tokens [{start_token}, {end_token}) need {int(local_at[-1]) + 1} local and "
+                         f"{int(remote_at[-1]) + 1} remote blocks; the request has {len(local_blocks)} and "
+                         f"{len(remote_blocks)}")
+    dst_page = np.asarray(local_blocks, dtype=np.int64)[local_at]
+    src_page = np.asarray(remote_blocks, dtype=np.int64)[remote_at]
+    dst_chunk = tokens % ours.block_size // chunk
+    src_chunk = tokens % remote.block_size // chunk
+    parts = ours.kv_parts
+    out = []
+    for source, heads in sorted(head_sources(ours, rank, remote).items()):
+        src, dst = [], []
+        for remote_head, local_head in heads:
+            for part in range(parts):
+                src.append(((src_page * remote.num_kv_heads + remote_head) * parts + part)
+                           * (remote.block_size // chunk) + src_chunk)
+                dst.append(((dst_page * ours.num_kv_heads + local_head) * parts + part)
+                           * (ours.block_size // chunk) + dst_chunk)
+        src_all, dst_all = np.concatenate(src), np.concatenate(dst)
+        order = np.argsort(dst_all, kind="stable")  # by destination: consecutive pairs merge into one run
+        out.append(UnitPull(source, src_all[order].astype(np.uint64), dst_all[order].astype(np.uint64)))
+    return out
+
+
+def blocks_of_units(layout: KvLayout, units: Sequence[int]) -> frozenset[int]:
+    """The blocks that hold some of `units` (for reporting which blocks a failed pull left incomplete)."""
+    return frozenset(int(u) // layout.units_per_block for u in units)
