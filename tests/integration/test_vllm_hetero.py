@@ -33,12 +33,13 @@ LAYERS, BLOCKS, HEAD = 2, 12, 32
 MODEL_HEADS = 2
 
 
-def _layout(tp: int, block: int, mla: bool = False, heads: int = MODEL_HEADS) -> KvLayout:
+def _layout(tp: int, block: int, mla: bool = False, heads: int = MODEL_HEADS, token_units: bool = False) -> KvLayout:
     per_rank = 1 if mla else max(1, heads // tp)
     parts = 1 if mla else 2
     return KvLayout(num_layers=LAYERS, num_blocks=BLOCKS, block_size=block, num_kv_heads=per_rank, head_size=HEAD,
                     dtype="float32", page_bytes=per_rank * parts * block * HEAD * 4, model_id="m", tp_size=tp,
-                    total_kv_heads=1 if mla else heads, memory=MEMORY_MLA if mla else MEMORY_CPU)
+                    total_kv_heads=1 if mla else heads, memory=MEMORY_MLA if mla else MEMORY_CPU,
+                    token_units=token_units)
 
 
 def _value(layer: int, head: int, part: int, tokens: np.ndarray) -> np.ndarray:
@@ -47,18 +48,25 @@ def _value(layer: int, head: int, part: int, tokens: np.ndarray) -> np.ndarray:
         np.float32)
 
 
-def _pages(flat: np.ndarray, layout: KvLayout) -> np.ndarray:
-    """A layer's bytes as [block, head, K/V, token, dim] (vLLM's CPU attention) or [block, 1, 1, token, dim] (MLA)."""
-    return flat.reshape(layout.num_blocks, layout.num_kv_heads, layout.kv_parts, layout.block_size, HEAD)
+def _slots(flat: np.ndarray, layout: KvLayout) -> list[np.ndarray]:
+    """A layer's bytes as [block, head, token, dim] views, one per part: vLLM's CPU attention keeps a head's K
+    dimension-major ([dim, token]) and its V token-major; MLA one token-major latent vector per token."""
+    heads = layout.num_kv_heads
+    if layout.memory == MEMORY_MLA:
+        return [flat.reshape(layout.num_blocks, 1, layout.block_size, HEAD)]
+    pages = flat.reshape(layout.num_blocks, heads, 2, layout.block_size * HEAD)
+    k = pages[:, :, 0].reshape(layout.num_blocks, heads, HEAD, layout.block_size).transpose(0, 1, 3, 2)
+    v = pages[:, :, 1].reshape(layout.num_blocks, heads, layout.block_size, HEAD)
+    return [k, v]
 
 
 def _fill(cache: Cache, layout: KvLayout, rank: int, blocks: list[int], num_tokens: int) -> None:
     tokens = np.arange(num_tokens)
     for layer in range(LAYERS):
-        pages = _pages(cache.tensors[layer], layout)
+        parts = _slots(cache.tensors[layer].reshape(-1), layout)
         for local, head in enumerate(rank_heads(rank, layout.tp_size, layout.model_kv_heads)):
-            for part in range(layout.kv_parts):
-                pages[np.asarray(blocks)[tokens // layout.block_size], local, part, tokens % layout.block_size] = (
+            for part, slots in enumerate(parts):
+                slots[np.asarray(blocks)[tokens // layout.block_size], local, tokens % layout.block_size] = (
                     _value(layer, head, part, tokens))
 
 
@@ -67,10 +75,10 @@ def _check(buffer: torch.Tensor, layout: KvLayout, rank: int, blocks: list[int],
     per_layer = flat.size // LAYERS
     tokens = np.arange(start, end)
     for layer in range(LAYERS):
-        pages = _pages(flat[layer * per_layer:(layer + 1) * per_layer], layout)
+        parts = _slots(flat[layer * per_layer:(layer + 1) * per_layer], layout)
         for local, head in enumerate(rank_heads(rank, layout.tp_size, layout.model_kv_heads)):
-            for part in range(layout.kv_parts):
-                got = pages[np.asarray(blocks)[(tokens - start) // layout.block_size], local, part,
+            for part, slots in enumerate(parts):
+                got = slots[np.asarray(blocks)[(tokens - start) // layout.block_size], local,
                             tokens % layout.block_size]
                 np.testing.assert_array_equal(got, _value(layer, head, part, tokens),
                                               err_msg=f"rank {rank} layer {layer} head {head} part {part}")
@@ -95,32 +103,37 @@ def _decode_worker(daemon: LocalDaemon, layout: KvLayout, rank: int) -> tuple[Wo
     return worker, buffer
 
 
-# (prefill tp, prefill block, decode tp, decode block, mla, model KV heads)
+# (prefill tp, prefill block, decode tp, decode block, mla, model KV heads, token units)
 CASES = [
-    pytest.param(1, 32, 2, 32, False, 2, id="tp1-to-tp2"),
-    pytest.param(2, 32, 1, 32, False, 2, id="tp2-to-tp1"),
-    pytest.param(1, 32, 1, 64, False, 2, id="block32-to-64"),
-    pytest.param(1, 64, 1, 32, False, 2, id="block64-to-32"),
-    pytest.param(4, 32, 1, 64, False, 2, id="tp4-replicas-to-tp1-block64"),
-    pytest.param(1, 64, 4, 32, False, 2, id="tp1-to-tp4-replicas-block32"),
-    pytest.param(2, 32, 4, 32, False, 8, id="tp2-to-tp4"),
-    pytest.param(1, 16, 2, 16, True, 1, id="mla-tp1-to-tp2"),
-    pytest.param(2, 16, 1, 32, True, 1, id="mla-tp2-to-tp1-block32"),
+    pytest.param(1, 32, 1, 32, False, 2, False, id="homogeneous"),
+    pytest.param(1, 32, 2, 32, False, 2, False, id="tp1-to-tp2"),
+    pytest.param(2, 32, 1, 32, False, 2, False, id="tp2-to-tp1"),
+    pytest.param(2, 32, 4, 32, False, 8, False, id="tp2-to-tp4"),
+    pytest.param(4, 32, 1, 32, False, 2, False, id="tp4-replicas-to-tp1"),
+    pytest.param(1, 32, 1, 32, False, 2, True, id="homogeneous-token-units"),
+    pytest.param(1, 32, 1, 64, False, 2, True, id="block32-to-64"),
+    pytest.param(1, 64, 1, 32, False, 2, True, id="block64-to-32"),
+    pytest.param(4, 32, 1, 64, False, 2, True, id="tp4-replicas-to-tp1-block64"),
+    pytest.param(1, 64, 4, 32, False, 2, True, id="tp1-to-tp4-replicas-block32"),
+    pytest.param(1, 16, 2, 16, True, 1, False, id="mla-tp1-to-tp2"),
+    pytest.param(2, 16, 1, 16, True, 1, False, id="mla-tp2-to-tp1"),
+    pytest.param(2, 16, 1, 32, True, 1, True, id="mla-tp2-to-tp1-block32"),
 ]
 
 
-@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "mla", "heads"), CASES)
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "mla", "heads", "token_units"), CASES)
 def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
         daemons: tuple[LocalDaemon, LocalDaemon], p_tp: int, p_block: int, d_tp: int, d_block: int, mla: bool,
-        heads: int) -> None:
+        heads: int, token_units: bool) -> None:
     p_daemon, d_daemon = daemons
-    theirs, ours = _layout(p_tp, p_block, mla, heads), _layout(d_tp, d_block, mla, heads)
+    theirs = _layout(p_tp, p_block, mla, heads, token_units)
+    ours = _layout(d_tp, d_block, mla, heads, token_units)
     num_tokens = 3 * max(p_block, d_block) + 5  # a partial last block on both sides
     p_blocks = [7, 2, 9, 4, 0, 11, 5, 1, 3][: -(-num_tokens // p_block)]
     # The decode engine found its first block in its local prefix cache: the pull starts at its second block.
     d_blocks = [6, 3, 10, 1, 8, 0, 2, 4, 5][: -(-num_tokens // d_block)]
     start = d_block
-    engine = f"engine-p-{p_tp}-{p_block}-{d_tp}-{d_block}-{int(mla)}"
+    engine = f"engine-p-{p_tp}-{p_block}-{d_tp}-{d_block}-{int(mla)}-{int(token_units)}"
     with p_daemon.client() as p:
         caches = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
         for rank, cache in enumerate(caches):
@@ -162,14 +175,15 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
 
 
 def test_heterogeneous_pulls_move_runs_not_units(daemons: tuple[LocalDaemon, LocalDaemon], tmp_path: Path) -> None:
-    """The plan merges consecutive units: a homogeneous pull of 4 consecutive blocks is one run per layer, and
-    TP 1 -> 2 is one run per block and layer (the rank's half of each block), not one per 16 tokens."""
+    """The plan merges consecutive units: a homogeneous pull of 4 consecutive blocks is one run per layer (also in
+    token units), TP 1 -> 2 one run per block and layer (the rank's head of each block)."""
     from kvbroker.integrations.vllm.remap import plan_pull
 
-    same = _layout(1, 32)
-    (pull,) = plan_pull(same, 0, same, [4, 5, 6, 7], [0, 1, 2, 3], 0, 128)
-    assert _runs(pull.src_units, pull.dst_units) == 1
-    half = _layout(2, 32)
+    for token_units in (False, True):
+        same = _layout(1, 32, token_units=token_units)
+        (pull,) = plan_pull(same, 0, same, [4, 5, 6, 7], [0, 1, 2, 3], 0, 128)
+        assert _runs(pull.src_units, pull.dst_units) == 1
+    half, same = _layout(2, 32), _layout(1, 32)
     (pull,) = plan_pull(half, 1, same, [4, 5, 6, 7], [0, 1, 2, 3], 0, 128)
     assert _runs(pull.src_units, pull.dst_units) == 4
 

@@ -127,11 +127,13 @@ def _kv_config(num_blocks: int = 100, page: int = 16384, layers: int = 3, layer_
 def test_layer_outermost_buffer_is_one_cache_with_a_tensor_per_layer() -> None:
     layout = layout_from_vllm(_kv_config(), "m1", tp_size=1)
     desc = layout.desc()
-    # Addressed in units of 16 tokens of one head's K or V: 1 head x 2 (K, V) x 2 chunks per 32-token block.
-    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (400, 16, 64), "FLOAT32")
+    # Addressed in units of one head's K and V of one block (1 head per block here).
+    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (100, 4096), "FLOAT32")
+    fine = layout_from_vllm(_kv_config(), "m1", tp_size=1, token_units=True).desc()
+    assert fine.shape == (100 * 256, 16) and "units=token16" in fine.layout_tag  # 16 elements: 16 tokens of K's dims
     assert desc.tensor_nbytes * desc.num_tensors == layout.buffer_bytes
-    assert "model=m1" in layout.tag() and "layers=3" in layout.tag() and "memory=block.head.kv.token.dim" in (
-        layout.tag())
+    assert "model=m1" in layout.tag() and "layers=3" in layout.tag() and (
+        "memory=cpu-vec:block.head.K[dim.token].V[token.dim]" in layout.tag())
     # The daemon checks only what gives a unit its meaning: TP, block size and heads per rank are the plan's.
     assert desc.layout_tag == layout.daemon_tag() and "model=m1" in desc.layout_tag
     assert "tp=" not in desc.layout_tag and "block=" not in desc.layout_tag

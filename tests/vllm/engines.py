@@ -31,6 +31,9 @@ class EngineSpec:
     kv_cache_bytes: int = 32 << 20
     max_model_len: int = 512
     log_path: str = ""
+    tensor_parallel_size: int = 1
+    """Above 1: vLLM's "mp" executor (one worker process per rank, each with its own KV cache and connector)."""
+    block_size: int = BLOCK_SIZE
 
 
 def _build(spec: EngineSpec) -> Any:
@@ -44,8 +47,10 @@ def _build(spec: EngineSpec) -> Any:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"kvbroker_target": spec.kvbroker_target,
                                                          "kvbroker_log_transfers": True, **spec.extra_config})
-    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE,
-                      max_model_len=spec.max_model_len, enforce_eager=True, distributed_executor_backend="uni",
+    tp = spec.tensor_parallel_size
+    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=spec.block_size,
+                      max_model_len=spec.max_model_len, enforce_eager=True,
+                      distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
                       kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv)
     return LLMEngine.from_engine_args(args)
 
@@ -68,16 +73,21 @@ class _Server:
     def _step(self) -> None:
         for out in self.engine.step():
             if out.finished:
-                self.done[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
-                                             "kv_transfer_params": out.kv_transfer_params,
-                                             "finish_reason": out.outputs[0].finish_reason}
+                tokens = list(out.outputs[0].token_ids)
+                logprobs = out.outputs[0].logprobs  # with SamplingParams(logprobs=0): the sampled token's only
+                self.done[out.request_id] = {
+                    "tokens": tokens, "kv_transfer_params": out.kv_transfer_params,
+                    "finish_reason": out.outputs[0].finish_reason,
+                    "logprobs": [float(lp[t].logprob) for t, lp in zip(tokens, logprobs, strict=True)]
+                    if logprobs else None}
 
     def submit(self, requests: list[tuple[str, list[int], int, dict[str, Any] | None]]) -> None:
         from vllm import SamplingParams
 
         for req_id, prompt, max_tokens, kv_params in requests:
             extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra,
+                                    logprobs=0)
             self.engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
 
     def run(self, req_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:

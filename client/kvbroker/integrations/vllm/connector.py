@@ -104,7 +104,7 @@ class KvBrokerConnector(KVConnectorBase_V1):
 
             model_id = self.config.model_id or model_identity(vllm_config.model_config.hf_config)
             layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
-                                      vllm_config.model_config.get_total_num_kv_heads())
+                                      vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units)
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
     @property

@@ -23,15 +23,17 @@ from kvbroker.types import CacheDesc, DataType
 LAYOUT_VERSION = 2
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
-# Tokens of one transfer unit (see KvLayout.desc): the largest power of two up to this that divides the block size.
-# Equal on two engines whose block sizes are multiples of it, whatever those are, so that the daemon can move a
-# prefill block's tokens into a decode block of another size unit by unit.
+# Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
+# size; equal on two engines whose block sizes are multiples of it, so that the daemon can move a prefill block's
+# tokens into a decode block of another size.
 MAX_CHUNK_TOKENS = 16
-# vLLM's CPU attention: each block is [num_kv_heads, 2 * block_size, head_size], a head's K rows then its V rows
-# (cpu_attn.py views it so). Named in the tag because it decides what a byte offset means.
-MEMORY_CPU = "block.head.kv.token.dim"
+# vLLM's CPU attention ("vec" kernels): each block is [num_kv_heads, K|V, ...] where a head's K is [head_size,
+# block_size] (dimension-major: the kernel reads one dimension of every token at once) and its V is [block_size,
+# head_size]; measured with vLLM's own cpu_attn_reshape_and_cache. Named in the tag because it decides what a byte
+# offset means.
+MEMORY_CPU = "cpu-vec:block.head.K[dim.token].V[token.dim]"
 # An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
-MEMORY_MLA = "block.token.dim"
+MEMORY_MLA = "mla:block.token.dim"
 
 _DTYPES = {
     "float16": DataType.FLOAT16, "bfloat16": DataType.BFLOAT16, "float32": DataType.FLOAT32,
@@ -41,7 +43,7 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "head", "layers", "total_kv_heads")
+MUST_MATCH = ("version", "model", "dtype", "memory", "head", "layers", "total_kv_heads", "units")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
 MAPPED = ("tp", "block", "kv_heads", "page")
 
@@ -68,6 +70,10 @@ class KvLayout:
     """KV heads of the model (0: `num_kv_heads * tp_size`); with tp_size > total, ranks hold replicas."""
     memory: str = MEMORY_CPU
     """How a block's bytes are arranged (MEMORY_CPU or MEMORY_MLA)."""
+    token_units: bool = False
+    """The daemon addresses the cache in units of `chunk_tokens` elements instead of one head's block (`desc`), so
+    that blocks of another size can be remapped token by token (`kvbroker_token_units`, on both engines). Costs a
+    longer block list per pull (one entry per unit, merged into runs by the daemon)."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -90,31 +96,36 @@ class KvLayout:
         return chunk
 
     @property
+    def unit_elems(self) -> int:
+        """Elements of one transfer unit: `chunk_tokens` (token units), else one head's K and V of one block."""
+        return self.chunk_tokens if self.token_units else self.kv_parts * self.block_size * self.head_size
+
+    @property
     def unit_bytes(self) -> int:
-        """Bytes of one transfer unit: `chunk_tokens` tokens of one head's K (or V) in one block."""
-        return self.chunk_tokens * self.head_size * _DTYPES[self.dtype].itemsize
+        return self.unit_elems * _DTYPES[self.dtype].itemsize
 
     @property
     def units_per_block(self) -> int:
-        return self.num_kv_heads * self.kv_parts * (self.block_size // self.chunk_tokens)
+        return self.num_kv_heads * self.kv_parts * self.block_size * self.head_size // self.unit_elems
 
     def desc(self) -> CacheDesc:
-        """One tensor per layer whose "blocks" are transfer units, so that a pull can address a head's tokens: the
-        memory is the same bytes vLLM uses, only the daemon's unit of addressing is finer. Consecutive units of
-        both sides coalesce into one run, so a pull of whole blocks still moves whole-block runs."""
+        """One tensor per layer whose "blocks" are transfer units, so that a pull can address one head (or a few
+        tokens of one dimension of one head): the memory is the bytes vLLM uses, only the daemon's unit of
+        addressing is finer. Consecutive units of both sides merge into one run, so a pull of whole blocks still
+        moves whole-block runs."""
         dtype = _DTYPES[self.dtype]
         if self.units_per_block * self.unit_bytes != self.page_bytes:
             raise UnsupportedLayoutError(
                 f"a block of one layer is {self.page_bytes} bytes, not {self.num_kv_heads} heads x {self.kv_parts} x "
                 f"{self.block_size} tokens x {self.head_size} x {dtype.itemsize} bytes (padded pages are not "
                 "supported)")
-        return CacheDesc(num_tensors=self.num_layers,
-                         shape=(self.num_blocks * self.units_per_block, self.chunk_tokens, self.head_size),
+        return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks * self.units_per_block, self.unit_elems),
                          data_type=dtype, layout_tag=self.daemon_tag())
 
     def fields(self) -> dict[str, str]:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
+                "units": f"token{self.chunk_tokens}" if self.token_units else "head",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes)}
 
@@ -127,8 +138,7 @@ class KvLayout:
         """The daemon's check (it refuses pulls between caches whose tags differ): only what must be equal for a
         unit of one cache to mean the same in the other. TP, block size and heads per rank are the plan's."""
         fields = self.fields()
-        return (f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in MUST_MATCH[1:])
-                + f" chunk={self.chunk_tokens}")
+        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in MUST_MATCH[1:])
 
 
 def compat_fields(layout: KvLayout) -> dict[str, str]:
@@ -161,7 +171,8 @@ def layout_of_tag(tag: str) -> KvLayout:
         return KvLayout(num_layers=int(f["layers"]), num_blocks=0, block_size=int(f["block"]),
                         num_kv_heads=int(f["kv_heads"]), head_size=int(f["head"]), dtype=f["dtype"],
                         page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
-                        total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"])
+                        total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
+                        token_units=f["units"] != "head")
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
 
@@ -174,7 +185,8 @@ def model_identity(hf_config: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv_heads: int = 0) -> KvLayout:
+def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv_heads: int = 0,
+                     token_units: bool = False) -> KvLayout:
     """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -208,6 +220,7 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     layout = KvLayout(num_layers=num_layers, num_blocks=num_blocks, block_size=int(spec.block_size),
                       num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size), dtype=dtype,
                       page_bytes=page, model_id=model_id, tp_size=tp_size,
-                      total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory)
+                      total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory,
+                      token_units=token_units)
     layout.desc()  # refuses padded pages here, at start-up
     return layout

@@ -56,9 +56,12 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     if small < 1 or large % small:
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
     small, large = sorted((ours.block_size, remote.block_size))
-    if small < 1 or large % small or ours.chunk_tokens != remote.chunk_tokens:
+    if small < 1 or large % small:
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (neither divides "
                                 "the other)")
+    if small != large and not ours.token_units:
+        return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (set "
+                                "kvbroker_token_units on both engines to remap block sizes)")
     for side, layout in (("local", ours), ("remote", remote)):
         want = len(rank_heads(0, layout.tp_size, layout.model_kv_heads))
         if layout.memory != MEMORY_MLA and layout.num_kv_heads != want:
@@ -108,10 +111,12 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
               remote_blocks: Sequence[int], start_token: int, end_token: int) -> list[UnitPull]:
     """Tokens [start_token, end_token) of a request: `local_blocks` hold them from block start_token // our block
     size on, `remote_blocks` from start_token // theirs on. ValueError if the lists do not cover them."""
-    chunk = ours.chunk_tokens
-    if start_token % ours.block_size or start_token % chunk or end_token <= start_token:
+    if start_token % ours.block_size or end_token <= start_token:
         raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our blocks")
-    tokens = np.arange(start_token // chunk, -(-end_token // chunk), dtype=np.int64) * chunk
+    if not ours.token_units and ours.block_size != remote.block_size:
+        raise ValueError("blocks of different sizes need token units on both engines")
+    step = ours.chunk_tokens if ours.token_units else ours.block_size
+    tokens = np.arange(start_token // step, -(-end_token // step), dtype=np.int64) * step
     local_at = tokens // ours.block_size - start_token // ours.block_size
     remote_at = tokens // remote.block_size - start_token // remote.block_size
     if int(local_at[-1]) >= len(local_blocks) or int(remote_at[-1]) >= len(remote_blocks):
@@ -120,22 +125,37 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
                          f"{len(remote_blocks)}")
     dst_page = np.asarray(local_blocks, dtype=np.int64)[local_at]
     src_page = np.asarray(remote_blocks, dtype=np.int64)[remote_at]
-    dst_chunk = tokens % ours.block_size // chunk
-    src_chunk = tokens % remote.block_size // chunk
-    parts = ours.kv_parts
     out = []
     for source, heads in sorted(head_sources(ours, rank, remote).items()):
         src, dst = [], []
         for remote_head, local_head in heads:
-            for part in range(parts):
-                src.append(((src_page * remote.num_kv_heads + remote_head) * parts + part)
-                           * (remote.block_size // chunk) + src_chunk)
-                dst.append(((dst_page * ours.num_kv_heads + local_head) * parts + part)
-                           * (ours.block_size // chunk) + dst_chunk)
+            if ours.token_units:
+                src.append(_token_units(remote, src_page, remote_head, tokens % remote.block_size))
+                dst.append(_token_units(ours, dst_page, local_head, tokens % ours.block_size))
+            else:  # a unit is one head of one block: the pages line up one to one
+                src.append(src_page * remote.num_kv_heads + remote_head)
+                dst.append(dst_page * ours.num_kv_heads + local_head)
         src_all, dst_all = np.concatenate(src), np.concatenate(dst)
         order = np.argsort(dst_all, kind="stable")  # by destination: consecutive pairs merge into one run
         out.append(UnitPull(source, src_all[order].astype(np.uint64), dst_all[order].astype(np.uint64)))
     return out
+
+
+def _token_units(layout: KvLayout, pages: np.ndarray, head: int, offsets: np.ndarray) -> np.ndarray:
+    """Units (of `chunk_tokens` elements) holding the chunks that start at token `offsets` of `pages`, for one head.
+
+    A head's K is [head_size, block_size]: a chunk is one unit per dimension, `block_size / chunk` units apart. V
+    (and MLA's latent cache) is [block_size, head_size]: a chunk is `head_size` consecutive units."""
+    chunk, size = layout.chunk_tokens, layout.head_size
+    per_token_row = layout.block_size // chunk  # units of one dimension of K (or one row of tokens)
+    head_base = pages * layout.units_per_block + head * layout.kv_parts * layout.block_size * size // chunk
+    c = offsets // chunk
+    dims = np.arange(size, dtype=np.int64)
+    token_major: np.ndarray = (head_base + (layout.kv_parts - 1) * per_token_row * size + c * size)[:, None] + dims
+    if layout.memory == MEMORY_MLA:
+        return token_major.reshape(-1)
+    dim_major = (head_base + c)[:, None] + dims[None, :] * per_token_row
+    return np.concatenate([dim_major.reshape(-1), token_major.reshape(-1)])
 
 
 def blocks_of_units(layout: KvLayout, units: Sequence[int]) -> frozenset[int]:
