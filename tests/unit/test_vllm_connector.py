@@ -403,3 +403,69 @@ def test_transfer_stats_sum_over_workers_and_intervals() -> None:
     other = {"num_pulls": 1, "num_failed": 0, "transfer_bytes": [3_000_000], "transfer_s": [0.030]}
     assert summarize(merge(first, other)) == {"num_pulls": 3, "num_failed": 1, "bytes_MB": 4.0, "avg_transfer_ms": 20.0,
                                               "p90_transfer_ms": 30.0, "throughput_GBps": 0.1}
+
+
+# -- heterogeneous prefill/decode: the compatibility check and the plan ------------------------------------------
+def _gqa(tp: int, block: int = BS, token_units: bool = False, heads: int = 2, **change: Any) -> KvLayout:
+    per = max(1, heads // tp)
+    fields: dict[str, Any] = {"num_layers": 3, "num_blocks": 100, "block_size": block, "num_kv_heads": per,
+                              "head_size": 64, "dtype": "float32", "page_bytes": per * 2 * block * 64 * 4,
+                              "model_id": "m1", "tp_size": tp, "total_kv_heads": heads, "token_units": token_units}
+    return KvLayout(**{**fields, **change})
+
+
+@pytest.mark.parametrize(("theirs", "field", "message"), [
+    (_gqa(1, model_id="m2"), "model", "model: local m1 vs remote m2"),
+    (_gqa(1, dtype="bfloat16", page_bytes=16384), "dtype", "dtype: local float32 vs remote bfloat16"),
+    (_gqa(1, memory="cpu-amx:x"), "memory", "memory: local cpu-vec:block.head.K[dim.token].V[token.dim] vs remote "
+                                            "cpu-amx:x"),
+    (_gqa(1, head_size=128, page_bytes=65536), "head", "head: local 64 vs remote 128"),
+    (_gqa(1, num_layers=4), "layers", "layers: local 3 vs remote 4"),
+    (_gqa(3, heads=2), "tp", "tp: local 2 vs remote 3 (neither divides the other)"),
+    (_gqa(1, block=48), "block", "block: local 32 vs remote 48 (neither divides the other)"),
+    (_gqa(1, block=64), "block", "set kvbroker_token_units on both engines"),
+    (_gqa(1, token_units=True), "units", "units: local head vs remote token16"),
+    (_gqa(5000, heads=2), "tp", "tp: remote 5000 is out of range"),
+])
+def test_what_cannot_be_mapped_is_refused_by_field(theirs: KvLayout, field: str, message: str) -> None:
+    from kvbroker.integrations.vllm.remap import refusal
+
+    got = refusal(_gqa(2), theirs.tag())
+    assert got is not None and got.field == field and message in got.message, got
+    assert refusal(_gqa(2), _gqa(1).tag()) is None and refusal(_gqa(2), _gqa(2).tag()) is None
+
+
+@pytest.mark.parametrize(("ours_tp", "theirs_tp", "heads", "sources"), [
+    (2, 1, 2, {0: {0: [(0, 0)]}, 1: {0: [(1, 0)]}}),  # decode TP larger: each rank a slice of prefill rank 0
+    (1, 2, 2, {0: {0: [(0, 0)], 1: [(0, 1)]}}),  # prefill TP larger: gathered from both ranks
+    (1, 4, 2, {0: {0: [(0, 0)], 2: [(0, 1)]}}),  # prefill ranks hold replicas: each head pulled once
+    (4, 2, 2, {0: {0: [(0, 0)]}, 1: {0: [(0, 0)]}, 2: {1: [(0, 0)]}, 3: {1: [(0, 0)]}}),
+    (2, 4, 1, {0: {0: [(0, 0)]}, 1: {2: [(0, 0)]}}),  # MLA-like (one head everywhere): one prefill rank each
+])
+def test_head_sources(ours_tp: int, theirs_tp: int, heads: int, sources: dict[int, Any]) -> None:
+    from kvbroker.integrations.vllm.remap import head_sources
+
+    ours, theirs = _gqa(ours_tp, heads=heads), _gqa(theirs_tp, heads=heads)
+    assert {r: head_sources(ours, r, theirs) for r in range(ours_tp)} == sources
+
+
+def test_every_prefill_rank_hears_from_every_decode_rank_that_read_it() -> None:
+    from kvbroker.integrations.vllm.remap import release_targets
+
+    ours, theirs = _gqa(2), _gqa(1)  # both decode ranks read prefill rank 0: it waits for two releases
+    assert [release_targets(ours, r, 1, theirs) for r in range(2)] == [{0: 2}, {0: 2}]
+    ours, theirs = _gqa(1), _gqa(4)  # ranks 1 and 3 are replicas nobody reads: still told
+    assert release_targets(ours, 0, 4, theirs) == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert [release_targets(_gqa(2), r, 4, None) for r in range(2)] == [{0: 1, 2: 1}, {1: 1, 3: 1}]
+
+
+def test_a_release_counts_distinct_decode_ranks() -> None:
+    worker = _worker()
+    now = time.monotonic()
+    worker.start([], [], {"r": now + 30})
+    worker.note_release("r", "pulled", rank=1, of=2)
+    worker.note_release("r", "pulled", rank=1, of=2)  # the same rank twice is still one
+    assert worker.finished() == (set(), set())
+    worker.note_release("r", "pulled", rank=0, of=2)
+    assert worker.finished() == ({"r"}, set())
+    worker.shutdown()

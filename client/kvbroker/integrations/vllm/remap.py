@@ -26,6 +26,9 @@ import numpy as np
 
 from kvbroker.integrations.vllm.layout import LAYOUT_VERSION, MEMORY_MLA, MUST_MATCH, KvLayout, layout_of_tag, parse_tag
 
+MAX_TP = 1024
+MAX_BLOCK_TOKENS = 1 << 16
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -52,6 +55,11 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         remote = layout_of_tag(theirs_tag)
     except ValueError as e:
         return Refusal("version", f"version: unreadable remote layout ({e})")
+    # A peer's numbers are not trusted: out of these ranges they could only make the plan expensive.
+    if not 1 <= remote.tp_size <= MAX_TP or not 1 <= remote.block_size <= MAX_BLOCK_TOKENS:
+        field = "tp" if not 1 <= remote.tp_size <= MAX_TP else "block"
+        return Refusal(field, f"{field}: remote {getattr(remote, 'tp_size' if field == 'tp' else 'block_size')} is "
+                              "out of range")
     small, large = sorted((ours.tp_size, remote.tp_size))
     if small < 1 or large % small:
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
