@@ -183,7 +183,10 @@ class Engine:
     def start(self) -> Engine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, self.spec), name=f"vllm-{self.name}", daemon=True)
+        # A daemonic process may not start children, and vLLM's "mp" executor (TP > 1) starts one per rank; such an
+        # engine is not daemonic, and close() (or kill()) ends it.
+        self.proc = ctx.Process(target=_serve, args=(child, self.spec), name=f"vllm-{self.name}",
+                                daemon=self.spec.tensor_parallel_size == 1)
         self.proc.start()
         child.close()
         return self

@@ -9,7 +9,9 @@ Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "rem
                       "kvbroker_peer_address": "host:port", "kvbroker_cache_ids": [one per TP rank],
                       "kvbroker_layout_tag": "...", "kvbroker_hold_expires_unix": ...}
 Decode request in:   the prefill output's params, unchanged.
-Decode output out:   {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
+Decode output out:   {"kvbroker_prompt_tokens": ..., "kvbroker_tokens_pulled": ..., "kvbroker_tokens_cached": ...,
+                      "kvbroker_tokens_recomputed": ..., ["kvbroker_refused": "field: local .. vs remote .."]}, and
+                     {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
                      when the request's KV was pulled.
 """
 
