@@ -433,6 +433,9 @@ def test_what_cannot_be_mapped_is_refused_by_field(theirs: KvLayout, field: str,
     got = refusal(_gqa(2), theirs.tag())
     assert got is not None and got.field == field and message in got.message, got
     assert refusal(_gqa(2), _gqa(1).tag()) is None and refusal(_gqa(2), _gqa(2).tag()) is None
+    # 1 divides 3, but 3 ranks cannot hold 2 KV heads evenly: which rank holds which head is not vLLM's split
+    uneven = refusal(_gqa(1), _gqa(3, heads=2).tag())
+    assert uneven is not None and uneven.message == "tp: remote 3 does not split 2 KV heads evenly"
 
 
 @pytest.mark.parametrize(("ours_tp", "theirs_tp", "heads", "sources"), [

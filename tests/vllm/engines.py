@@ -34,6 +34,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     """Above 1: vLLM's "mp" executor (one worker process per rank, each with its own KV cache and connector)."""
     block_size: int = BLOCK_SIZE
+    prefix_caching: bool = True
 
 
 def _build(spec: EngineSpec) -> Any:
@@ -51,7 +52,8 @@ def _build(spec: EngineSpec) -> Any:
     args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=spec.block_size,
                       max_model_len=spec.max_model_len, enforce_eager=True,
                       distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
-                      kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv)
+                      kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv,
+                      enable_prefix_caching=spec.prefix_caching)
     return LLMEngine.from_engine_args(args)
 
 

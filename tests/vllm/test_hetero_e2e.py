@@ -81,12 +81,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-hetero")
     model = str(build(root / "tiny-llama-gqa", **HETERO_SHAPE))
     shapes = {"tp1": (1, 32), "tp2": (2, 32), "block64": (1, 64)}
-    daemons = [LocalDaemon(root / name, 40 + i, backends=("shm",)).start() for i, name in enumerate(shapes)]
+    # One root: the daemons share its peer token (and so may link); the engines serve no prompt from their prefix
+    # cache, so that the baseline (run on "tp1") cannot stand in for a transfer.
+    daemons = [LocalDaemon(root, 40 + i, backends=("shm",)).start() for i in range(len(shapes))]
     engines = {
         name: Engine(name, EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
                                                              "kvbroker_token_units": True},
                                       log_path=str(root / f"{name}.log"), tensor_parallel_size=tp, block_size=block,
-                                      kv_cache_bytes=16 << 20)).start()
+                                      kv_cache_bytes=16 << 20, prefix_caching=False)).start()
         for (name, (tp, block)), daemon in zip(shapes.items(), daemons, strict=True)}
     try:
         for engine in engines.values():
@@ -133,13 +135,13 @@ def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
                  "memory: local cpu-vec:block.head.K[dim.token].V[token.dim] vs remote cpu-amx:block.head.K.V",
                  id="memory"),
     pytest.param("head", "head=64", "head=128", "head: local 64 vs remote 128", id="head-size"),
-    pytest.param("tp", "tp=2", "tp=3", "tp: local 1 vs remote 3 (neither divides the other)", id="tp-3-to-1"),
+    pytest.param("tp", "tp=1", "tp=3", "tp: local 2 vs remote 3 (neither divides the other)", id="tp-3-to-2"),
 ])
 def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
         cluster: Cluster, field: str, old: str, new: str, message: str) -> None:
     prompts = cluster.prompts((70,))
     want = cluster.baseline(prompts)
-    prefill = "tp2" if field == "tp" else "block64"
+    prefill, decode = ("tp1", "tp2") if field == "tp" else ("block64", "tp1")
     params = cluster.prefill(prefill, prompts)
     tampered = {}
     for key, p in params.items():
@@ -147,13 +149,13 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
         assert old in tag, tag
         tampered[key] = {**p, "kvbroker_layout_tag": tag.replace(old, new, 1)}
         if field == "tp":
-            tampered[key]["kvbroker_cache_ids"] = [*p["kvbroker_cache_ids"], p["kvbroker_cache_ids"][0]]
-    got = cluster.decode("tp1", prompts, tampered)
+            tampered[key]["kvbroker_cache_ids"] = p["kvbroker_cache_ids"] * 3
+    got = cluster.decode(decode, prompts, tampered)
     _same_generation(got, want)
     for key, prompt in prompts.items():
         report = got[key]["kv_transfer_params"]
         assert report is not None and message in report["kvbroker_refused"], report
         assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))
         assert "kvbroker_transfer_bytes" not in report
-    log = Path(cluster.engines["tp1"].spec.log_path).read_text()
+    log = Path(cluster.engines[decode].spec.log_path).read_text()
     assert f"computing locally: {message}" in log

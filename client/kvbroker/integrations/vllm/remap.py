@@ -71,6 +71,10 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (set "
                                 "kvbroker_token_units on both engines to remap block sizes)")
     for side, layout in (("local", ours), ("remote", remote)):
+        heads, tp = layout.model_kv_heads, layout.tp_size
+        if layout.memory != MEMORY_MLA and (heads % tp if tp <= heads else tp % heads):
+            # vLLM splits KV heads evenly or replicates them evenly; anything else names heads nobody holds
+            return Refusal("tp", f"tp: {side} {tp} does not split {heads} KV heads evenly")
         want = len(rank_heads(0, layout.tp_size, layout.model_kv_heads))
         if layout.memory != MEMORY_MLA and layout.num_kv_heads != want:
             return Refusal("kv_heads", f"kv_heads: {side} {layout.num_kv_heads} per rank, expected {want} "
