@@ -23,6 +23,7 @@ from kvbroker import CacheIndex, KvCacheExtParam
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.remap import plan_pull
+from kvbroker.types import PullBlocks
 
 HEAD = 128
 
@@ -63,9 +64,14 @@ def main() -> None:
             times = []
             for i in range(args.rounds + 1):
                 started = time.perf_counter()
-                for rank, src_units, dst_units in pulls:
+                ext = KvCacheExtParam(tensor_num_per_layer=1)
+                if len(pulls) == 1:  # as the connector's worker does: one pull, or one batch over prefill ranks
+                    ((rank, src_units, dst_units),) = pulls
                     d.pull_kv_blocks(CacheIndex(p_daemon.cluster_id, src_caches[rank]), dst, src_units, dst_units,
-                                     KvCacheExtParam(tensor_num_per_layer=1))
+                                     ext)
+                else:
+                    d.transfer_kv_blocks_batch([PullBlocks(CacheIndex(p_daemon.cluster_id, src_caches[rank]), dst,
+                                                           tuple(s), tuple(t), ext) for rank, s, t in pulls])
                 if i:
                     times.append(time.perf_counter() - started)
             return statistics.median(times)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +39,7 @@ from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal
 from kvbroker.integrations.vllm.stats import TransferLog
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
-from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState
+from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState, PullBlocks, TransferResult
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -234,13 +234,24 @@ class WorkerSide:
             log.error("request %s: the prefill node's hold on its blocks has expired; recomputing (raise "
                       "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
             return everything
-        nbytes, seconds, backend = 0, 0.0, ""
-        for pull in pulls:  # one per prefill rank this rank reads (several when prefill TP is larger)
-            src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[pull.remote_rank])
-            outcome = self._pull_units(spec, src, pull.src_units, pull.dst_units)
-            if isinstance(outcome, frozenset):
-                return outcome
-            nbytes, seconds, backend = nbytes + outcome.bytes_moved, seconds + outcome.seconds, outcome.backend
+        dst = self.cache.cache_id
+        if len(pulls) == 1:
+            (one,) = pulls
+            src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[one.remote_rank])
+            src_units: Any = one.src_units  # uint64 arrays: the client takes them as they are
+            dst_units: Any = one.dst_units
+            call: Callable[[], TransferResult] = lambda: self.client.pull_kv_blocks(  # noqa: E731
+                src, dst, src_units, dst_units, _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
+        else:  # several prefill ranks (prefill TP larger): one transfer, validated whole before any byte moves
+            groups = [PullBlocks(CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[p.remote_rank]),
+                                 dst, tuple(p.src_units.tolist()), tuple(p.dst_units.tolist()), _ONE_TENSOR_PER_LAYER)
+                      for p in pulls]
+            call = lambda: self.client.transfer_kv_blocks_batch(  # noqa: E731
+                groups, timeout=self.config.pull_timeout_s)
+        outcome = self._pull_units(spec, call)
+        if isinstance(outcome, frozenset):
+            return outcome
+        nbytes, seconds, backend = outcome.bytes_moved, outcome.seconds, outcome.backend
         if self._hold_expired(remote):
             log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
                       "cannot be trusted, recomputing", spec.request_id)
@@ -252,9 +263,9 @@ class WorkerSide:
                      nbytes / max(seconds, 1e-9) / 1e9, len(pulls))
         return frozenset()
 
-    def _pull_units(self, spec: PullSpec, src: CacheIndex, src_units: Any, dst_units: Any
-                    ) -> _Pulled | frozenset[int]:
-        """One pull from one prefill rank's cache; the failed local blocks if it did not land."""
+    def _pull_units(self, spec: PullSpec, call: Callable[[], TransferResult]) -> _Pulled | frozenset[int]:
+        """Runs the request's transfer (linking first, and once more if the link went away); the failed local
+        blocks if it did not land."""
         assert self.cache is not None
         everything = frozenset(spec.local_blocks)
         remote = spec.remote
@@ -262,8 +273,7 @@ class WorkerSide:
             try:
                 self._ensure_link(remote)
                 started = time.monotonic()  # the pull alone: linking on first use is not transfer time
-                result = self.client.pull_kv_blocks(src, self.cache.cache_id, src_units, dst_units,
-                                                    _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
+                result = call()
             except NotYetLinkError:
                 self._forget_link(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
                 if attempt == 2:
