@@ -125,7 +125,7 @@ def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
         report = got[key]["kv_transfer_params"]
         assert report is not None and "kvbroker_refused" not in report, report
         assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
-        assert report["kvbroker_transfer_bytes"] > 0
+        assert report["kvbroker_transfer_bytes"] > 0 and report["kvbroker_backend"] == "shm", report
 
 
 @pytest.mark.parametrize(("field", "old", "new", "message"), [

@@ -290,7 +290,9 @@ class WorkerSide:
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
                 return failed or everything
-            return _Pulled(result.bytes_moved, time.monotonic() - started, result.backend)
+            # A batch names each group's backend ("shm,shm"): the request's report names each backend once.
+            backend = ",".join(dict.fromkeys(result.backend.split(",")))
+            return _Pulled(result.bytes_moved, time.monotonic() - started, backend)
         return everything
 
     @staticmethod
