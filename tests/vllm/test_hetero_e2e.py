@@ -9,6 +9,9 @@ the engine, tests/integration/test_vllm_hetero.py). The refusals (a different
 model, dtype or memory layout, a TP ratio that does not divide) are made by changing the prefill output's layout
 tag, which is exactly what a decode engine would receive from such a prefill engine: each is refused before any
 byte moves, names its field, is counted, and the request is recomputed to the same tokens.
+
+A model with sliding-window and full-attention layers (three more engines, TP=1) moves as one KV cache group: vLLM
+turns its hybrid allocator off for a connector that does not declare `SupportsHMA`.
 """
 
 from __future__ import annotations
@@ -159,3 +162,41 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
         assert "kvbroker_transfer_bytes" not in report
     log = Path(cluster.engines[decode].spec.log_path).read_text()
     assert f"computing locally: {message}" in log
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A model with a sliding-window layer and a full-attention layer: a plain engine (vLLM's hybrid allocator on:
+    two KV cache groups) as the baseline, and a prefill and a decode engine with the connector."""
+    root = tmp_path_factory.mktemp("vllm-swa")
+    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=32,
+                      layer_types=["sliding_attention", "full_attention"]))
+    daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(2)]
+    specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False)}
+    for name, daemon in zip(("prefill", "decode"), daemons, strict=True):
+        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0},
+                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False)
+    engines = {name: Engine(f"swa-{name}", spec).start() for name, spec in specs.items()}
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield Cluster(engines, daemons)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.log_tail()
+
+
+def test_a_sliding_window_model_moves_as_one_group(sliding: Cluster) -> None:
+    """vLLM runs a connector that does not declare `SupportsHMA` with its hybrid allocator off: the sliding-window
+    and full-attention layers share one KV cache group (every block kept), which the connector moves whole; the
+    tokens are those of a plain engine that keeps the two groups apart. Prompts are longer than the window."""
+    prompts = sliding.prompts((45, 100))
+    want = sliding.baseline(prompts)
+    got = sliding.decode("decode", prompts, sliding.prefill("prefill", prompts))
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and report["kvbroker_tokens_pulled"] == len(prompt), report
+    assert "Turning off hybrid kv cache manager" in Path(sliding.engines["decode"].spec.log_path).read_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 3
@@ -27,7 +28,7 @@ HETERO_SHAPE = {"num_layers": 2, "hidden_size": 512, "num_heads": 8, "num_kv_hea
 
 
 def build(path: Path, num_layers: int = NUM_LAYERS, hidden_size: int = HIDDEN_SIZE, num_heads: int = NUM_HEADS,
-          num_kv_heads: int = NUM_KV_HEADS) -> Path:
+          num_kv_heads: int = NUM_KV_HEADS, **extra: Any) -> Path:
     """Writes the checkpoint (config.json + safetensors) into `path` unless it is already there; returns `path`."""
     if (path / "config.json").exists():
         return path
@@ -40,7 +41,7 @@ def build(path: Path, num_layers: int = NUM_LAYERS, hidden_size: int = HIDDEN_SI
         max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
         # Wide weights make the logits far apart, so greedy tokens do not flip on rounding differences between a
         # one-pass prefill and a prefill that continues from transferred KV.
-        initializer_range=0.5, dtype="float32",
+        initializer_range=0.5, dtype="float32", **extra,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
