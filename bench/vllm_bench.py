@@ -101,14 +101,16 @@ def engine_env(subject: str, role: str, side_channel_port: int) -> dict[str, str
     return env
 
 
-def kv_transfer_config(subject: str, kvbroker_target: str) -> dict[str, Any]:
+def kv_transfer_config(subject: str, kvbroker_target: str, prefill_daemons: str = "") -> dict[str, Any]:
+    """`prefill_daemons`: for the decode engine, the prefill daemon it may pull from (without it, it computes)."""
     if subject.startswith("nixl"):
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     return {
         "kv_connector": "KvBrokerConnector",
         "kv_connector_module_path": "kvbroker.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvbroker_target": kvbroker_target},
+        "kv_connector_extra_config": {"kvbroker_target": kvbroker_target,
+                                      "kvbroker_prefill_daemons": prefill_daemons},
     }
 
 
@@ -258,10 +260,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sidecars(subject: str, workdir: Path) -> Iterator[tuple[str, str]]:
-    """(prefill target, decode target): two kvbrokerd daemons, or nothing for NIXL."""
+def sidecars(subject: str, workdir: Path) -> Iterator[tuple[str, str, str]]:
+    """(prefill target, decode target, the prefill daemon as the decode engine trusts it): two kvbrokerd daemons, or
+    nothing for NIXL."""
     if not subject.startswith("kvbroker"):
-        yield "", ""
+        yield "", "", ""
         return
     from kvbroker._local import LocalDaemon
 
@@ -270,7 +273,7 @@ def sidecars(subject: str, workdir: Path) -> Iterator[tuple[str, str]]:
     try:
         decode = LocalDaemon(workdir / subject, 2, backends=(backend,)).start()
         try:
-            yield prefill.target, decode.target
+            yield prefill.target, decode.target, f"{prefill.cluster_id}={prefill.peer_address}"
         finally:
             decode.stop()
     finally:
@@ -283,12 +286,12 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
 
     rng = random.Random(seed)
     max_len = max(sizes) + 64
-    with sidecars(subject, workdir) as (p_target, d_target):
+    with sidecars(subject, workdir) as (p_target, d_target, trusted):
         p_port, d_port = free_port(), free_port()
         prefill = Engine(f"{subject}/prefill", engine_env(subject, "prefill", p_port), model,
                          kv_transfer_config(subject, p_target), block_size, max_len)
         decode = Engine(f"{subject}/decode", engine_env(subject, "decode", d_port), model,
-                        kv_transfer_config(subject, d_target), block_size, max_len)
+                        kv_transfer_config(subject, d_target, trusted), block_size, max_len)
         try:
             prefill.wait_ready()
             decode.wait_ready()

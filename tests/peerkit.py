@@ -80,6 +80,8 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
         self.cluster_id = cluster_id
         self.description = description
         self.caches: dict[int, peer_pb2.GetCacheInfoResponse] = {}
+        self.unsealed = False
+        """Answer without MACs, as a relay that rewrote the answers would (it cannot derive the link secret)."""
         self._inbound = InboundTable(cluster_id, linkauth.token_key(token), max_links=16)
         self._server: grpc.Server | None = None
         self.address = ""
@@ -90,16 +92,44 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
 
     def Authenticate(self, request: peer_pb2.AuthenticateRequest, context: grpc.ServicerContext
                      ) -> peer_pb2.AuthenticateResponse:
-        self._inbound.authenticate(request)
-        return self.description
+        from kvbrokerd.links.inbound import seal
+
+        link = self._inbound.authenticate(request)
+        answer = peer_pb2.AuthenticateResponse()
+        answer.CopyFrom(self.description)
+        if not self.unsealed:
+            seal(answer, "Authenticate", link.secret, linkauth.link_id(link.secret), 0)
+        return answer
 
     def GetCacheInfo(self, request: peer_pb2.GetCacheInfoRequest, context: grpc.ServicerContext
                      ) -> peer_pb2.GetCacheInfoResponse:
-        answer = self.caches.get(request.cache_id)
-        if answer is None:
+        from kvbrokerd.links.inbound import seal
+
+        link = self._inbound.authorize("GetCacheInfo", request, request.proof)
+        found = self.caches.get(request.cache_id)
+        if found is None:
             context.abort(grpc.StatusCode.NOT_FOUND, "no such cache")
-        assert answer is not None
+        assert found is not None
+        answer = peer_pb2.GetCacheInfoResponse()
+        answer.CopyFrom(found)
+        if not self.unsealed:
+            seal(answer, "GetCacheInfo", link.secret, bytes(request.proof.link_id), request.proof.seq)
         return answer
+
+    def RedeemGrant(self, request: peer_pb2.RedeemGrantRequest, context: grpc.ServicerContext
+                    ) -> peer_pb2.RedeemGrantResponse:
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such grant")
+        raise AssertionError("unreachable")
+
+    def RenewGrant(self, request: peer_pb2.PeerRenewGrantRequest, context: grpc.ServicerContext
+                   ) -> peer_pb2.PeerRenewGrantResponse:
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such grant")
+        raise AssertionError("unreachable")
+
+    def ReleaseGrant(self, request: peer_pb2.PeerReleaseGrantRequest, context: grpc.ServicerContext
+                     ) -> peer_pb2.PeerReleaseGrantResponse:
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such grant")
+        raise AssertionError("unreachable")
 
     def Unlink(self, request: peer_pb2.PeerUnlinkRequest, context: grpc.ServicerContext
                ) -> peer_pb2.PeerUnlinkResponse:

@@ -29,6 +29,7 @@ from typing import TextIO
 from kvbroker._bench import BenchError, Progress, plan_bench, render_bench, run_bench
 from kvbroker._client import Client
 from kvbroker._format import fmt_gbps, fmt_size, table
+from kvbroker._local import default_backends
 from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheIndex, ClusterInfo, ClusterResult, KvCacheExtParam
 
@@ -97,25 +98,11 @@ def parse_sizes(value: str) -> list[int]:
     return [parse_size(v) for v in value.split(",") if v.strip()]
 
 
-def _host_backends() -> tuple[list[str], list[str]]:
-    """(backends that move host memory and can run here, the daemon's default ones among them), from the daemon's
-    own backend registry (empty without the daemon: `pip install 'kvbroker[server]'`)."""
-    try:
-        from kvbrokerd import backends
-    except ImportError:
-        return [], []
-    runnable = [name for name, cls in backends.loadable().items()
-                if "host" in cls.capabilities.memory_kinds and backends.unavailable(name) is None]
-    return runnable, [name for name in backends.default_backends() if name in runnable]
-
-
 def parse_backends(value: str) -> list[str]:
-    runnable, _ = _host_backends()
+    """Backend names (the daemons refuse, by name, one they do not know or cannot run here)."""
     backends = [b.strip() for b in value.split(",") if b.strip()]
-    bad = [b for b in backends if b not in runnable]
-    if bad or not backends:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: choose from {','.join(runnable) or '(none here: pip install kvbroker[server])'}")
+    if not backends or not all(b.replace("_", "").replace("-", "").isalnum() for b in backends):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of backend names, e.g. shm,tcp")
     return backends
 
 
@@ -297,7 +284,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.backends is None:
-        args.backends = _host_backends()[1]
+        args.backends = default_backends()
     points = plan_bench(args.backends, args.block_size, args.total_bytes, args.tensors, args.pull_bytes)
     total = sum(p.pulls * p.bytes_per_pull for p in points)
     progress = Progress(sys.stderr, total, enabled=not args.no_progress)
@@ -324,7 +311,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from kvbroker._demo import run_demo
 
-    run_demo(layers=args.layers, blocks=args.blocks, backends=tuple(args.backends.split(",")))
+    run_demo(layers=args.layers, blocks=args.blocks, backends=tuple(args.backends) if args.backends else None)
     return 0
 
 
@@ -401,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="layers per cache, each a K and a V tensor (default 8)")
     p.add_argument("--blocks", type=int, default=256, help="blocks per cache of 16 tokens x 8 heads x 128 fp16 "
                    "(default 256)")
-    p.add_argument("--backends", default="shm,tcp", help="backend order for both daemons, e.g. tcp")
+    p.add_argument("--backends", type=parse_backends, default=None,
+                   help="backend order for both daemons, e.g. tcp (default: the daemon's default order, shm,tcp)")
     p.set_defaults(fn=_demo)
     return parser
 

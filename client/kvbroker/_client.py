@@ -39,6 +39,7 @@ from kvbroker.types import (
     ClusterInfo,
     ClusterResult,
     ClusterStatus,
+    Grant,
     KvCacheExtParam,
     LayerLanded,
     LinkInfo,
@@ -165,6 +166,14 @@ def _progress(msg: broker_pb2.PullKvBlocksProgress) -> LayerLanded | TransferRes
     if msg.HasField("result"):
         return cv.transfer_result_from_pb(msg.result)
     return LayerLanded(layer=msg.layer, layer_bytes=msg.layer_bytes)
+
+
+def _grant_ref(grant: Grant) -> broker_pb2.GrantRef:
+    return broker_pb2.GrantRef(grant_id=grant.grant_id, secret=grant.secret)
+
+
+def _grant(resp: broker_pb2.CreateGrantResponse) -> Grant:
+    return Grant(bytes(resp.grant.grant_id), bytes(resp.grant.secret), resp.expires_in_ms / 1000)
 
 
 def _nothing(resp: object) -> None:
@@ -541,6 +550,109 @@ class _Calls:
         return _Call("SendNotification", req, _nothing, timeout)
 
     @_rpc()
+    def create_grant(self, cache_ids: Sequence[int], blocks: Sequence[int], lease: float, *, max_hold: float = 0.0,
+                     label: str = "", event_topics: Sequence[str] = (), timeout: float | None = None
+                     ) -> _Call[Grant]:
+        """Grants linked peers the right to pull `blocks` of local caches `cache_ids` (e.g. a finished prefill
+        request's KV, one cache per TP rank) for `lease` seconds unless renewed.
+
+        Args:
+            cache_ids: 1..64 local caches, in slot order.
+            blocks: 1..65536 distinct block indices, valid in every one of the caches.
+            lease: seconds (0.1..3600) until the grant lapses unless renewed.
+            max_hold: renewals never keep it past this many seconds from now (0: 24 h).
+            label: echoed in the GrantEvent (e.g. the request id).
+            event_topics: topics on which this daemon posts a GrantEvent when the grant ends (FetchNotifications;
+                the notification's cluster_id is this daemon's own).
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            The grant: hand `grant.token()` to the peer that will pull, keep it to renew or release.
+
+        Raises:
+            ParamInvalidError: an argument is out of range.
+            KvCacheNotExistError: a cache does not exist.
+            OutOfMemoryError: the daemon holds as many grants as it may.
+        """
+        req = broker_pb2.CreateGrantRequest(cache_ids=list(cache_ids), blocks=_blocks(blocks),
+                                            lease_ms=_ms(lease), max_hold_ms=_ms(max_hold or None), label=label,
+                                            event_topics=list(event_topics))
+        return _Call("CreateGrant", req, _grant, timeout)
+
+    @_rpc()
+    def renew_grant(self, grant: Grant, lease: float = 0.0, *, cluster_id: int = 0,
+                    timeout: float | None = None) -> _Call[float]:
+        """Renews a grant's lease, on this daemon (`cluster_id` 0) or on the linked cluster that made it.
+
+        Args:
+            grant: the grant (its id and secret).
+            lease: seconds of the new lease (0: the grant's own lease).
+            cluster_id: the linked cluster that made the grant (0: this daemon).
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            Seconds until it lapses unless renewed again.
+
+        Raises:
+            KvCacheNotExistError: the grant is unknown, lapsed or released (or the secret is wrong).
+            NotYetLinkError: `cluster_id` has no READY link.
+            LinkFailedError: the cluster that made it cannot be reached.
+        """
+        req = broker_pb2.RenewGrantRequest(cluster_id=cluster_id, grant=_grant_ref(grant), lease_ms=_ms(lease or None))
+        return _Call("RenewGrant", req, lambda resp: resp.expires_in_ms / 1000, timeout)
+
+    @_rpc()
+    def release_grant(self, grant: Grant, *, cluster_id: int = 0, timeout: float | None = None) -> _Call[None]:
+        """Ends a grant (its holder will not read the blocks): on this daemon or on the linked cluster that made it.
+
+        Args:
+            grant: the grant (its id and secret).
+            cluster_id: the linked cluster that made the grant (0: this daemon).
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            None once the grant has ended (its maker's daemon posts the GrantEvent).
+
+        Raises:
+            KvCacheNotExistError: the grant is unknown, lapsed or already released.
+            NotYetLinkError: `cluster_id` has no READY link.
+            LinkFailedError: the cluster that made it cannot be reached.
+        """
+        req = broker_pb2.ReleaseGrantRequest(cluster_id=cluster_id, grant=_grant_ref(grant))
+        return _Call("ReleaseGrant", req, _nothing, timeout)
+
+    @_rpc()
+    def pull_granted_kv_blocks(self, cluster_id: int, grant: Grant, dst_cache: CacheRef, dst_blocks: Sequence[int],
+                               *, cache_slot: int = 0, first_block: int = 0, src_blocks: Sequence[int] = (),
+                               ext_param: KvCacheExtParam | None = None, timeout: float | None = None
+                               ) -> _Call[TransferResult]:
+        """PullKvBlocks of blocks that `cluster_id` granted: its daemon names the cache and the blocks.
+
+        Args:
+            cluster_id: the linked cluster that made the grant.
+            grant: the grant.
+            dst_cache: the local destination cache, or its id.
+            dst_blocks: destination block indices.
+            cache_slot: which of the grant's caches (e.g. the TP rank).
+            first_block: with no `src_blocks`, the grant's blocks from this index on land in `dst_blocks`.
+            src_blocks: else these blocks, each of which the grant must cover.
+            ext_param: layer selection, as in `pull_kv_blocks`.
+            timeout: deadline in seconds (default: the client's `timeout`).
+
+        Returns:
+            The TransferResult, as `pull_kv_blocks` returns it.
+
+        Raises:
+            KvCacheNotExistError: the grant is unknown, lapsed or released; nothing was moved.
+            ParamInvalidError: the grant does not cover the blocks (or slot); nothing was moved.
+            LlmError: as `pull_kv_blocks` otherwise (links, timeouts, partial transfers with their report).
+        """
+        req = _pull_request(CacheIndex(cluster_id, 0), dst_cache, src_blocks, dst_blocks, ext_param)
+        req.grant.CopyFrom(broker_pb2.GrantClaim(grant=_grant_ref(grant), cache_slot=cache_slot,
+                                                 first_block=first_block))
+        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout)
+
+    @_rpc()
     def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
                             timeout: float | None = None) -> _Call[list[Notification]]:
         """Notifications linked peers sent to this daemon on `topic`, oldest first, each returned once.
@@ -553,7 +665,8 @@ class _Calls:
                 longer).
 
         Returns:
-            Up to `max_count` notifications; empty when none came within `wait`.
+            Up to `max_count` notifications, and at most 16 MiB of them (the daemon leaves the rest queued for
+            the next fetch); empty when none came within `wait`.
 
         Raises:
             ParamInvalidError: `wait`, `max_count` or `timeout` is out of bounds (refused before any call).

@@ -22,7 +22,7 @@ def fill_pattern(tensors: list[np.ndarray], seed: int) -> None:
 
 
 def run_demo(layers: int = 8, blocks: int = 256, block_tokens: int = 16, kv_heads: int = 8, head_dim: int = 128,
-             backends: tuple[str, ...] = ("shm", "tcp"), out: Callable[[str], None] = print) -> dict[str, float]:
+             backends: tuple[str, ...] | None = None, out: Callable[[str], None] = print) -> dict[str, float]:
     desc = CacheDesc(num_tensors=2 * layers, shape=(blocks, block_tokens, kv_heads, head_dim),
                      data_type=DataType.FLOAT16)
     results: dict[str, float] = {}

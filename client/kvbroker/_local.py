@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -45,11 +46,12 @@ class DaemonStartError(RuntimeError):
 class LocalDaemon:
     """One `python -m kvbrokerd` child: local API on a unix socket in `workdir`, peer API on a free loopback port."""
 
-    def __init__(self, workdir: Path, cluster_id: int, *, backends: Sequence[str] = ("shm", "tcp"),
+    def __init__(self, workdir: Path, cluster_id: int, *, backends: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  wrapper: Sequence[str] = (), local_listen: str = "") -> None:
         """`wrapper`: a command prefix (e.g. `unshare ...`) to run the daemon in another namespace.
-        `local_listen`: a TCP "host:port" for the local API instead of the unix socket."""
+        `local_listen`: a TCP "host:port" for the local API instead of the unix socket. `backends`: None for the
+        daemon's default ones."""
         self.workdir = Path(workdir)
         self.cluster_id = cluster_id
         self.socket_path = self.workdir / f"kvbroker-{cluster_id}.sock"
@@ -57,8 +59,9 @@ class LocalDaemon:
         self.log_path = self.workdir / f"kvbrokerd-{cluster_id}.log"
         auth = () if any(a.startswith(("--tls-cert", "--peer-token-file", "--insecure-peers")) for a in extra_args) \
             else ("--peer-token-file", str(ensure_token(self.workdir)))
+        chosen = () if backends is None else ("--backends", ",".join(backends))
         self.args = ["--cluster-id", str(cluster_id), "--listen", self.target, "--peer-listen", "127.0.0.1:0",
-                     "--backends", ",".join(backends), *auth, *extra_args]
+                     *chosen, *auth, *extra_args]
         self.env = env
         self.wrapper = list(wrapper)
         self.peer_address = ""
@@ -113,3 +116,16 @@ class LocalDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def default_backends() -> list[str]:
+    """The backends a daemon allows when --backends is not given (asked of `kvbrokerd --print-config`)."""
+    out = subprocess.run([sys.executable, "-m", "kvbrokerd", "--print-config"], capture_output=True, text=True,
+                         timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvbrokerd --print-config failed: {out.stderr.strip()[-500:]}")
+    # The daemon writes TOML strings and arrays as JSON does (config.to_toml): the line needs no TOML parser, which
+    # the client's Python 3.10 would lack.
+    line = next(li for li in out.stdout.splitlines() if li.startswith("backends = "))
+    backends: list[str] = json.loads(line.removeprefix("backends = ").partition("  #")[0])
+    return backends

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -159,6 +159,30 @@ class Notification:
     topic: str
     payload: bytes
     received_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A grant of held blocks (`create_grant`): a public id and a secret, both needed to renew, redeem or release it.
+    `token()` is its text form (for a request's parameters); the secret never shows in repr."""
+
+    grant_id: bytes
+    secret: bytes = field(repr=False)
+    expires_in: float = 0.0
+    """Seconds until it lapses unless renewed, as its daemon said when it answered."""
+
+    def token(self) -> str:
+        return f"{self.grant_id.hex()}.{self.secret.hex()}"
+
+    @classmethod
+    def from_token(cls, token: str) -> Grant:
+        """ValueError unless `token` is a `token()` (a 16-byte id and a 32-byte secret in hex)."""
+        if not isinstance(token, str) or len(token) != 32 + 1 + 64:
+            raise ValueError("not a kvbroker grant")
+        grant_id, dot, secret = token.partition(".")
+        if dot != ".":
+            raise ValueError("not a kvbroker grant")
+        return cls(bytes.fromhex(grant_id), bytes.fromhex(secret))
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import ipaddress
 import json
 import os
 import sys
@@ -31,6 +33,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Config:
     cluster_id: int = field(metadata={"help": "this daemon's cluster id (uint64, unique among linked peers)"})
+    cluster_id_from: str = field(default="", metadata={
+        "help": "derive the cluster id from this name instead (a pod or node name, or an IPv4 or IPv6 address): "
+                "the first 8 bytes of its SHA-256 as a big-endian uint64 (`kvbrokerd --print-config` shows it); "
+                "give it or cluster_id, not both"})
     listen: str = field(default="unix:///run/kvbroker/kvbroker.sock",
                         metadata={"help": "local API address: unix:///path (default) or host:port"})
     peer_listen: str = field(default="0.0.0.0:7100", metadata={"help": "peer API address host:port (port 0 = any)"})
@@ -59,6 +65,13 @@ class Config:
                 "pooled connection); others queue"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
+    broken_link_ttl: float = field(default=60.0, metadata={
+        "help": "seconds a link we made may stay BROKEN (its peer dead or unreachable) before it is removed and its "
+                "resources freed; a full link table also drops its longest-BROKEN link for a new one (0 = keep "
+                "BROKEN links until unlinked)"})
+    idle_link_ttl: float = field(default=0.0, metadata={
+        "help": "seconds a READY link we made may carry no transfer, lookup or notification before it is removed "
+                "(the peer is told); 0 = never"})
     auto_relink: bool = field(default=False, metadata={"help": "re-link by itself when a linked peer restarts"})
     backend_settings: dict[str, BackendSettings] = field(default_factory=lambda: _default_settings(), metadata={
         "help": "each backend's own settings ([backend.NAME] tables; flags --NAME-FIELD)", "table": True})
@@ -111,6 +124,10 @@ class Config:
                 raise ConfigError(f"peer_token_file: {e}") from None
         if not self.peer_link_ttl >= 3.0:
             raise ConfigError(f"peer_link_ttl: {self.peer_link_ttl} must be >= 3 seconds")
+        for name in ("broken_link_ttl", "idle_link_ttl"):
+            value = getattr(self, name)
+            if not (value == 0 or 1.0 <= value <= 1e9):  # NaN fails both
+                raise ConfigError(f"{name}: {value} must be 0 (never) or between 1 and 1e9 seconds")
         facts = DaemonFacts(peer_host=self.peer_listen.rpartition(":")[0].strip("[]"), mutual_tls=all(tls))
         for name, settings in self.backend_settings.items():
             try:
@@ -125,9 +142,31 @@ class Config:
         return self
 
 
+MAX_CLUSTER_NAME_BYTES = 253
+"""cluster_id_from: a DNS name's limit (pod and node names are DNS names)."""
+
+
+def cluster_id_of(name: str) -> int:
+    """The cluster id `cluster_id_from = name` gives: the first 8 bytes of SHA-256(name, UTF-8), big-endian. Stable
+    across releases and machines (deploy files and tools may compute it themselves: in a shell,
+    `printf %s "$NAME" | sha256sum | cut -c1-16` is its hex); two names collide with probability ~n^2/2^65."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def _is_host_port(value: str) -> bool:
+    """host:port, where an IPv6 host is a bracketed literal (`[::1]:7100`, `[::]:7100`): `::1:7100` is ambiguous."""
     host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and int(port) < 65536)
+    if not (sep and host and port.isdigit() and int(port) < 65536):
+        return False
+    if host.startswith("[") or host.endswith("]"):
+        if not (host[0] == "[" and host[-1] == "]"):
+            return False
+        try:
+            ipaddress.IPv6Address(host[1:-1].partition("%")[0])
+        except ValueError:
+            return False
+        return True
+    return ":" not in host
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -262,9 +301,19 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             value = next((v for v in given if v is not None), None)
             if value is not None:
                 values[opt.label] = value
+    derived_from = str(values.get("cluster_id_from", ""))
+    if derived_from:
+        if "cluster_id" in values:
+            raise ConfigError(f"cluster_id_from: {derived_from!r} and cluster_id {values['cluster_id']} are both "
+                              "given; give one")
+        if len(derived_from.encode()) > MAX_CLUSTER_NAME_BYTES or not derived_from.isprintable():
+            raise ConfigError(f"cluster_id_from: {derived_from[:40]!r} must be printable and at most "
+                              f"{MAX_CLUSTER_NAME_BYTES} bytes")
+        values["cluster_id"] = cluster_id_of(derived_from)
     if "cluster_id" not in values:
         if not args["print_config"]:
-            raise ConfigError("cluster_id: required (--cluster-id, KVBROKER_CLUSTER_ID or the config file)")
+            raise ConfigError("cluster_id: required (--cluster-id, --cluster-id-from, KVBROKER_CLUSTER_ID, "
+                              "KVBROKER_CLUSTER_ID_FROM or the config file)")
         values["cluster_id"] = 0  # --print-config shows the defaults even before an id is chosen
     typed = {opt.label: _coerce(opt.label, values[opt.label], opt.field.type) for opt in options
              if opt.label in values}

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from pathlib import Path
@@ -29,7 +30,8 @@ from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.node import Node
 from kvbrokerd.reflection import commented_pool
-from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.caches import CacheEntry, Registry
+from kvbrokerd.registry.grants import GrantTable
 from kvbrokerd.registry.sessions import SessionTable
 from kvbrokerd.service.local import KvBrokerService
 from kvbrokerd.service.peer import PeerService
@@ -47,8 +49,36 @@ _SERVER_OPTIONS = [
 ]
 # Peers send small requests only; a stranger must not make us buffer 64 MiB messages.
 MAX_PEER_REQUEST_BYTES = 1 << 20
-_PEER_SERVER_OPTIONS = [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES),
-                        *_SERVER_OPTIONS[2:]]
+MAX_PEER_CONNECTIONS = 1024
+"""Connections the peer port holds at once (gRPC closes newer ones as soon as they are accepted); never more than a
+quarter of the process's descriptor limit, so that strangers holding connections cannot take the descriptors that
+caches, data connections and the local API need."""
+PEER_IDLE_TIMEOUT_S = 60.0
+"""A peer-port connection with no call for this long is closed (linked peers heartbeat every second)."""
+PEER_MAX_AGE_S = 600.0
+PEER_AGE_GRACE_S = 30.0
+"""Every peer-port connection is retired (GOAWAY) after PEER_MAX_AGE_S, its calls given PEER_AGE_GRACE_S to finish:
+the bound on a stranger that keeps a connection busy with a call it never completes. Peers' channels reconnect."""
+PEER_HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection must finish its TLS and HTTP/2 handshakes within this."""
+PEER_MAX_STREAMS = 128
+"""Concurrent calls on one peer-port connection."""
+
+
+def peer_server_options() -> list[tuple[str, Any]]:
+    """The peer port's gRPC options: small messages, a connection cap and idle, age and handshake timeouts."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = MAX_PEER_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_PEER_CONNECTIONS, soft // 4))
+    return [*_SERVER_OPTIONS[:1], ("grpc.max_receive_message_length", MAX_PEER_REQUEST_BYTES), *_SERVER_OPTIONS[2:],
+            ("grpc.max_allowed_incoming_connections", cap),
+            ("grpc.max_connection_idle_ms", int(PEER_IDLE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_age_ms", int(PEER_MAX_AGE_S * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(PEER_AGE_GRACE_S * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(PEER_HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_concurrent_streams", PEER_MAX_STREAMS),
+            # Dead connections are found by our pings; a peer may not ping us more than every 10 s without calls.
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000), ("grpc.http2.max_ping_strikes", 2)]
 LOCAL_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["KvBroker"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 
@@ -70,6 +100,7 @@ class Daemon:
         self._registry: Registry | None = None
         self._links: LinkTable | None = None
         self._sessions: SessionTable | None = None
+        self._grants: GrantTable | None = None
         self.metrics: Metrics | None = None
         self.metrics_port = 0
         self._stopped = asyncio.Event()
@@ -95,7 +126,8 @@ class Daemon:
                 cfg.cluster_id, epoch, {},
                 token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
-                max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl)
+                max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl,
+                broken_link_ttl_s=cfg.broken_link_ttl, idle_link_ttl_s=cfg.idle_link_ttl)
             self.metrics = Metrics()
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -119,6 +151,15 @@ class Daemon:
             self._links.backends = {b.name: b for b in self._backends}
             node = Node(cfg.cluster_id, epoch, "", cfg.backends, self._registry, self._links, transfers,
                         self._sessions)
+            node.grants.start()
+            loop = asyncio.get_running_loop()
+            # Removal hooks run on an executor thread; the grant table lives on the event loop.
+            def end_grants(entry: CacheEntry) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone, and its grants
+                    loop.call_soon_threadsafe(node.grants.cache_removed, entry.cache_id)
+
+            self._registry.on_remove.append(end_grants)
+            self._grants = node.grants
             peer_port = await self._serve(cfg.peer_listen, node, PEER_SERVICE,
                                           tls.server_credentials() if tls else None)
             self.peer_address = cfg.advertise_address or _advertised(peer_host, peer_port)
@@ -164,7 +205,7 @@ class Daemon:
                      credentials: grpc.ServerCredentials | None = None) -> int:
         """One listener: the local API (KvBroker) or the peer API (Peer), each with health and reflection. The
         local API is never served on the peer port: that port is reachable from the network."""
-        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else _PEER_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_SERVER_OPTIONS if service == LOCAL_SERVICE else peer_server_options())
         if service == LOCAL_SERVICE:
             broker_pb2_grpc.add_KvBrokerServicer_to_server(KvBrokerService(node), server)
         else:
@@ -210,10 +251,13 @@ class Daemon:
         for link in list(node.links.links.values()):
             states[link.state.name] += 1
         caches = node.registry.list()
-        return {"links": states, "caches": len(caches),
+        reclaimed = {("outbound", reason): n for reason, n in node.links.reclaimed.items()}
+        reclaimed.update({("inbound", reason): n for reason, n in node.links.inbound.reclaimed.items()})
+        return {"links": states, "inbound_links": len(node.links.inbound.links), "links_reclaimed": reclaimed,
+                "caches": len(caches),
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
-                "sessions": len(node.sessions)}
+                "sessions": len(node.sessions), "grants": len(node.grants)}
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:
@@ -227,6 +271,8 @@ class Daemon:
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
         if self._sessions is not None:
             await self._sessions.stop()
+        if self._grants is not None:
+            await self._grants.stop()
         if self._links is not None:
             await self._links.close()
         for backend in self._backends:

@@ -1,8 +1,11 @@
 """Prometheus metrics: what moved, how it ended, how long it took, and the daemon's state at scrape time.
 
 Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, backend, peer, outcome};
-transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state},
-caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions.
+transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state} (the
+links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
+reason} (links removed without an unlink: outbound `broken`, `idle`, `room`; inbound `expired`, `silent`,
+`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions,
+grants.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvbrokerd.listen import ListenError, in_use
@@ -28,16 +31,24 @@ class _StateCollector(Collector):
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self._read = read
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         state = self._read()
-        links = GaugeMetricFamily("kvbroker_links", "Links by state", labels=["state"])
+        links = GaugeMetricFamily("kvbroker_links", "Links this daemon made, by state", labels=["state"])
         for name, count in sorted(state["links"].items()):
             links.add_metric([name], count)
         yield links
+        yield GaugeMetricFamily("kvbroker_inbound_links", "Links peers made to this daemon",
+                                value=state["inbound_links"])
+        reclaimed = CounterMetricFamily("kvbroker_links_reclaimed", "Links removed without an unlink (dead, "
+                                        "silent, idle or making room), by side and reason", labels=["side", "reason"])
+        for (side, reason), count in sorted(state["links_reclaimed"].items()):
+            reclaimed.add_metric([side, reason], count)
+        yield reclaimed
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),
-                          ("sessions", "Client sessions with a live lease")):
+                          ("sessions", "Client sessions with a live lease"),
+                          ("grants", "Grants of held blocks with a live lease")):
             yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from kvbroker.v1 import broker_pb2
+from kvbrokerd.errors import LlmError
 from kvbrokerd.links.notifications import NotificationBox
 from kvbrokerd.links.table import LinkTable
 from kvbrokerd.registry.caches import Registry
+from kvbrokerd.registry.grants import Grant, GrantTable
 from kvbrokerd.registry.sessions import SessionTable
 from kvbrokerd.transfers.manager import TransferManager
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -23,3 +29,19 @@ class Node:
     sessions: SessionTable
     metrics_address: str = ""
     notifications: NotificationBox = field(default_factory=NotificationBox)
+    grants: GrantTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grants = GrantTable(self._grant_ended)
+
+    def _grant_ended(self, grant: Grant, outcome: str) -> None:
+        """Posts the grant's end on its topics, as from our own cluster id: no linked peer can claim that id (the
+        handshake refuses it), so a client that fetches these topics can tell our events from a peer's notes."""
+        payload = broker_pb2.GrantEvent(grant_id=grant.grant_id, label=grant.label,
+                                        outcome=outcome).SerializeToString()
+        for topic in grant.event_topics:
+            try:
+                self.notifications.put(self.cluster_id, topic, payload)
+            except LlmError as e:
+                log.error("grant %s (%s) ended (%s) but its event could not be posted on %r: %s",
+                          grant.grant_id.hex()[:8], grant.label, outcome, topic, e.message)

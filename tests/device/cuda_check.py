@@ -1,24 +1,26 @@
-"""CUDA device check for the `nixl` backend: one GPU, one command, every byte verified, GB/s printed.
+"""CUDA device check: the `nixl` backend on raw VRAM and the vLLM connector's GPU data path; one GPU, one command,
+every byte verified, GB/s printed as JSON.
 
-    python tests/device/cuda_check.py                        # 256 MiB per cache, 256 KiB blocks
-    python tests/device/cuda_check.py --mib 1024 --out result.json
+    python tests/device/cuda_check.py --out result.json          # about 2-4 minutes; bounded by --limit-s (480 s)
+    python tests/device/cuda_check.py --dry-run                   # no GPU: the connector part on the CPU
 
-Needs an NVIDIA GPU, torch with CUDA, cuda-python, kvbroker with the nixl extra and NIXL's wheel for the driver's
-CUDA (docs/device.md):  pip install -e '.[nixl]' cuda-python && pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1
-Without a CUDA device it prints "no CUDA device: <why>" and exits 2; any failed step exits 1. Bounded: it gives up
-after --limit-s (180 s) and stops its daemons either way.
+Needs an NVIDIA GPU and torch with CUDA. The raw nixl check and the connector's device-direct mode also need
+cuda-python and NIXL's wheel for the driver's CUDA (pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1); without them
+those parts report "skipped" (and why) and the host-staged mode still runs. On a host without a package index,
+tests/device/bundle.sh assembles the missing wheels (docs/device.md). Without a CUDA device it prints
+"no CUDA device: <why>" and exits 2; any failed part exits 1 (the summary's "failed" names it).
 
-This process is the model server. It allocates two KV caches with torch (each one allocation holding every tensor,
-so each tensor is an interior view: offsets matter), fills the source with a seeded pattern and the destination with
-another, and exports them with kvbroker.device (the source with torch_cache, the destination's raw pointers with
-cuda_allocation + raw_locations). Two daemons (`kvbrokerd --backends nixl`) each import
-one cache by CUDA IPC handle and register it with NIXL as VRAM. The destination's daemon links to the source's and
-pulls: a scattered block plan (verified byte for byte on the GPU, blocks outside the plan untouched), then the whole
-cache several times (GB/s), then pushes blocks back (verified). Beside it, the same bytes copied device-to-device by
-torch (copy_) and by cudaMemcpy: the ceiling for one GPU. Finally both caches are unregistered (the daemons close
-their mappings) before this process frees the memory, and the daemons' logs are checked for errors.
-
-Prints one JSON summary (and writes it to --out).
+1. Raw nixl check: this process allocates two KV caches with torch (each one allocation holding every tensor, so
+   each tensor is an interior view: offsets matter), fills the source with a seeded pattern and the destination
+   with another, and exports them with kvbroker.device (the source with torch_cache, the destination's raw pointers
+   with cuda_allocation + raw_locations). Two daemons (`kvbrokerd --backends nixl`) each import one cache by CUDA
+   IPC handle and register it with NIXL as VRAM. The destination's daemon links to the source's and pulls: a
+   scattered block plan (verified byte for byte on the GPU, blocks outside the plan untouched), then the whole cache
+   several times (GB/s), then pushes blocks back (verified). Beside it, the same bytes copied device-to-device by
+   torch (copy_) and by cudaMemcpy. Finally both caches are unregistered (the daemons close their mappings) before
+   this process frees the memory, and the daemons' logs are checked for errors.
+2. The connector (tests/device/connector_check.py): a prefill process and this one build vLLM-shaped per-layer KV
+   views on cuda:0 and run the connector's worker data path between two daemons, host-staged and device-direct.
 """
 
 from __future__ import annotations
@@ -44,17 +46,35 @@ SEED = 20261
 
 
 def no_device_reason() -> str | None:
-    """Why this machine cannot run the check (first missing piece), or None."""
+    """Why this machine cannot run the check at all (no torch, or torch sees no CUDA device), or None."""
     try:
         torch: Any = importlib.import_module("torch")
     except ImportError as e:
         return f"torch is not installed ({e})"
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def nixl_reason() -> str | None:
+    """Why the nixl parts (the raw VRAM check, device-direct mode) cannot run here, or None."""
     from kvbrokerd.backends import unavailable
     from kvbrokerd.backends.common.cudaipc import cuda_missing
 
     return cuda_missing() or unavailable("nixl")
+
+
+def versions() -> dict[str, str]:
+    """The host's versions of what the check relies on (the bundle brings none of these: docs/device.md)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "grpcio", "protobuf", "numpy", "uvloop", "cuda-bindings", "nixl", "nixl-cu13"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -193,20 +213,29 @@ def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256, help="bytes per cache, MiB")
+    ap.add_argument("--mib", type=int, default=256, help="bytes per cache of the raw nixl check, MiB")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--block-kib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--limit-s", type=int, default=180)
+    ap.add_argument("--connector-mib", type=int, default=512, help="KV bytes per engine of the connector part, MiB")
+    ap.add_argument("--modes", default="host,device", help="connector modes to run (host-staged, device-direct)")
+    ap.add_argument("--connector-only", action="store_true", help="skip the raw nixl check")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: the connector part with CPU tensors standing in for device tensors (host mode)")
+    ap.add_argument("--limit-s", type=int, default=480)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    summary: dict[str, Any] = {"check": "cuda", "ok": False}
-    reason = no_device_reason()
-    if reason is not None:
-        summary["skipped"] = f"no CUDA device: {reason}"
-        print(summary["skipped"], file=sys.stderr)
-        print(json.dumps(summary))
-        return NO_DEVICE_EXIT
+    summary: dict[str, Any] = {"check": "cuda", "ok": False, "versions": versions()}
+    modes = [m for m in args.modes.split(",") if m]
+    if args.dry_run:
+        summary["dry_run"] = "CPU tensors stand in for device tensors; device-direct needs CUDA IPC: not run"
+    else:
+        reason = no_device_reason()
+        if reason is not None:
+            summary["skipped"] = f"no CUDA device: {reason}"
+            print(summary["skipped"], file=sys.stderr)
+            print(json.dumps(summary))
+            return NO_DEVICE_EXIT
 
     def give_up(signum: int, frame: Any) -> None:
         raise TimeoutError(f"the check ran past --limit-s {args.limit_s}")
@@ -214,15 +243,41 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGALRM, give_up)
     signal.alarm(args.limit_s)
     t0 = time.monotonic()
+    failed: list[str] = []
     try:
-        run(args, summary)
-        summary["ok"] = True
+        missing_nixl = None if args.dry_run else nixl_reason()
+        if args.dry_run or args.connector_only:
+            pass
+        elif missing_nixl is not None:
+            summary["raw_nixl"] = {"skipped": missing_nixl}
+        else:
+            try:
+                run(args, summary)
+                summary["raw_nixl"] = {"ok": True}
+            except Exception as e:  # a failure is a result; the connector part still runs
+                summary["raw_nixl"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                       "traceback": traceback.format_exc()[-2000:]}
+                failed.append("raw_nixl")
+        from tests.device import connector_check
+
+        device = "cpu" if args.dry_run else "cuda:0"
+        runnable = [m for m in modes if m == "host" or (m == "device" and not args.dry_run and missing_nixl is None)]
+        work = Path(tempfile.mkdtemp(prefix="kvb-connector-check-"))
+        mib = min(args.connector_mib, 8) if args.dry_run else args.connector_mib
+        results = connector_check.run(device, runnable, work, mib, args.rounds, ROOT)
+        for m in modes:
+            if m not in runnable:
+                results[m] = {"skipped": summary["dry_run"] if args.dry_run else f"no nixl: {missing_nixl}"}
+        summary["connector"] = results
+        failed += [f"connector.{m}" for m, r in results.items() if r.get("ok") is False]
+        summary["ok"] = not failed
     except BaseException as e:  # a failure is a result: report it, daemons already stopped by their context managers
         summary["error"] = f"{type(e).__name__}: {e}"
         summary["traceback"] = traceback.format_exc()[-2000:]
     finally:
         signal.alarm(0)
         summary["seconds"] = round(time.monotonic() - t0, 1)
+        summary["failed"] = failed
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:

@@ -1,5 +1,6 @@
-"""tests/device/cuda_check.py as a test: the whole check where a CUDA device is usable (skipped elsewhere), and, on
-machines without one, its clean refusal."""
+"""tests/device/cuda_check.py as a test: the whole check where a CUDA device is usable (skipped elsewhere); on
+machines without one, its clean refusal, and its dry run: the connector part (two processes, two daemons,
+host-staged) with CPU tensors standing in for device tensors."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ REASON = no_device_reason()
 
 
 def _run(*args: str) -> tuple[int, dict[str, object], str]:
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
     return done.returncode, json.loads(done.stdout[done.stdout.index("{"):]), done.stderr
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no CUDA device: {REASON}")
 def test_the_cuda_check_passes_on_this_gpu() -> None:
-    rc, summary, _ = _run("--mib", "128", "--rounds", "3")
+    rc, summary, _ = _run("--mib", "128", "--connector-mib", "256", "--rounds", "3")
     assert rc == 0 and summary["ok"] is True, summary
 
 
@@ -32,3 +33,19 @@ def test_without_a_cuda_device_the_check_says_so_and_exits_2() -> None:
     rc, summary, stderr = _run()
     assert rc == NO_DEVICE_EXIT and summary["ok"] is False
     assert str(summary["skipped"]).startswith("no CUDA device: ") and "no CUDA device: " in stderr
+
+
+def test_the_dry_run_moves_the_connectors_blocks_between_two_processes_on_the_cpu() -> None:
+    """CPU tensors stand in for device tensors: the host-staged data path (register, stage, pull by block ids,
+    copy in, release, close) between a prefill process and this one, every byte verified; device-direct is
+    reported as not run, never as passed."""
+    rc, summary, _ = _run("--dry-run", "--rounds", "2")
+    assert rc == 0 and summary["ok"] is True, summary
+    connector = summary["connector"]
+    assert isinstance(connector, dict)
+    host = connector["host"]
+    assert host["ok"] is True and host["scattered_bytes_ok"] and host["untouched_ok"] and host["whole_bytes_ok"]
+    assert host["release_received"] and host["caches_left"] == 0 and host["runs"] == 32
+    assert "skipped" in connector["device"] and "ok" not in connector["device"]
+    versions = summary["versions"]
+    assert "dry_run" in summary and isinstance(versions, dict) and {"torch", "grpcio", "nixl-cu13"} <= set(versions)

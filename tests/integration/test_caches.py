@@ -110,3 +110,32 @@ def test_stale_segments_of_dead_daemons_are_removed(tmp_path: Path) -> None:
     assert seg.exists()
     with LocalDaemon(tmp_path, 6):
         assert not seg.exists()
+
+
+def test_an_allocation_whose_caller_gave_up_is_released(tmp_path: Path) -> None:
+    """The caller's deadline passes while the daemon reserves a large cache: the caller never learns the id, so the
+    daemon frees the cache itself instead of keeping it (without a lease) forever."""
+    import grpc
+
+    from kvbroker.convert import desc_to_pb
+    from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+    from tests.helpers import private_shm_dir, remove_dir, wait_until
+
+    shm = private_shm_dir()
+    try:
+        with LocalDaemon(tmp_path, 7, extra_args=["--shm-dir", str(shm)]) as d, \
+                grpc.insecure_channel(d.target) as ch:
+            stub = broker_pb2_grpc.KvBrokerStub(ch)
+            # 1 GiB takes the daemon far longer to reserve (posix_fallocate) than the caller waits.
+            desc = desc_to_pb(CacheDesc(num_tensors=1, shape=(1 << 18, 1024), data_type=DataType.FLOAT32))
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.AllocateCache(broker_pb2.AllocateCacheRequest(desc=desc), timeout=0.2)
+            assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def freed() -> bool:
+                listed = stub.ListCaches(broker_pb2.ListCachesRequest(), timeout=5).caches
+                return not listed and not [p for p in shm.iterdir() if p.name.endswith(tuple("0123456789"))]
+
+            wait_until(freed, what="the abandoned allocation to be released (its cache gone, its segment removed)")
+    finally:
+        remove_dir(shm)

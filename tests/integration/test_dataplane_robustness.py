@@ -56,15 +56,17 @@ def test_data_port_survives_running_out_of_file_descriptors(tmp_path: Path) -> N
             LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, src.client() as s, dst.client() as d:
         a, b = s.allocate_cache(SMALL), d.allocate_cache(SMALL)
         fill(a, 1)
-        secret, port = dataport.fake_link(src)
+        # Several links: one link's own share of data connections is smaller than the descriptors to exhaust.
+        links = [dataport.fake_link(src, cluster_id) for cluster_id in range(77, 81)]
+        port = links[0][1]
         health = grpc.insecure_channel(src.target)  # connected before the flood: it needs no new descriptor
         check = health_pb2_grpc.HealthStub(health).Check
         assert check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         held: list[socket.socket] = []
         try:
-            for _ in range(400):
+            for i in range(400):
                 try:
-                    held.append(dataport.connect(port, secret, timeout=1.0))
+                    held.append(dataport.connect(port, links[i % len(links)][0], timeout=1.0))
                 except (TimeoutError, ConnectionError, OSError):
                     break  # no greeting: the daemon cannot accept any more
             else:
@@ -343,3 +345,68 @@ def test_a_write_that_waits_for_its_turn_past_its_deadline_writes_nothing(tmp_pa
             src.signal(signal.SIGCONT)
         d.copy_kv_blocks(c, b, [2, 1], [[5, 1]], timeout=10)  # the blocks are free again
         assert _blocks_equal(c, [2, 1], b, [5, 1])
+
+
+# -- issue 23, finding 4: a peer that trickles is held to a minimum rate ------------------------------------------
+# A one-second window keeps the test short; the daemon's default (10 s) is judged the same way.
+_ONE_SECOND_WINDOWS = {"KVBROKER_TCP_RATE_WINDOW_S": "1"}
+_TRICKLE_BYTES = 4096
+_TRICKLE_EVERY_S = 0.05  # 80 KiB/s: steady progress, never a stall, far below the 1 MiB/s minimum
+
+
+def _trickle(sock: socket.socket, op: str, stop: threading.Event) -> None:
+    """Reads (or writes) 4 KiB every 50 ms until the daemon drops the connection or the test ends."""
+    chunk = bytes(_TRICKLE_BYTES)
+    with contextlib.suppress(OSError):
+        while not stop.wait(_TRICKLE_EVERY_S):
+            if op == "read" and not sock.recv(_TRICKLE_BYTES):
+                return
+            if op == "write":
+                sock.sendall(chunk)
+
+
+@pytest.mark.parametrize(("op", "release"), [("read", "deallocate"), ("write", "lease"), ("read", "lease")])
+def test_a_peer_that_trickles_is_abandoned_so_the_cache_can_be_released(tmp_path: Path, op: str,
+                                                                        release: str) -> None:
+    """A linked peer reads a 64 MiB reply (or writes a 64 MiB payload) 4 KiB every 50 ms: it always makes progress,
+    so neither the stall timeout nor the release's wake-up ended it, and its pin kept the cache for the request's
+    whole deadline (DeallocateCache answered LLM_LINK_BUSY, an expired lease freed nothing). Below the minimum rate
+    the daemon abandons it, and the release or the lease expiry goes through."""
+    from kvbroker.convert import desc_to_pb
+    from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+
+    desc = CacheDesc(num_tensors=2, shape=(32, 1 << 20), data_type=DataType.UINT8)
+    with LocalDaemon(tmp_path, 1, backends=("tcp",), env=_ONE_SECOND_WINDOWS) as src, src.client() as s, \
+            grpc.insecure_channel(src.target) as ch:
+        stub = broker_pb2_grpc.KvBrokerStub(ch)
+        # The owner: a session with a one-second lease that it never renews (a model server that died).
+        session = f"trickle-{uuid.uuid4().hex[:8]}"
+        stub.KeepAlive(broker_pb2.KeepAliveRequest(session_id=session, ttl_ms=1000), timeout=5)
+        cache_id = stub.AllocateCache(broker_pb2.AllocateCacheRequest(
+            desc=desc_to_pb(desc), session_id=session if release == "lease" else ""), timeout=10).cache.cache_id
+        secret, port = dataport.fake_link(src)
+        stop = threading.Event()
+        with contextlib.closing(dataport.connect(port, secret, rcvbuf=4096)) as sock:
+            runs = [(0, 0, 32 << 20), (1, 0, 32 << 20)]
+            frame = dataport.read_request(cache_id, runs, 300_000)
+            if op == "write":
+                frame = b"KVWR" + frame[4:]
+            sock.sendall(frame)
+            magic, status, size = tcp.REPLY.unpack(sock.recv(tcp.REPLY.size, socket.MSG_WAITALL))
+            assert (magic, status, size) == (b"KVRS", 0, 64 << 20)  # the request runs: the cache is pinned
+            trickler = threading.Thread(target=_trickle, args=(sock, op, stop), daemon=True)
+            trickler.start()
+            try:
+                def released() -> bool:
+                    if release == "deallocate":
+                        try:
+                            s.deallocate_cache(cache_id, timeout=2)
+                        except LlmError as e:
+                            assert e.status == LlmStatus.LLM_LINK_BUSY, e
+                            return False
+                    return all(c.cache_id != cache_id for c in s.list_caches())
+
+                wait_until(released, what=f"the cache released although a peer trickles its {op}")
+            finally:
+                stop.set()
+                trickler.join(timeout=10)

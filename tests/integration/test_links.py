@@ -157,3 +157,35 @@ async def test_concurrent_first_transfers_of_a_remote_cache_share_one_descriptio
             assert await link.remote_cache(target.cache_id, 10.0) is found[0]
         finally:
             await daemon.stop(grace=0)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.parametrize(("backend", "listen", "dial"), [
+    ("tcp", "[::1]:0", "[::1]"), ("shm", "[::1]:0", "[::1]"),
+    ("tcp", "[::]:0", "127.0.0.1"),  # a daemon on [::] serves IPv4 peers on its data port too
+])
+def test_link_and_pull_over_ipv6(tmp_path: Path, backend: str, listen: str, dial: str) -> None:
+    """Issue 20: peer addresses work as IPv6 literals wherever IPv4 ones do (link, advertise, data channel, probe)."""
+    with LocalDaemon(tmp_path, 1, backends=(backend,), extra_args=["--peer-listen", listen]) as a, \
+            LocalDaemon(tmp_path, 2, backends=(backend,), extra_args=["--peer-listen", "[::1]:0"]) as b, \
+            a.client() as ca, b.client() as cb:
+        assert b.peer_address.startswith("[::1]:")
+        port = a.peer_address.rpartition(":")[2]
+        desc = CacheDesc(num_tensors=1, shape=(4, 8))
+        src, dst = ca.allocate_cache(desc), cb.allocate_cache(desc)
+        src.tensors[0][:] = 5
+        [linked] = cb.link_clusters([ClusterInfo(1, f"{dial}:{port}")])
+        assert linked.ok, linked.message
+        [link] = cb.list_links()
+        assert link.backend == backend and link.state == LinkState.READY
+        assert cb.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [2]).backend == backend
+        assert (dst.tensors[0][2] == 5).all()

@@ -41,7 +41,7 @@ from kvbroker.convert import desc_to_pb, tensor_location_to_pb
 from kvbroker.v1 import peer_pb2
 from tests import peerkit
 from tests.conftest import cluster_of
-from tests.helpers import fill
+from tests.helpers import fill, wait_until
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 4096), data_type=DataType.UINT8)
 BLOCKS = list(range(8))
@@ -409,3 +409,63 @@ def test_a_peer_cannot_make_us_read_or_write_files_outside_our_directory(tmp_pat
             assert d.proc is not None and d.proc.poll() is None, d.log_tail()
     finally:
         os.close(lock)
+
+
+# -- issue 23, finding 3: nothing a puller maps for a peer outlives the peer's cache --------------------------------
+def _held(pid: int, shm_dir: Path, prefix: str) -> set[str]:
+    """Names of `shm_dir` files starting with `prefix` that process `pid` has open or mapped."""
+    names = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            names.add(os.readlink(fd))
+    with contextlib.suppress(OSError):
+        names.update(line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                     if len(line.split(maxsplit=5)) == 6)
+    folder = f"{shm_dir}/"
+    return {n.removeprefix(folder).removesuffix(" (deleted)") for n in names
+            if n.startswith(folder + prefix)}
+
+
+@pytest.mark.parametrize("ending", ["deallocated", "killed"])
+def test_a_puller_lets_go_of_a_peer_cache_that_is_gone(tmp_path: Path, shm_dir: Path, ending: str) -> None:
+    """The puller kept every remote cache it had read open and mapped for the life of the link: after the peer
+    deallocated it (or died) its tmpfs memory was never freed. Now the link's heartbeat sweep drops it."""
+    with _daemon(tmp_path, 1, shm_dir) as src, _daemon(tmp_path, 2, shm_dir) as dst, src.client() as s, \
+            dst.client() as d:
+        [linked] = d.link_clusters([cluster_of(src)])
+        assert linked.ok, linked
+        a, b = s.allocate_cache(DESC), d.allocate_cache(DESC)
+        segment = a.record.tensors[0].segment
+        d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, [0], [0])
+        assert dst.proc is not None
+        assert _held(dst.proc.pid, shm_dir, segment) == {segment}  # the premise: the pull opened the peer's memory
+        if ending == "deallocated":
+            s.deallocate_cache(a)
+        else:
+            s.close()
+            src.signal(signal.SIGKILL)
+        wait_until(lambda: not _held(dst.proc.pid, shm_dir, segment),  # type: ignore[union-attr]
+                   what=f"the puller to close the peer's {ending} cache")
+
+
+def test_a_link_keeps_a_bounded_number_of_peer_caches_open(tmp_path: Path, shm_dir: Path) -> None:
+    """Caches the peer still holds but the puller no longer reads are closed beyond MAX_OPEN_CACHES (least recently
+    used first) and opened again when read."""
+    from kvbrokerd.backends.shm.backend import MAX_OPEN_CACHES
+
+    small = CacheDesc(num_tensors=1, shape=(1, 64), data_type=DataType.UINT8)
+    with _daemon(tmp_path, 1, shm_dir) as src, _daemon(tmp_path, 2, shm_dir) as dst, src.client() as s, \
+            dst.client() as d:
+        [linked] = d.link_clusters([cluster_of(src)])
+        assert linked.ok, linked
+        b = d.allocate_cache(small)
+        caches = [s.allocate_cache(small) for _ in range(MAX_OPEN_CACHES + 8)]
+        for i, a in enumerate(caches):
+            fill(a, i)
+            d.pull_kv_blocks(CacheIndex(src.cluster_id, a.cache_id), b, [0], [0])
+        assert dst.proc is not None
+        segments = [a.record.tensors[0].segment for a in caches]
+        held = _held(dst.proc.pid, shm_dir, segments[0].rpartition("-")[0]) & set(segments)
+        assert held == set(segments[-MAX_OPEN_CACHES:])  # the least recently used went first
+        d.pull_kv_blocks(CacheIndex(src.cluster_id, caches[0].cache_id), b, [0], [0])  # and comes back when read
+        assert np.array_equal(b.tensors[0][0], caches[0].tensors[0][0])

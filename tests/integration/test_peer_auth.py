@@ -17,10 +17,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LlmStatus, NotYetLinkError, ParamInvalidError
+from kvbroker import (
+    CacheDesc,
+    CacheIndex,
+    ClusterInfo,
+    LinkFailedError,
+    LlmStatus,
+    NotYetLinkError,
+    ParamInvalidError,
+)
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 from kvbrokerd.links import linkauth
+from kvbrokerd.links.inbound import PROTOCOL_VERSION
 from tests import peerkit
 from tests.conftest import cluster_of
 from tests.helpers import fill, wait_until
@@ -144,7 +153,7 @@ def test_oversized_handshake_fields_are_refused(pair: tuple[LocalDaemon, LocalDa
     with grpc.insecure_channel(a.peer_address) as ch:
         stub = peer_pb2_grpc.PeerStub(ch)
         for req, code in ((peerkit.hello(77, 1, epoch="e" * 65), grpc.StatusCode.INVALID_ARGUMENT),
-                          (peer_pb2.HandshakeRequest(protocol_version=2, caller_nonce=b"short"),
+                          (peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, caller_nonce=b"short"),
                            grpc.StatusCode.INVALID_ARGUMENT),
                           (peerkit.hello(77, 1, epoch="e" * (8 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED)):
             with pytest.raises(grpc.RpcError) as info:
@@ -233,6 +242,28 @@ def test_a_bad_cache_description_fails_the_pull_not_the_daemon(pair: tuple[Local
             with pytest.raises(Exception) as info:
                 ca.pull_kv_blocks(CacheIndex(50, cache_id), dst, [0], [0], timeout=5)
             assert getattr(info.value, "status", None) in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_PARAM_INVALID)
+        assert not dst.tensors[0].any()
+        ca.unlink_clusters([ClusterInfo(50, evil.address)], force=True)
+        ca.deallocate_cache(dst)
+
+
+def test_peer_answers_without_a_valid_mac_are_refused(pair: tuple[LocalDaemon, LocalDaemon]) -> None:
+    """A relay between two daemons (it can pass the handshake through but holds no link secret) cannot rewrite their
+    answers: one without a MAC under the link's secret is refused before any of it is used."""
+    a, _ = pair
+    with peerkit.FakePeer(50, peerkit.token_of(a.workdir), _description()) as evil, a.client() as ca:
+        evil.unsealed = True
+        [r] = ca.link_clusters([ClusterInfo(50, evil.address)], timeout=5)
+        assert r.status == LlmStatus.LLM_LINK_FAILED and "failed authentication" in r.message, r
+        assert all(link.remote_cluster_id != 50 for link in ca.list_links())
+        evil.unsealed = False  # linked for real; then its cache description comes back rewritten
+        assert ca.link_clusters([ClusterInfo(50, evil.address)], timeout=5)[0].ok
+        evil.caches[1] = peer_pb2.GetCacheInfoResponse(cache_id=1, instance_epoch="evil", desc=types_pb2.CacheDesc(
+            num_tensors=2, data_type=types_pb2.DATA_TYPE_UINT8, shape=[4, 64]))
+        evil.unsealed = True
+        dst = ca.allocate_cache(CacheDesc(2, (4, 64)))
+        with pytest.raises(LinkFailedError, match="failed authentication"):
+            ca.pull_kv_blocks(CacheIndex(50, 1), dst, [0], [0], timeout=5)
         assert not dst.tensors[0].any()
         ca.unlink_clusters([ClusterInfo(50, evil.address)], force=True)
         ca.deallocate_cache(dst)

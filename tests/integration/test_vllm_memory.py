@@ -4,8 +4,6 @@ dies, and the decode worker links on first use, relinks to a restarted prefill d
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[e
 
 import torch
 
-from kvbroker import CacheIndex, Client, KvCacheExtParam
+from kvbroker import CacheIndex, Client, Grant, KvCacheExtParam
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout
@@ -97,9 +95,10 @@ def test_kv_memory_of_a_dead_engine_returns_to_the_daemon(tmp_path: Path) -> Non
 
 def _pull_spec(request_id: str, src: LocalDaemon, cache_id: int, src_blocks: list[int], dst_blocks: list[int]
                ) -> PullSpec:
-    remote = RemoteKv(cluster_id=src.cluster_id, peer_address=src.peer_address, cache_ids=(cache_id,),
-                      block_ids=tuple(src_blocks), request_id=f"p-{request_id}", engine_id="engine-p",
-                      layout_tag=LAYOUT.tag(), num_tokens=len(src_blocks) * 32, hold_expires_unix=time.time() + 60)
+    with src.client() as c:
+        grant = c.create_grant([cache_id], src_blocks, 60.0)
+    remote = RemoteKv(cluster_id=src.cluster_id, grant=grant, block_ids=tuple(src_blocks), request_id=f"p-{request_id}",
+                      engine_id="engine-p", layout_tag=LAYOUT.tag(), num_tokens=len(src_blocks) * 32, tp_size=1)
     return PullSpec(request_id, tuple(dst_blocks), tuple(src_blocks), remote)
 
 
@@ -118,6 +117,7 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
         try:
             for attempt in range(2):  # the second prefill daemon is the first one restarted, on another port
                 with LocalDaemon(tmp_path, 1) as p_daemon, p_daemon.client() as p:
+                    worker.links.trusted[1] = p_daemon.peer_address  # its new address, as the operator configures it
                     src = p.allocate_cache(LAYOUT.desc())
                     src.tensors[0].reshape(LAYOUT.num_blocks, -1)[3] = 7.0 + attempt
                     assert _finish(worker, worker_pull(worker, p_daemon, src.cache_id, attempt)) == set()
@@ -125,10 +125,9 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
                 with d_daemon.client() as d:
                     assert len(d.list_links()) == 1
             # A prefill daemon nobody can reach: every block is reported, so that vLLM recomputes them.
-            spec = _pull_spec("gone", p_daemon, src.cache_id, [3, 5], [4, 6])
-            spec = dataclasses.replace(spec, remote=dataclasses.replace(spec.remote, cluster_id=9,
-                                                                        peer_address="127.0.0.1:9"))
-            worker.start([spec], [], {})
+            remote = RemoteKv(cluster_id=1, grant=Grant(bytes(16), bytes(32)), block_ids=(3, 5), request_id="p-gone",
+                              engine_id="engine-p", layout_tag=LAYOUT.tag(), num_tokens=64, tp_size=1)
+            worker.start([PullSpec("gone", (4, 6), (3, 5), remote)], {})
             assert _finish(worker, "gone") == {4, 6}
         finally:
             worker.shutdown()
@@ -136,5 +135,5 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
 
 def worker_pull(worker: WorkerSide, p_daemon: LocalDaemon, cache_id: int, attempt: int) -> str:
     request_id = f"d-{attempt}"
-    worker.start([_pull_spec(request_id, p_daemon, cache_id, [3], [4])], [], {})
+    worker.start([_pull_spec(request_id, p_daemon, cache_id, [3], [4])], {})
     return request_id

@@ -72,6 +72,13 @@ def test_precedence_flags_env_file(tmp_path: Path) -> None:
     (["--cluster-id", "1", "--log-level", "loud"], "log_level"),
     (["--cluster-id", "1", "--data-port", "70000"], "backend.tcp.port"),
     (["--cluster-id", "1", "--tcp-port", "70000"], "backend.tcp.port"),
+    (["--cluster-id", "1", "--peer-listen", "::1:7100"], "peer_listen"),  # IPv6 needs brackets: [::1]:7100
+    (["--cluster-id", "1", "--advertise-address", "[::1:7100"], "advertise_address"),
+    (["--cluster-id", "1", "--advertise-address", "[nohost]:7100"], "advertise_address"),
+    (["--cluster-id", "1", "--metrics-listen", "[::1]"], "metrics_listen"),
+    (["--cluster-id", "1", "--broken-link-ttl", "0.5"], "broken_link_ttl"),
+    (["--cluster-id", "1", "--idle-link-ttl", "-1"], "idle_link_ttl"),
+    (["--cluster-id", "1", "--idle-link-ttl", "nan"], "idle_link_ttl"),
 ])
 def test_bad_values_name_the_field(args: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -163,3 +170,10 @@ def test_a_bad_hccl_table_in_the_file_names_the_field(tmp_path: Path) -> None:
     toml.write_text("cluster_id = 1\ninsecure_peers = true\n[hccl_options]\nRdmaTrafficClass = 132\n")
     with pytest.raises(ConfigError, match=r"backend\.hccl\.options: want an object of strings"):
         load(["--config", str(toml)], {})
+
+
+def test_ipv6_literals_are_addresses_wherever_ipv4_ones_are() -> None:
+    config, _ = load(["--cluster-id", "1", "--insecure-peers", "--peer-listen", "[::]:7100", "--advertise-address",
+                      "[fd00::1]:7100", "--metrics-listen", "[::1]:9100"], {})
+    assert (config.peer_listen, config.advertise_address, config.metrics_listen) == \
+        ("[::]:7100", "[fd00::1]:7100", "[::1]:9100")

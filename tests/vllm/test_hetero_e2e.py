@@ -87,9 +87,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # One root: the daemons share its peer token (and so may link); the engines serve no prompt from their prefix
     # cache, so that the baseline (run on "tp1") cannot stand in for a transfer.
     daemons = [LocalDaemon(root, 40 + i, backends=("shm",)).start() for i in range(len(shapes))]
+    trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
     engines = {
         name: Engine(name, EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
-                                                             "kvbroker_token_units": True},
+                                                             "kvbroker_token_units": True,
+                                                             "kvbroker_prefill_daemons": trusted},
                                       log_path=str(root / f"{name}.log"), tensor_parallel_size=tp, block_size=block,
                                       kv_cache_bytes=16 << 20, prefix_caching=False)).start()
         for (name, (tp, block)), daemon in zip(shapes.items(), daemons, strict=True)}
@@ -152,7 +154,7 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
         assert old in tag, tag
         tampered[key] = {**p, "kvbroker_layout_tag": tag.replace(old, new, 1)}
         if field == "tp":
-            tampered[key]["kvbroker_cache_ids"] = p["kvbroker_cache_ids"] * 3
+            tampered[key]["tp_size"] = 3
     got = cluster.decode(decode, prompts, tampered)
     _same_generation(got, want)
     for key, prompt in prompts.items():
@@ -172,9 +174,11 @@ def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=32,
                       layer_types=["sliding_attention", "full_attention"]))
     daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(2)]
+    trusted = f"{daemons[0].cluster_id}={daemons[0].peer_address}"
     specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False)}
     for name, daemon in zip(("prefill", "decode"), daemons, strict=True):
-        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0},
+        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                        "kvbroker_prefill_daemons": trusted},
                                  log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False)
     engines = {name: Engine(f"swa-{name}", spec).start() for name, spec in specs.items()}
     try:

@@ -49,13 +49,14 @@ def free_port() -> int:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` with KvBrokerConnector, as docs/vllm.md starts it."""
 
-    def __init__(self, model: Path, kvbroker_target: str, log_path: Path) -> None:
+    def __init__(self, model: Path, kvbroker_target: str, log_path: Path, trusted: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         kv_config = {"kv_connector": "KvBrokerConnector", "kv_connector_module_path": "kvbroker.integrations.vllm",
                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                     "kv_connector_extra_config": {"kvbroker_target": kvbroker_target}}
+                     "kv_connector_extra_config": {"kvbroker_target": kvbroker_target,
+                                                   "kvbroker_prefill_daemons": trusted}}
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
@@ -126,7 +127,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     servers: list[Server] = []
     try:
         servers = [Server(model, p_daemon.target, workdir / "prefill.log"),
-                   Server(model, d_daemon.target, workdir / "decode.log")]
+                   Server(model, d_daemon.target, workdir / "decode.log",
+                          f"{p_daemon.cluster_id}={p_daemon.peer_address}")]
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         for server in servers:
             server.wait_ready(deadline)

@@ -708,6 +708,7 @@ class PullKvBlocksRequest(_message.Message):
     SRC_BLOCKS_FIELD_NUMBER: _builtins.int
     DST_BLOCKS_FIELD_NUMBER: _builtins.int
     EXT_PARAM_FIELD_NUMBER: _builtins.int
+    GRANT_FIELD_NUMBER: _builtins.int
     dst_cache_id: _builtins.int
     """Local destination cache id."""
     @_builtins.property
@@ -726,6 +727,15 @@ class PullKvBlocksRequest(_message.Message):
     def ext_param(self) -> _types_pb2.KvCacheExtParam:
         """Layer selection; unset means all layers, 2 tensors per layer."""
 
+    @_builtins.property
+    def grant(self) -> Global___GrantClaim:
+        """Pull blocks a peer granted (see CreateGrant): the daemon redeems the grant with the peer (src_cache_index's
+        cluster) and learns the cache and blocks from it. src_cache_index.cache_id must then be 0 (or the granted one);
+        empty src_blocks mean the grant's blocks from `first_block` on, as many as dst_blocks; given ones must all be
+        granted. An unknown, lapsed or released grant is refused (LLM_KV_CACHE_NOT_EXIST), blocks it does not cover
+        too (LLM_PARAM_INVALID), before any byte moves. Not allowed in pushes.
+        """
+
     def __init__(
         self,
         *,
@@ -734,14 +744,266 @@ class PullKvBlocksRequest(_message.Message):
         src_blocks: _abc.Iterable[_builtins.int] | None = ...,
         dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
         ext_param: _types_pb2.KvCacheExtParam | None = ...,
+        grant: Global___GrantClaim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ext_param", b"ext_param", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ext_param", b"ext_param", "grant", b"grant", "src_cache_index", b"src_cache_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "dst_cache_id", b"dst_cache_id", "ext_param", b"ext_param", "src_blocks", b"src_blocks", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "dst_cache_id", b"dst_cache_id", "ext_param", b"ext_param", "grant", b"grant", "src_blocks", b"src_blocks", "src_cache_index", b"src_cache_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullKvBlocksRequest: _TypeAlias = PullKvBlocksRequest  # noqa: Y015
+
+@_typing.final
+class GrantRef(_message.Message):
+    """A grant, as CreateGrant hands it out: both parts are needed to use it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    grant_id: _builtins.bytes
+    """Public name of the grant (16 bytes)."""
+    secret: _builtins.bytes
+    """The grant's secret (32 bytes); whoever holds it may renew, redeem or release the grant."""
+    def __init__(
+        self,
+        *,
+        grant_id: _builtins.bytes = ...,
+        secret: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantRef: _TypeAlias = GrantRef  # noqa: Y015
+
+@_typing.final
+class GrantClaim(_message.Message):
+    """Which granted blocks a pull reads."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_FIELD_NUMBER: _builtins.int
+    CACHE_SLOT_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    cache_slot: _builtins.int
+    """Which of the grant's caches to read (e.g. the TP rank)."""
+    first_block: _builtins.int
+    """Index into the grant's block list of the first block to read (blocks the puller already has are skipped)."""
+    @_builtins.property
+    def grant(self) -> Global___GrantRef:
+        """The grant."""
+
+    def __init__(
+        self,
+        *,
+        grant: Global___GrantRef | None = ...,
+        cache_slot: _builtins.int = ...,
+        first_block: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_slot", b"cache_slot", "first_block", b"first_block", "grant", b"grant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantClaim: _TypeAlias = GrantClaim  # noqa: Y015
+
+@_typing.final
+class CreateGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_IDS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    MAX_HOLD_MS_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    EVENT_TOPICS_FIELD_NUMBER: _builtins.int
+    lease_ms: _builtins.int
+    """Lease: the grant lapses this long after its creation or last renewal (100..3600000 ms)."""
+    max_hold_ms: _builtins.int
+    """Renewals never keep the grant past this long after its creation (0: 24 h; at most 24 h)."""
+    label: _builtins.str
+    """Echoed in the GrantEvent (e.g. the request id); at most 128 printable UTF-8 bytes."""
+    @_builtins.property
+    def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Local caches the grant covers (1..64; e.g. one per TP rank of an engine), in slot order."""
+
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Block indices granted in every one of those caches (1..65536, distinct, each valid in every cache), in order."""
+
+    @_builtins.property
+    def event_topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Topics (at most 64, each 1..128 bytes) on which this daemon posts a GrantEvent when the grant ends."""
+
+    def __init__(
+        self,
+        *,
+        cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        lease_ms: _builtins.int = ...,
+        max_hold_ms: _builtins.int = ...,
+        label: _builtins.str = ...,
+        event_topics: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "event_topics", b"event_topics", "label", b"label", "lease_ms", b"lease_ms", "max_hold_ms", b"max_hold_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateGrantRequest: _TypeAlias = CreateGrantRequest  # noqa: Y015
+
+@_typing.final
+class CreateGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    expires_in_ms: _builtins.int
+    """Milliseconds until it lapses unless renewed."""
+    @_builtins.property
+    def grant(self) -> Global___GrantRef:
+        """The new grant."""
+
+    def __init__(
+        self,
+        *,
+        grant: Global___GrantRef | None = ...,
+        expires_in_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_ms", b"expires_in_ms", "grant", b"grant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateGrantResponse: _TypeAlias = CreateGrantResponse  # noqa: Y015
+
+@_typing.final
+class RenewGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    GRANT_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.int
+    """Daemon that made the grant: 0 (or our own id) for this daemon, else a linked peer's cluster id."""
+    lease_ms: _builtins.int
+    """New lease from now (100..3600000 ms); 0 keeps the grant's own."""
+    @_builtins.property
+    def grant(self) -> Global___GrantRef:
+        """The grant."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.int = ...,
+        grant: Global___GrantRef | None = ...,
+        lease_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "grant", b"grant", "lease_ms", b"lease_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewGrantRequest: _TypeAlias = RenewGrantRequest  # noqa: Y015
+
+@_typing.final
+class RenewGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    expires_in_ms: _builtins.int
+    """Milliseconds until the grant lapses unless renewed again."""
+    def __init__(
+        self,
+        *,
+        expires_in_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_ms", b"expires_in_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewGrantResponse: _TypeAlias = RenewGrantResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    GRANT_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.int
+    """Daemon that made the grant: 0 (or our own id) for this daemon, else a linked peer's cluster id."""
+    @_builtins.property
+    def grant(self) -> Global___GrantRef:
+        """The grant."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.int = ...,
+        grant: Global___GrantRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "grant", b"grant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseGrantRequest: _TypeAlias = ReleaseGrantRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseGrantResponse: _TypeAlias = ReleaseGrantResponse  # noqa: Y015
+
+@_typing.final
+class GrantEvent(_message.Message):
+    """The payload of the notification a daemon posts on a grant's event topics when the grant ends."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    grant_id: _builtins.bytes
+    """The grant that ended."""
+    label: _builtins.str
+    """Its CreateGrantRequest.label."""
+    outcome: _builtins.str
+    """Why: "released", "lapsed" (no renewal within the lease), "capped" (max_hold_ms passed), "cache removed"."""
+    def __init__(
+        self,
+        *,
+        grant_id: _builtins.bytes = ...,
+        label: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "label", b"label", "outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantEvent: _TypeAlias = GrantEvent  # noqa: Y015
 
 @_typing.final
 class PullKvBlocksResponse(_message.Message):

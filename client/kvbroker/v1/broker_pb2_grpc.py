@@ -137,6 +137,21 @@ class KvBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.FromString,
                 _registered_method=True)
+        self.CreateGrant = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/CreateGrant',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.CreateGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.CreateGrantResponse.FromString,
+                _registered_method=True)
+        self.RenewGrant = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/RenewGrant',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.RenewGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.RenewGrantResponse.FromString,
+                _registered_method=True)
+        self.ReleaseGrant = channel.unary_unary(
+                '/kvbroker.v1.KvBroker/ReleaseGrant',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantResponse.FromString,
+                _registered_method=True)
 
 
 class KvBrokerServicer:
@@ -287,6 +302,31 @@ class KvBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateGrant(self, request, context):
+        """Grants linked peers the right to pull some blocks of local caches (e.g. a finished prefill request's KV): the
+        answer is an unguessable grant (id and secret) that lives for `lease_ms` unless renewed. Only a holder of both can
+        renew, redeem (PullKvBlocks with `grant`) or release it. When it ends (released, lapsed, capped, or one of its
+        caches removed) this daemon posts a GrantEvent on each of `event_topics` (FetchNotifications; the notification's
+        cluster_id is this daemon's own, which no peer can claim).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewGrant(self, request, context):
+        """Renews a grant's lease: on this daemon (cluster_id 0 or ours) or, through a READY link, on that peer's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseGrant(self, request, context):
+        """Ends a grant (the holder will not read its blocks): on this daemon or, through a READY link, on that peer's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +429,21 @@ def add_KvBrokerServicer_to_server(servicer, server):
                     servicer.FetchNotifications,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.SerializeToString,
+            ),
+            'CreateGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.CreateGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.CreateGrantResponse.SerializeToString,
+            ),
+            'RenewGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.RenewGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.RenewGrantResponse.SerializeToString,
+            ),
+            'ReleaseGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -934,6 +989,87 @@ class KvBroker:
             '/kvbroker.v1.KvBroker/FetchNotifications',
             kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.FetchNotificationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/CreateGrant',
+            kvbroker_dot_v1_dot_broker__pb2.CreateGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.CreateGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/RenewGrant',
+            kvbroker_dot_v1_dot_broker__pb2.RenewGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.RenewGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KvBroker/ReleaseGrant',
+            kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.ReleaseGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

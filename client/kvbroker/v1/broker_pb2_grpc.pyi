@@ -80,6 +80,17 @@ class KvBrokerStub:
     """
     FetchNotifications: _grpc.UnaryUnaryMultiCallable[_broker_pb2.FetchNotificationsRequest, _broker_pb2.FetchNotificationsResponse]
     """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
+    CreateGrant: _grpc.UnaryUnaryMultiCallable[_broker_pb2.CreateGrantRequest, _broker_pb2.CreateGrantResponse]
+    """Grants linked peers the right to pull some blocks of local caches (e.g. a finished prefill request's KV): the
+    answer is an unguessable grant (id and secret) that lives for `lease_ms` unless renewed. Only a holder of both can
+    renew, redeem (PullKvBlocks with `grant`) or release it. When it ends (released, lapsed, capped, or one of its
+    caches removed) this daemon posts a GrantEvent on each of `event_topics` (FetchNotifications; the notification's
+    cluster_id is this daemon's own, which no peer can claim).
+    """
+    RenewGrant: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RenewGrantRequest, _broker_pb2.RenewGrantResponse]
+    """Renews a grant's lease: on this daemon (cluster_id 0 or ours) or, through a READY link, on that peer's."""
+    ReleaseGrant: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ReleaseGrantRequest, _broker_pb2.ReleaseGrantResponse]
+    """Ends a grant (the holder will not read its blocks): on this daemon or, through a READY link, on that peer's."""
 
 @_typing.type_check_only
 class KvBrokerAsyncStub(KvBrokerStub):
@@ -133,6 +144,17 @@ class KvBrokerAsyncStub(KvBrokerStub):
     """
     FetchNotifications: _aio.UnaryUnaryMultiCallable[_broker_pb2.FetchNotificationsRequest, _broker_pb2.FetchNotificationsResponse]  # type: ignore[assignment]
     """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
+    CreateGrant: _aio.UnaryUnaryMultiCallable[_broker_pb2.CreateGrantRequest, _broker_pb2.CreateGrantResponse]  # type: ignore[assignment]
+    """Grants linked peers the right to pull some blocks of local caches (e.g. a finished prefill request's KV): the
+    answer is an unguessable grant (id and secret) that lives for `lease_ms` unless renewed. Only a holder of both can
+    renew, redeem (PullKvBlocks with `grant`) or release it. When it ends (released, lapsed, capped, or one of its
+    caches removed) this daemon posts a GrantEvent on each of `event_topics` (FetchNotifications; the notification's
+    cluster_id is this daemon's own, which no peer can claim).
+    """
+    RenewGrant: _aio.UnaryUnaryMultiCallable[_broker_pb2.RenewGrantRequest, _broker_pb2.RenewGrantResponse]  # type: ignore[assignment]
+    """Renews a grant's lease: on this daemon (cluster_id 0 or ours) or, through a READY link, on that peer's."""
+    ReleaseGrant: _aio.UnaryUnaryMultiCallable[_broker_pb2.ReleaseGrantRequest, _broker_pb2.ReleaseGrantResponse]  # type: ignore[assignment]
+    """Ends a grant (the holder will not read its blocks): on this daemon or, through a READY link, on that peer's."""
 
 class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
     """The local API of a kvbrokerd daemon. Failures carry a gRPC status whose message starts with the LLM status
@@ -303,5 +325,34 @@ class KvBrokerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.FetchNotificationsResponse, _abc.Awaitable[_broker_pb2.FetchNotificationsResponse]]:
         """Returns notifications that linked peers sent to this daemon on a topic, waiting up to `wait_ms` for the first."""
+
+    @_abc_1.abstractmethod
+    def CreateGrant(
+        self,
+        request: _broker_pb2.CreateGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.CreateGrantResponse, _abc.Awaitable[_broker_pb2.CreateGrantResponse]]:
+        """Grants linked peers the right to pull some blocks of local caches (e.g. a finished prefill request's KV): the
+        answer is an unguessable grant (id and secret) that lives for `lease_ms` unless renewed. Only a holder of both can
+        renew, redeem (PullKvBlocks with `grant`) or release it. When it ends (released, lapsed, capped, or one of its
+        caches removed) this daemon posts a GrantEvent on each of `event_topics` (FetchNotifications; the notification's
+        cluster_id is this daemon's own, which no peer can claim).
+        """
+
+    @_abc_1.abstractmethod
+    def RenewGrant(
+        self,
+        request: _broker_pb2.RenewGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.RenewGrantResponse, _abc.Awaitable[_broker_pb2.RenewGrantResponse]]:
+        """Renews a grant's lease: on this daemon (cluster_id 0 or ours) or, through a READY link, on that peer's."""
+
+    @_abc_1.abstractmethod
+    def ReleaseGrant(
+        self,
+        request: _broker_pb2.ReleaseGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ReleaseGrantResponse, _abc.Awaitable[_broker_pb2.ReleaseGrantResponse]]:
+        """Ends a grant (the holder will not read its blocks): on this daemon or, through a READY link, on that peer's."""
 
 def add_KvBrokerServicer_to_server(servicer: KvBrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import types_pb2 as kvbroker_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x17kvbroker/v1/types.proto\"\x8b\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_cluster_id\x18\x04 \x01(\x04\x12\x14\n\x0c\x63\x61ller_nonce\x18\x05 \x01(\x0c\"u\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0c\x63hallenge_id\x18\x02 \x01(\x0c\x12\x17\n\x0fresponder_nonce\x18\x03 \x01(\x0c\x12\x17\n\x0fresponder_proof\x18\x04 \x01(\x0c\"A\n\x13\x41uthenticateRequest\x12\x14\n\x0c\x63hallenge_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63\x61ller_proof\x18\x02 \x01(\x0c\"\xc0\x01\n\x14\x41uthenticateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x02 \x01(\t\x12H\n\x0c\x62\x61\x63kend_info\x18\x03 \x03(\x0b\x32\x32.kvbroker.v1.AuthenticateResponse.BackendInfoEntry\x1a\x32\n\x10\x42\x61\x63kendInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"6\n\tLinkProof\x12\x0f\n\x07link_id\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\"N\n\x13GetCacheInfoRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\x03\"\x98\x02\n\x14GetCacheInfoResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\x03\x12$\n\x04\x64\x65sc\x18\x02 \x01(\x0b\x32\x16.kvbroker.v1.CacheDesc\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.TensorLocation\x12\x16\n\x0einstance_epoch\x18\x05 \x01(\t\x12H\n\x0c\x62\x61\x63kend_info\x18\x06 \x03(\x0b\x32\x32.kvbroker.v1.GetCacheInfoResponse.BackendInfoEntry\x1a\x32\n\x10\x42\x61\x63kendInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01J\x04\x08\x04\x10\x05\"9\n\x10HeartbeatRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\"?\n\x11HeartbeatResponse\x12\x16\n\x0einstance_epoch\x18\x01 \x01(\t\x12\x12\n\nlink_known\x18\x02 \x01(\x08\":\n\x11PeerUnlinkRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\"\x14\n\x12PeerUnlinkResponse\"Z\n\x11PeerNotifyRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\r\n\x05topic\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x14\n\x12PeerNotifyResponse2\xde\x03\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0c\x41uthenticate\x12 .kvbroker.v1.AuthenticateRequest\x1a!.kvbroker.v1.AuthenticateResponse\x12S\n\x0cGetCacheInfo\x12 .kvbroker.v1.GetCacheInfoRequest\x1a!.kvbroker.v1.GetCacheInfoResponse\x12J\n\tHeartbeat\x12\x1d.kvbroker.v1.HeartbeatRequest\x1a\x1e.kvbroker.v1.HeartbeatResponse\x12I\n\x06Unlink\x12\x1e.kvbroker.v1.PeerUnlinkRequest\x1a\x1f.kvbroker.v1.PeerUnlinkResponse\x12I\n\x06Notify\x12\x1e.kvbroker.v1.PeerNotifyRequest\x1a\x1f.kvbroker.v1.PeerNotifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x17kvbroker/v1/types.proto\"\x8b\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_cluster_id\x18\x04 \x01(\x04\x12\x14\n\x0c\x63\x61ller_nonce\x18\x05 \x01(\x0c\"u\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0c\x63hallenge_id\x18\x02 \x01(\x0c\x12\x17\n\x0fresponder_nonce\x18\x03 \x01(\x0c\x12\x17\n\x0fresponder_proof\x18\x04 \x01(\x0c\"A\n\x13\x41uthenticateRequest\x12\x14\n\x0c\x63hallenge_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63\x61ller_proof\x18\x02 \x01(\x0c\"\xcd\x01\n\x14\x41uthenticateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\x04\x12\x16\n\x0einstance_epoch\x18\x02 \x01(\t\x12H\n\x0c\x62\x61\x63kend_info\x18\x03 \x03(\x0b\x32\x32.kvbroker.v1.AuthenticateResponse.BackendInfoEntry\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\x1a\x32\n\x10\x42\x61\x63kendInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"6\n\tLinkProof\x12\x0f\n\x07link_id\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\"N\n\x13GetCacheInfoRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\x03\"\xa5\x02\n\x14GetCacheInfoResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\x03\x12$\n\x04\x64\x65sc\x18\x02 \x01(\x0b\x32\x16.kvbroker.v1.CacheDesc\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.TensorLocation\x12\x16\n\x0einstance_epoch\x18\x05 \x01(\t\x12H\n\x0c\x62\x61\x63kend_info\x18\x06 \x03(\x0b\x32\x32.kvbroker.v1.GetCacheInfoResponse.BackendInfoEntry\x12\x0b\n\x03mac\x18\x07 \x01(\x0c\x1a\x32\n\x10\x42\x61\x63kendInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01J\x04\x08\x04\x10\x05\"9\n\x10HeartbeatRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\"?\n\x11HeartbeatResponse\x12\x16\n\x0einstance_epoch\x18\x01 \x01(\t\x12\x12\n\nlink_known\x18\x02 \x01(\x08\":\n\x11PeerUnlinkRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\"\x14\n\x12PeerUnlinkResponse\"Z\n\x11PeerNotifyRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\r\n\x05topic\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x14\n\x12PeerNotifyResponse\"n\n\x12RedeemGrantRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\x10\n\x08grant_id\x18\x02 \x01(\x0c\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\x12\x0f\n\x07hold_ms\x18\x04 \x01(\r\"t\n\x13RedeemGrantResponse\x12\x11\n\tcache_ids\x18\x01 \x03(\x03\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x04\x12\x15\n\rexpires_in_ms\x18\x03 \x01(\r\x12\x16\n\x0einstance_epoch\x18\x04 \x01(\t\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"r\n\x15PeerRenewGrantRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\x10\n\x08grant_id\x18\x02 \x01(\x0c\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"<\n\x16PeerRenewGrantResponse\x12\x15\n\rexpires_in_ms\x18\x01 \x01(\r\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\"b\n\x17PeerReleaseGrantRequest\x12%\n\x05proof\x18\x01 \x01(\x0b\x32\x16.kvbroker.v1.LinkProof\x12\x10\n\x08grant_id\x18\x02 \x01(\x0c\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\"\'\n\x18PeerReleaseGrantResponse\x12\x0b\n\x03mac\x18\x01 \x01(\x0c\x32\xe4\x05\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0c\x41uthenticate\x12 .kvbroker.v1.AuthenticateRequest\x1a!.kvbroker.v1.AuthenticateResponse\x12S\n\x0cGetCacheInfo\x12 .kvbroker.v1.GetCacheInfoRequest\x1a!.kvbroker.v1.GetCacheInfoResponse\x12J\n\tHeartbeat\x12\x1d.kvbroker.v1.HeartbeatRequest\x1a\x1e.kvbroker.v1.HeartbeatResponse\x12I\n\x06Unlink\x12\x1e.kvbroker.v1.PeerUnlinkRequest\x1a\x1f.kvbroker.v1.PeerUnlinkResponse\x12I\n\x06Notify\x12\x1e.kvbroker.v1.PeerNotifyRequest\x1a\x1f.kvbroker.v1.PeerNotifyResponse\x12P\n\x0bRedeemGrant\x12\x1f.kvbroker.v1.RedeemGrantRequest\x1a .kvbroker.v1.RedeemGrantResponse\x12U\n\nRenewGrant\x12\".kvbroker.v1.PeerRenewGrantRequest\x1a#.kvbroker.v1.PeerRenewGrantResponse\x12[\n\x0cReleaseGrant\x12$.kvbroker.v1.PeerReleaseGrantRequest\x1a%.kvbroker.v1.PeerReleaseGrantResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,29 +43,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AUTHENTICATEREQUEST']._serialized_start=325
   _globals['_AUTHENTICATEREQUEST']._serialized_end=390
   _globals['_AUTHENTICATERESPONSE']._serialized_start=393
-  _globals['_AUTHENTICATERESPONSE']._serialized_end=585
-  _globals['_AUTHENTICATERESPONSE_BACKENDINFOENTRY']._serialized_start=535
-  _globals['_AUTHENTICATERESPONSE_BACKENDINFOENTRY']._serialized_end=585
-  _globals['_LINKPROOF']._serialized_start=587
-  _globals['_LINKPROOF']._serialized_end=641
-  _globals['_GETCACHEINFOREQUEST']._serialized_start=643
-  _globals['_GETCACHEINFOREQUEST']._serialized_end=721
-  _globals['_GETCACHEINFORESPONSE']._serialized_start=724
-  _globals['_GETCACHEINFORESPONSE']._serialized_end=1004
-  _globals['_GETCACHEINFORESPONSE_BACKENDINFOENTRY']._serialized_start=535
-  _globals['_GETCACHEINFORESPONSE_BACKENDINFOENTRY']._serialized_end=585
-  _globals['_HEARTBEATREQUEST']._serialized_start=1006
-  _globals['_HEARTBEATREQUEST']._serialized_end=1063
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1065
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1128
-  _globals['_PEERUNLINKREQUEST']._serialized_start=1130
-  _globals['_PEERUNLINKREQUEST']._serialized_end=1188
-  _globals['_PEERUNLINKRESPONSE']._serialized_start=1190
-  _globals['_PEERUNLINKRESPONSE']._serialized_end=1210
-  _globals['_PEERNOTIFYREQUEST']._serialized_start=1212
-  _globals['_PEERNOTIFYREQUEST']._serialized_end=1302
-  _globals['_PEERNOTIFYRESPONSE']._serialized_start=1304
-  _globals['_PEERNOTIFYRESPONSE']._serialized_end=1324
-  _globals['_PEER']._serialized_start=1327
-  _globals['_PEER']._serialized_end=1805
+  _globals['_AUTHENTICATERESPONSE']._serialized_end=598
+  _globals['_AUTHENTICATERESPONSE_BACKENDINFOENTRY']._serialized_start=548
+  _globals['_AUTHENTICATERESPONSE_BACKENDINFOENTRY']._serialized_end=598
+  _globals['_LINKPROOF']._serialized_start=600
+  _globals['_LINKPROOF']._serialized_end=654
+  _globals['_GETCACHEINFOREQUEST']._serialized_start=656
+  _globals['_GETCACHEINFOREQUEST']._serialized_end=734
+  _globals['_GETCACHEINFORESPONSE']._serialized_start=737
+  _globals['_GETCACHEINFORESPONSE']._serialized_end=1030
+  _globals['_GETCACHEINFORESPONSE_BACKENDINFOENTRY']._serialized_start=548
+  _globals['_GETCACHEINFORESPONSE_BACKENDINFOENTRY']._serialized_end=598
+  _globals['_HEARTBEATREQUEST']._serialized_start=1032
+  _globals['_HEARTBEATREQUEST']._serialized_end=1089
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1091
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1154
+  _globals['_PEERUNLINKREQUEST']._serialized_start=1156
+  _globals['_PEERUNLINKREQUEST']._serialized_end=1214
+  _globals['_PEERUNLINKRESPONSE']._serialized_start=1216
+  _globals['_PEERUNLINKRESPONSE']._serialized_end=1236
+  _globals['_PEERNOTIFYREQUEST']._serialized_start=1238
+  _globals['_PEERNOTIFYREQUEST']._serialized_end=1328
+  _globals['_PEERNOTIFYRESPONSE']._serialized_start=1330
+  _globals['_PEERNOTIFYRESPONSE']._serialized_end=1350
+  _globals['_REDEEMGRANTREQUEST']._serialized_start=1352
+  _globals['_REDEEMGRANTREQUEST']._serialized_end=1462
+  _globals['_REDEEMGRANTRESPONSE']._serialized_start=1464
+  _globals['_REDEEMGRANTRESPONSE']._serialized_end=1580
+  _globals['_PEERRENEWGRANTREQUEST']._serialized_start=1582
+  _globals['_PEERRENEWGRANTREQUEST']._serialized_end=1696
+  _globals['_PEERRENEWGRANTRESPONSE']._serialized_start=1698
+  _globals['_PEERRENEWGRANTRESPONSE']._serialized_end=1758
+  _globals['_PEERRELEASEGRANTREQUEST']._serialized_start=1760
+  _globals['_PEERRELEASEGRANTREQUEST']._serialized_end=1858
+  _globals['_PEERRELEASEGRANTRESPONSE']._serialized_start=1860
+  _globals['_PEERRELEASEGRANTRESPONSE']._serialized_end=1899
+  _globals['_PEER']._serialized_start=1902
+  _globals['_PEER']._serialized_end=2642
 # @@protoc_insertion_point(module_scope)

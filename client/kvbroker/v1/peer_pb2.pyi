@@ -138,10 +138,15 @@ class AuthenticateResponse(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     BACKEND_INFO_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """Responder's cluster id."""
     instance_epoch: _builtins.str
     """Responder's instance epoch."""
+    mac: _builtins.bytes
+    """HMAC-SHA256 of this answer (without this field) under the new link's secret: a relay between the daemons cannot
+    rewrite what the responder says about itself (e.g. its data address). Protocol 3.
+    """
     @_builtins.property
     def backend_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
         """What each backend the responder serves needs its peers to know (e.g. "tcp": its data port, "shm": the name of
@@ -154,10 +159,11 @@ class AuthenticateResponse(_message.Message):
         cluster_id: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
         backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        mac: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch", "mac", b"mac"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -248,10 +254,13 @@ class GetCacheInfoResponse(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     BACKEND_INFO_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.int
     """Cache id."""
     instance_epoch: _builtins.str
     """Responder's instance epoch."""
+    mac: _builtins.bytes
+    """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
         """The cache's descriptor."""
@@ -272,10 +281,11 @@ class GetCacheInfoResponse(_message.Message):
         tensors: _abc.Iterable[_types_pb2.TensorLocation] | None = ...,
         instance_epoch: _builtins.str = ...,
         backend_info: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        mac: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_info", b"backend_info", "cache_id", b"cache_id", "desc", b"desc", "instance_epoch", b"instance_epoch", "mac", b"mac", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -408,3 +418,185 @@ class PeerNotifyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerNotifyResponse: _TypeAlias = PeerNotifyResponse  # noqa: Y015
+
+@_typing.final
+class RedeemGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    GRANT_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
+    grant_id: _builtins.bytes
+    """The grant's id (16 bytes)."""
+    secret: _builtins.bytes
+    """The grant's secret (32 bytes)."""
+    hold_ms: _builtins.int
+    """Keep the grant alive at least this long from now (the caller's pull deadline; at most 600000 ms)."""
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
+    def __init__(
+        self,
+        *,
+        proof: Global___LinkProof | None = ...,
+        grant_id: _builtins.bytes = ...,
+        secret: _builtins.bytes = ...,
+        hold_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "hold_ms", b"hold_ms", "proof", b"proof", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RedeemGrantRequest: _TypeAlias = RedeemGrantRequest  # noqa: Y015
+
+@_typing.final
+class RedeemGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_IDS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    expires_in_ms: _builtins.int
+    """Milliseconds until the grant lapses unless renewed."""
+    instance_epoch: _builtins.str
+    """Responder's instance epoch."""
+    mac: _builtins.bytes
+    """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
+    @_builtins.property
+    def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The granted caches, in slot order."""
+
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The granted blocks, in order."""
+
+    def __init__(
+        self,
+        *,
+        cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        expires_in_ms: _builtins.int = ...,
+        instance_epoch: _builtins.str = ...,
+        mac: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RedeemGrantResponse: _TypeAlias = RedeemGrantResponse  # noqa: Y015
+
+@_typing.final
+class PeerRenewGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    GRANT_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    grant_id: _builtins.bytes
+    """The grant's id (16 bytes)."""
+    secret: _builtins.bytes
+    """The grant's secret (32 bytes)."""
+    lease_ms: _builtins.int
+    """New lease from now (100..3600000 ms); 0 keeps the grant's own."""
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
+    def __init__(
+        self,
+        *,
+        proof: Global___LinkProof | None = ...,
+        grant_id: _builtins.bytes = ...,
+        secret: _builtins.bytes = ...,
+        lease_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "lease_ms", b"lease_ms", "proof", b"proof", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerRenewGrantRequest: _TypeAlias = PeerRenewGrantRequest  # noqa: Y015
+
+@_typing.final
+class PeerRenewGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    expires_in_ms: _builtins.int
+    """Milliseconds until the grant lapses unless renewed again."""
+    mac: _builtins.bytes
+    """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
+    def __init__(
+        self,
+        *,
+        expires_in_ms: _builtins.int = ...,
+        mac: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_ms", b"expires_in_ms", "mac", b"mac"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerRenewGrantResponse: _TypeAlias = PeerRenewGrantResponse  # noqa: Y015
+
+@_typing.final
+class PeerReleaseGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    GRANT_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    grant_id: _builtins.bytes
+    """The grant's id (16 bytes)."""
+    secret: _builtins.bytes
+    """The grant's secret (32 bytes)."""
+    @_builtins.property
+    def proof(self) -> Global___LinkProof:
+        """The caller's proof of its link."""
+
+    def __init__(
+        self,
+        *,
+        proof: Global___LinkProof | None = ...,
+        grant_id: _builtins.bytes = ...,
+        secret: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "proof", b"proof", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerReleaseGrantRequest: _TypeAlias = PeerReleaseGrantRequest  # noqa: Y015
+
+@_typing.final
+class PeerReleaseGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAC_FIELD_NUMBER: _builtins.int
+    mac: _builtins.bytes
+    """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
+    def __init__(
+        self,
+        *,
+        mac: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mac", b"mac"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerReleaseGrantResponse: _TypeAlias = PeerReleaseGrantResponse  # noqa: Y015

@@ -69,6 +69,21 @@ class PeerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
                 _registered_method=True)
+        self.RedeemGrant = channel.unary_unary(
+                '/kvbroker.v1.Peer/RedeemGrant',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.RedeemGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RedeemGrantResponse.FromString,
+                _registered_method=True)
+        self.RenewGrant = channel.unary_unary(
+                '/kvbroker.v1.Peer/RenewGrant',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantResponse.FromString,
+                _registered_method=True)
+        self.ReleaseGrant = channel.unary_unary(
+                '/kvbroker.v1.Peer/ReleaseGrant',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -122,6 +137,28 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RedeemGrant(self, request, context):
+        """Redeems a grant (see KvBroker.CreateGrant): the granted caches and blocks, and a hold that keeps the grant alive
+        for at least `hold_ms` (the caller's pull). An unknown, lapsed or released grant (or a wrong secret) is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewGrant(self, request, context):
+        """Renews a grant's lease for its holder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseGrant(self, request, context):
+        """Ends a grant for its holder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +191,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Notify,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
+            ),
+            'RedeemGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.RedeemGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RedeemGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.RedeemGrantResponse.SerializeToString,
+            ),
+            'RenewGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantResponse.SerializeToString,
+            ),
+            'ReleaseGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -323,6 +375,87 @@ class Peer:
             '/kvbroker.v1.Peer/Notify',
             kvbroker_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RedeemGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Peer/RedeemGrant',
+            kvbroker_dot_v1_dot_peer__pb2.RedeemGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.RedeemGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Peer/RenewGrant',
+            kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PeerRenewGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Peer/ReleaseGrant',
+            kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PeerReleaseGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,14 @@ class PeerStub:
     """Tells the peer that the caller removed its side of a link."""
     Notify: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]
     """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
+    RedeemGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RedeemGrantRequest, _peer_pb2.RedeemGrantResponse]
+    """Redeems a grant (see KvBroker.CreateGrant): the granted caches and blocks, and a hold that keeps the grant alive
+    for at least `hold_ms` (the caller's pull). An unknown, lapsed or released grant (or a wrong secret) is NOT_FOUND.
+    """
+    RenewGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerRenewGrantRequest, _peer_pb2.PeerRenewGrantResponse]
+    """Renews a grant's lease for its holder."""
+    ReleaseGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerReleaseGrantRequest, _peer_pb2.PeerReleaseGrantResponse]
+    """Ends a grant for its holder."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -77,6 +85,14 @@ class PeerAsyncStub(PeerStub):
     """Tells the peer that the caller removed its side of a link."""
     Notify: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]  # type: ignore[assignment]
     """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
+    RedeemGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.RedeemGrantRequest, _peer_pb2.RedeemGrantResponse]  # type: ignore[assignment]
+    """Redeems a grant (see KvBroker.CreateGrant): the granted caches and blocks, and a hold that keeps the grant alive
+    for at least `hold_ms` (the caller's pull). An unknown, lapsed or released grant (or a wrong secret) is NOT_FOUND.
+    """
+    RenewGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerRenewGrantRequest, _peer_pb2.PeerRenewGrantResponse]  # type: ignore[assignment]
+    """Renews a grant's lease for its holder."""
+    ReleaseGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerReleaseGrantRequest, _peer_pb2.PeerReleaseGrantResponse]  # type: ignore[assignment]
+    """Ends a grant for its holder."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     """The peer API of a kvbrokerd daemon: an authenticated link handshake, then cache lookups, heartbeats, unlink
@@ -135,5 +151,31 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.PeerNotifyResponse, _abc.Awaitable[_peer_pb2.PeerNotifyResponse]]:
         """Delivers a notification (e.g. "decode has these blocks; free them") to the responder's local clients."""
+
+    @_abc_1.abstractmethod
+    def RedeemGrant(
+        self,
+        request: _peer_pb2.RedeemGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.RedeemGrantResponse, _abc.Awaitable[_peer_pb2.RedeemGrantResponse]]:
+        """Redeems a grant (see KvBroker.CreateGrant): the granted caches and blocks, and a hold that keeps the grant alive
+        for at least `hold_ms` (the caller's pull). An unknown, lapsed or released grant (or a wrong secret) is NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def RenewGrant(
+        self,
+        request: _peer_pb2.PeerRenewGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerRenewGrantResponse, _abc.Awaitable[_peer_pb2.PeerRenewGrantResponse]]:
+        """Renews a grant's lease for its holder."""
+
+    @_abc_1.abstractmethod
+    def ReleaseGrant(
+        self,
+        request: _peer_pb2.PeerReleaseGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerReleaseGrantResponse, _abc.Awaitable[_peer_pb2.PeerReleaseGrantResponse]]:
+        """Ends a grant for its holder."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -237,6 +237,12 @@ class PeerChannel(abc.ABC):
         """Drops per-cache state (mappings) when the peer's cache is gone or the link closes."""
         remote.backend_state.pop(self.name, None)
 
+    def gone(self, remote: RemoteCache) -> bool:
+        """True when this channel can tell, cheaply and without asking the peer, that the peer no longer holds
+        `remote` (deallocated, or its daemon died). The link asks about every cache it knows at each heartbeat and
+        forgets those gone, so nothing held for a peer's cache (a mapping of its memory) outlives it."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases connections and mappings; idempotent."""

@@ -1,17 +1,29 @@
 """Links peers made to us: the responder's half of the handshake, and the check of every later peer call.
 
 Nothing here trusts a caller before it proved the deployment token (or, with mutual TLS, before TLS did): pending
-handshakes are few, small and short-lived; links are made only by an Authenticate whose proof checks; a new link never
-replaces a live one (a restarted peer's old links expire by silence, never because a caller that holds the token
-claims a new epoch: only silence proves a link dead); links that go unheard expire; both tables are bounded.
+handshakes are few, small and short-lived; links are made only by an Authenticate whose proof checks; links that go
+unheard expire; both tables are bounded.
+
+Who may hold how many links. A token holder can claim any cluster id and epoch, so neither proves who a caller is;
+what it cannot choose freely is the host it connects from (its source address). Links are therefore bounded in
+total (`--max-links`), per claimed cluster id (64) and per source host (256), and a full table makes room in this
+order: a silent link (unheard for 5 s while real peers heartbeat every second: a dead or restarted peer's) goes
+first; then, only if the newcomer's source holds fewer links (of that cluster id, or in all) than the source holding
+the most, that source's quietest link gives way ("fair share"). So a token holder that fills the table from one
+host, or claims a real peer's cluster id 64 times, can lock out only its own host: a real peer, new or restarted
+with a new epoch, connects from its own host and always gets in. A live link is never replaced by one from the
+same source (that would let an impostor on the peer's own host break it; on one host nothing tells them apart).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import time
-from collections import OrderedDict
+import urllib.parse
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
@@ -22,14 +34,17 @@ from kvbrokerd.links import linkauth
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Peer protocol history: 1 — Handshake hands out the link secret, calls carry it; 2 — challenge-response handshake
 (Handshake + Authenticate) bound to both cluster ids and nonces, link secrets derived on both sides and never sent,
-calls carry a LinkProof, segment names instead of paths, Notify."""
+calls carry a LinkProof, segment names instead of paths, Notify; 3 — answers that matter carry a MAC (Authenticate,
+GetCacheInfo, the grant calls), grants (RedeemGrant, RenewGrant, ReleaseGrant)."""
 MAX_EPOCH_BYTES = 64
 MAX_PENDING = 4096
 PENDING_TTL_S = 10.0
 MAX_LINKS_PER_CLUSTER = 64
+MAX_LINKS_PER_SOURCE = 256
+"""Links one source host may hold: a host runs a few daemons; more than this is a host hoarding the table."""
 SILENT_AFTER_S = 5.0
 """A link unheard this long is not live (its peer heartbeats every second): it may make room for a new one."""
 DEFAULT_LINK_TTL_S = 120.0
@@ -42,6 +57,8 @@ class InboundLink:
     created: float
     secret: bytes
     last_heard: float
+    source: str = ""
+    """The host the link was made from (`source_host` of the caller's address); "" where unknown."""
     replay: linkauth.ReplayWindow = field(default_factory=linkauth.ReplayWindow)
 
 
@@ -50,6 +67,23 @@ class _Pending:
     req: peer_pb2.HandshakeRequest
     responder_nonce: bytes
     expires: float
+
+
+def source_host(peer: str) -> str:
+    """The host of a gRPC peer string (`ipv4:10.0.0.1:5432`, `ipv6:[::1]:5432`, `ipv6:%5B::1%5D:5432`), normalized
+    so that one host reads one way (an IPv4-mapped IPv6 address as IPv4); the port is not part of it: a caller opens
+    as many connections as it likes."""
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return scheme or "unknown"
+    host = rest.rpartition(":")[0].strip("[]") or rest
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
 
 
 def check_hello(req: peer_pb2.HandshakeRequest) -> None:
@@ -71,6 +105,8 @@ class InboundTable:
         self.link_ttl_s = link_ttl_s
         self.links: dict[bytes, InboundLink] = {}
         """By link id. Read by data-plane threads (dict lookups are atomic); changed on the event loop."""
+        self.reclaimed: Counter[str] = Counter()
+        """Links dropped by this table, by reason (`expired`, `silent`, `fair_share`), for the metrics."""
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
 
     # -- the handshake -----------------------------------------------------------------------------------------
@@ -89,8 +125,9 @@ class InboundTable:
                                           responder_nonce=nonce,
                                           responder_proof=linkauth.handshake_proof(self._key, b"responder", bound))
 
-    def authenticate(self, req: peer_pb2.AuthenticateRequest) -> InboundLink:
-        """Step 2: makes the link if the caller proved the token. Every refusal reads the same."""
+    def authenticate(self, req: peer_pb2.AuthenticateRequest, source: str = "") -> InboundLink:
+        """Step 2: makes the link if the caller proved the token. Every refusal reads the same. `source`: the host the
+        call came from (`source_host`), which the limits per source count by."""
         pending = self._pending.pop(bytes(req.challenge_id), None)
         bound = b"" if pending is None else self._binding(pending.req, pending.responder_nonce, self.cluster_id)
         expected = linkauth.handshake_proof(self._key, b"caller", bound)
@@ -100,10 +137,10 @@ class InboundTable:
         hello = pending.req
         if hello.expected_cluster_id != self.cluster_id or hello.cluster_id == self.cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, "peer authentication failed")  # a valid proof cannot bind these
-        self._make_room(hello.cluster_id)
+        self._make_room(hello.cluster_id, source)
         now = time.monotonic()
         secret = linkauth.derive_link_secret(self._key, bound)
-        link = InboundLink(hello.cluster_id, hello.instance_epoch, time.time(), secret, now)
+        link = InboundLink(hello.cluster_id, hello.instance_epoch, time.time(), secret, now, source)
         self.links[linkauth.link_id(secret)] = link
         return link
 
@@ -111,25 +148,54 @@ class InboundTable:
         return linkauth.binding(req.cluster_id, responder_id, req.instance_epoch, bytes(req.caller_nonce),
                                 responder_nonce, PROTOCOL_VERSION)
 
-    def _make_room(self, cluster_id: int) -> None:
-        """Never drops a live link: a token holder can claim any cluster id and epoch, so neither proves it is the
-        peer that made the link. A restarted peer's old links fall silent and go (evicted here, or expired)."""
+    def _make_room(self, cluster_id: int, source: str) -> None:
+        """Room for one more link of `cluster_id` from `source`, or LLM_OUT_OF_MEMORY (see the module docstring)."""
         self.expire()
+        same_source = [(lid, link) for lid, link in self.links.items() if link.source == source]
+        if len(same_source) >= MAX_LINKS_PER_SOURCE and not self._drop_silent(same_source):
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{source or 'this host'} already holds {MAX_LINKS_PER_SOURCE} live "
+                 "links to us; unlink some first")
         same = [(lid, link) for lid, link in self.links.items() if link.remote_cluster_id == cluster_id]
-        if len(same) >= MAX_LINKS_PER_CLUSTER:
-            lid, quietest = min(same, key=lambda item: item[1].last_heard)
-            if quietest.last_heard >= time.monotonic() - SILENT_AFTER_S:
-                fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cluster {cluster_id} already holds {MAX_LINKS_PER_CLUSTER} live "
-                     "links to us; unlink some first")
-            del self.links[lid]
-        if len(self.links) >= self.max_links:
+        if len(same) >= MAX_LINKS_PER_CLUSTER and not self._drop_silent(same) and \
+                not self._drop_fair_share(same, source):
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cluster {cluster_id} already holds {MAX_LINKS_PER_CLUSTER} live "
+                 "links to us; unlink some first")
+        everyone = list(self.links.items())
+        if len(everyone) >= self.max_links and not self._drop_silent(everyone) and \
+                not self._drop_fair_share(everyone, source):
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({self.max_links})")
+
+    def _drop_silent(self, pool: Iterable[tuple[bytes, InboundLink]]) -> bool:
+        """Drops the quietest link of `pool` if it has been silent for SILENT_AFTER_S."""
+        quietest = min(pool, key=lambda item: item[1].last_heard, default=None)
+        if quietest is None or quietest[1].last_heard >= time.monotonic() - SILENT_AFTER_S:
+            return False
+        self._reclaim(quietest[0], "silent")
+        return True
+
+    def _drop_fair_share(self, pool: list[tuple[bytes, InboundLink]], source: str) -> bool:
+        """Drops the quietest link of the source holding the most of `pool`, if that is at least two more than
+        `source` holds (so the two never trade one slot back and forth)."""
+        counts = Counter(link.source for _, link in pool)
+        hog, most = max(counts.items(), key=lambda item: item[1])
+        if hog == source or most < counts.get(source, 0) + 2:
+            return False
+        lid, _ = min(((lid, link) for lid, link in pool if link.source == hog), key=lambda item: item[1].last_heard)
+        self._reclaim(lid, "fair_share")
+        return True
+
+    def _reclaim(self, lid: bytes, reason: str) -> None:
+        link = self.links.pop(lid)
+        self.reclaimed[reason] += 1
+        log.info("inbound link of cluster %d from %s dropped (%s) to make room", link.remote_cluster_id,
+                 link.source or "?", reason)
 
     def expire(self) -> None:
         """Drops links whose peer has been silent for the link TTL (a live peer heartbeats every second)."""
         cutoff = time.monotonic() - self.link_ttl_s
         for lid in [lid for lid, link in self.links.items() if link.last_heard < cutoff]:
             link = self.links.pop(lid)
+            self.reclaimed["expired"] += 1
             log.info("inbound link of cluster %d expired (silent for %.0f s)", link.remote_cluster_id, self.link_ttl_s)
 
     # -- later calls -------------------------------------------------------------------------------------------
@@ -167,6 +233,26 @@ def _without_proof(request: Message) -> bytes:
     copy.CopyFrom(request)
     copy.ClearField("proof")
     return copy.SerializeToString(deterministic=True)
+
+
+def _without_mac(answer: Message) -> bytes:
+    copy = type(answer)()
+    copy.CopyFrom(answer)
+    copy.ClearField("mac")
+    return copy.SerializeToString(deterministic=True)
+
+
+def seal(answer: Message, method: str, secret: bytes, lid: bytes, seq: int) -> Message:
+    """Fills `answer.mac` (the responder's side of `answer_ok`)."""
+    answer.ClearField("mac")
+    answer.mac = linkauth.answer_mac(secret, method, lid, seq,  # type: ignore[attr-defined]
+                                     answer.SerializeToString(deterministic=True))
+    return answer
+
+
+def answer_ok(answer: Message, method: str, secret: bytes, lid: bytes, seq: int) -> bool:
+    mac = linkauth.answer_mac(secret, method, lid, seq, _without_mac(answer))
+    return hmac.compare_digest(mac, bytes(answer.mac))  # type: ignore[attr-defined]
 
 
 def sign(request: Message, method: str, secret: bytes, lid: bytes, seq: int) -> None:

@@ -14,8 +14,10 @@ secret is derived from K and the same binding on both sides: neither the token n
 responder answers a stranger's Handshake with fresh random bytes and a proof the stranger cannot check, and refuses
 its Authenticate with a message that names nothing.
 
-Later peer calls carry a LinkProof (link id, a per-link sequence number, MAC over the call); data connections
-answer a fresh nonce with MAC(secret, nonce | link id) (see the tcp backend).
+Later peer calls carry a LinkProof (link id, a per-link sequence number, MAC over the call); the answers that matter
+(Authenticate's self-description, cache descriptions, grants) carry a MAC over the answer bound to the call's link id
+and sequence number (protocol v3), so a relay between two daemons can neither rewrite nor replay them; data
+connections answer a fresh nonce with MAC(secret, nonce | link id) (see the tcp backend).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _MAC_LABEL = b"kvbroker data connection v1"
 _KEY_LABEL = b"kvbroker peer token v2"
 _SECRET_LABEL = b"kvbroker link secret v2"
 _CALL_LABEL = b"kvbroker peer call v2"
+_ANSWER_LABEL = b"kvbroker peer answer v3"
 REPLAY_WINDOW = 4096
 
 
@@ -123,6 +126,13 @@ def verify(secret: bytes, nonce: bytes, lid: bytes, mac: bytes) -> bool:
 def call_mac(secret: bytes, method: str, lid: bytes, seq: int, body: bytes) -> bytes:
     """MAC of one peer call: binds the method, the link, the sequence number and the request's other fields."""
     head = _CALL_LABEL + method.encode() + b"\0" + lid + struct.pack("<Q", seq)
+    return hmac.new(secret, head + body, hashlib.sha256).digest()
+
+
+def answer_mac(secret: bytes, method: str, lid: bytes, seq: int, body: bytes) -> bytes:
+    """MAC of a peer's answer to the call (method, link, seq): a relay cannot rewrite it, nor replay an answer to
+    another call (a different seq). Its own label: an answer's MAC is never a valid call MAC, nor the reverse."""
+    head = _ANSWER_LABEL + method.encode() + b"\0" + lid + struct.pack("<Q", seq)
     return hmac.new(secret, head + body, hashlib.sha256).digest()
 
 

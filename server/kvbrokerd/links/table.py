@@ -6,6 +6,11 @@ which checks the protocol version, both cluster ids and the deployment token, th
 `--backends` order that both sides can use (`shm` only after the probe proves shared memory). Heartbeats watch each
 outbound link: a silent peer or a new peer incarnation moves it to BROKEN. What a peer answers is untrusted: a
 malformed answer fails that link with LLM_LINK_FAILED and the reason.
+
+Links reclaim themselves, because a fleet client cannot know which of its peers died: a link BROKEN for
+`--broken-link-ttl` (or, if `--idle-link-ttl` is set, READY but unused that long) is removed, its channel closed, its
+peer's caches forgotten and its heartbeats stopped; and a new link never finds the table full while a BROKEN link
+holds a slot: the one BROKEN the longest gives way. Each removal is logged and counted by reason (`reclaimed`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hmac
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -37,7 +43,14 @@ from kvbrokerd.backends.base import (
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.links import linkauth
-from kvbrokerd.links.inbound import MAX_EPOCH_BYTES, PROTOCOL_VERSION, InboundLink, InboundTable, sign
+from kvbrokerd.links.inbound import (
+    MAX_EPOCH_BYTES,
+    PROTOCOL_VERSION,
+    InboundLink,
+    InboundTable,
+    answer_ok,
+    sign,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +60,9 @@ MAX_PEER_ANSWER_BYTES = 16 << 20
 _PEER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PEER_ANSWER_BYTES)]
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_MISSES = 3
+BROKEN_LINK_TTL_S = 60.0
+IDLE_LINK_TTL_S = 0.0
+"""0: a READY link is kept however long it goes unused (its peer is alive; only its client knows if it is wanted)."""
 
 
 @dataclass(eq=False)
@@ -65,12 +81,65 @@ class Link:
     remote_caches: dict[int, RemoteCache] = field(default_factory=dict)
     _lookups: dict[int, asyncio.Future[RemoteCache]] = field(default_factory=dict)
     final: bool = False
+    broken_since: float = 0.0
+    """time.monotonic() when the link last turned BROKEN (meaningful while it is BROKEN)."""
+    last_used: float = field(default_factory=time.monotonic)
+    """time.monotonic() of the last transfer, lookup or notification over the link (or of its making)."""
+    busy: int = 0
+    """Transfers running over the link now (an idle link is one with none)."""
     heartbeat: asyncio.Task[None] | None = None
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def signed(self, method: str, request: Message) -> Message:
         sign(request, method, self.secret, linkauth.link_id(self.secret), next(self._seq))
         return request
+
+    def check_answer(self, answer: Message, method: str, request: Message) -> None:
+        """The peer's answer must carry its MAC under our link's secret, bound to this call: anything else came
+        from a relay (or a peer that does not speak protocol 3), and is refused before any of it is used."""
+        proof = request.proof  # type: ignore[attr-defined]
+        if not answer_ok(answer, method, self.secret, bytes(proof.link_id), proof.seq):
+            fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id}'s answer to {method} failed "
+                 "authentication (a relay rewrote it?)")
+
+    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+                           ) -> peer_pb2.RedeemGrantResponse:
+        """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive for `hold_s`)."""
+        assert self.stub is not None
+        req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
+            grant_id=grant_id, secret=secret, hold_ms=max(0, min(600_000, int(hold_s * 1000)))))
+        try:
+            resp = await self.stub.RedeemGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "RedeemGrant", req)
+        answer: peer_pb2.RedeemGrantResponse = resp
+        if answer.instance_epoch != self.remote_epoch:
+            self.mark_broken("the peer restarted (new instance epoch)", final=True)
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
+                 "to its previous incarnation")
+        return answer
+
+    async def renew_grant(self, grant_id: bytes, secret: bytes, lease_ms: int, timeout: float) -> int:
+        """Milliseconds until the grant lapses, as the daemon that made it says."""
+        assert self.stub is not None
+        req = self.signed("RenewGrant", peer_pb2.PeerRenewGrantRequest(grant_id=grant_id, secret=secret,
+                                                                       lease_ms=lease_ms))
+        try:
+            resp = await self.stub.RenewGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "RenewGrant", req)
+        return int(resp.expires_in_ms)
+
+    async def release_grant(self, grant_id: bytes, secret: bytes, timeout: float) -> None:
+        assert self.stub is not None
+        req = self.signed("ReleaseGrant", peer_pb2.PeerReleaseGrantRequest(grant_id=grant_id, secret=secret))
+        try:
+            resp = await self.stub.ReleaseGrant(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise peer_error(e, self.remote_cluster_id, "the grant") from None
+        self.check_answer(resp, "ReleaseGrant", req)
 
     async def notify(self, topic: str, payload: bytes, timeout: float) -> None:
         assert self.stub is not None
@@ -118,6 +187,7 @@ class Link:
             resp = await self.stub.GetCacheInfo(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise peer_error(e, self.remote_cluster_id, f"the lookup of cache {cache_id}") from None
+        self.check_answer(resp, "GetCacheInfo", req)
         if resp.instance_epoch != self.remote_epoch:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; cache {cache_id} "
@@ -150,11 +220,20 @@ class Link:
         if remote is not None and self.channel is not None:
             self.channel.forget(remote)
 
+    def sweep(self) -> None:
+        """Forgets the caches that the channel knows are gone on the peer (their mappings with them)."""
+        if self.channel is None:
+            return
+        for cache_id, remote in list(self.remote_caches.items()):
+            if self.channel.gone(remote):
+                self.forget_cache(cache_id)
+
     def mark_broken(self, reason: str, *, final: bool = False) -> None:
         """`final`: the peer restarted or dropped the link, so only unlink + link (or auto re-link) repairs it;
         otherwise (a failed transfer, missed heartbeats) the next good heartbeat makes the link READY again."""
         if self.state != LinkState.BROKEN:
             log.warning("link to cluster %d is BROKEN: %s", self.remote_cluster_id, reason)
+            self.broken_since = time.monotonic()
         self.state = LinkState.BROKEN
         self.reason = reason
         self.final = final or self.final
@@ -211,9 +290,11 @@ def peer_error(e: grpc.aio.AioRpcError, cluster_id: int, what: str, *, linking: 
 class LinkTable:
     def __init__(self, cluster_id: int, epoch: str, backends: Mapping[str, Backend], *, token: bytes | None = None,
                  credentials: grpc.ChannelCredentials | None = None, max_links: int = MAX_LINKS,
-                 auto_relink: bool = False, inbound_ttl_s: float | None = None
-                 ) -> None:
-        """`backends`: this daemon's started backends, in order of preference."""
+                 auto_relink: bool = False, inbound_ttl_s: float | None = None,
+                 broken_link_ttl_s: float = BROKEN_LINK_TTL_S, idle_link_ttl_s: float = IDLE_LINK_TTL_S) -> None:
+        """`backends`: this daemon's started backends, in order of preference. `broken_link_ttl_s`,
+        `idle_link_ttl_s`: how long a link we made may stay BROKEN, or READY and unused, before it is removed (0:
+        for ever)."""
         self.cluster_id = cluster_id
         self._key = linkauth.token_key(token)
         self._credentials = credentials
@@ -222,6 +303,14 @@ class LinkTable:
         self.epoch = epoch
         self.backends = dict(backends)
         self.links: dict[int, Link] = {}
+        self.broken_link_ttl_s = broken_link_ttl_s
+        self.idle_link_ttl_s = idle_link_ttl_s
+        self.reclaimed: Counter[str] = Counter()
+        """Outbound links removed by this table, by reason (`broken`, `idle`, `room`), for the metrics."""
+        self.recently_reclaimed: dict[int, str] = {}
+        """The last reason each recently reclaimed cluster's link was removed for (bounded), so that a call on it
+        says why the link is gone rather than only that it is not there."""
+        self._closing: set[asyncio.Task[None]] = set()
         self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
                                     **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
 
@@ -229,11 +318,14 @@ class LinkTable:
     def get_ready(self, cluster_id: int) -> Link:
         link = self.links.get(cluster_id)
         if link is None or link.state == LinkState.LINKING:
-            fail(LlmStatus.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked; call LinkClusters first",
+            why = "" if link is not None or cluster_id not in self.recently_reclaimed else \
+                f" (its link was removed: {self.recently_reclaimed[cluster_id]})"
+            fail(LlmStatus.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked{why}; call LinkClusters first",
                  cluster_id=cluster_id)
         if link.state == LinkState.BROKEN:
             fail(LlmStatus.LLM_LINK_FAILED, f"link to cluster {cluster_id} is BROKEN ({link.reason}); unlink and "
                  "link again", cluster_id=cluster_id)
+        link.last_used = time.monotonic()
         return link
 
     async def link(self, cluster_id: int, address: str, timeout: float) -> Link:
@@ -245,8 +337,9 @@ class LinkTable:
                 fail(LlmStatus.LLM_PROCESSING_LINK, f"a link to cluster {cluster_id} is being made")
             fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
         if len(self.links) >= self.max_links:
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({self.max_links})")
+            self._make_room()
         link = self.links[cluster_id] = Link(cluster_id, address)
+        self.recently_reclaimed.pop(cluster_id, None)
         try:
             await self._handshake(link, timeout)
         except BaseException:
@@ -256,6 +349,44 @@ class LinkTable:
         link.heartbeat = asyncio.create_task(self._heartbeat_loop(link))
         log.info("linked to cluster %d at %s (backend %s)", cluster_id, address, link.backend)
         return link
+
+    def _make_room(self) -> None:
+        """Removes the link BROKEN the longest, or refuses: a live link is never dropped for a new one."""
+        broken = [link for link in self.links.values() if link.state == LinkState.BROKEN]
+        if not broken:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"link limit reached ({self.max_links}) and every link is live; unlink "
+                 "some first or raise --max-links")
+        self._reclaim(min(broken, key=lambda link: link.broken_since), "room",
+                      f"to make room for a new link ({link_reason(broken)})")
+
+    def _reclaim(self, link: Link, reason: str, why: str) -> None:
+        """Removes `link` from the table at once (its slot is free when this returns) and frees its resources in the
+        background: heartbeats stopped, channel closed, remote caches forgotten."""
+        if self.links.get(link.remote_cluster_id) is not link:
+            return
+        del self.links[link.remote_cluster_id]
+        self.reclaimed[reason] += 1
+        if len(self.recently_reclaimed) >= self.max_links:
+            self.recently_reclaimed.pop(next(iter(self.recently_reclaimed)))
+        self.recently_reclaimed[link.remote_cluster_id] = why
+        log.warning("link to cluster %d at %s removed (%s): %s", link.remote_cluster_id, link.remote_address,
+                    reason, why)
+        if link.heartbeat is asyncio.current_task():
+            link.heartbeat = None  # the loop reclaiming its own link returns by itself
+        task = asyncio.ensure_future(link.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _expired(self, link: Link) -> tuple[str, str] | None:
+        """(reason, why) if `link` has outlived --broken-link-ttl or --idle-link-ttl, else None."""
+        now = time.monotonic()
+        if link.state == LinkState.BROKEN and self.broken_link_ttl_s and \
+                now - link.broken_since >= self.broken_link_ttl_s:
+            return "broken", f"BROKEN for {self.broken_link_ttl_s:g} s ({link.reason})"
+        if link.state == LinkState.READY and self.idle_link_ttl_s and not link.busy and \
+                now - link.last_used >= self.idle_link_ttl_s:
+            return "idle", f"unused for {self.idle_link_ttl_s:g} s"
+        return None
 
     async def _handshake(self, link: Link, timeout: float) -> None:
         """Both steps of the handshake within `timeout`; any malformed answer is LLM_LINK_FAILED for this link."""
@@ -301,13 +432,17 @@ class LinkTable:
             resp = await link.stub.Authenticate(auth, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise peer_error(e, link.remote_cluster_id, where, linking=True) from None
+        secret = linkauth.derive_link_secret(self._key, bound)
+        if not answer_ok(resp, "Authenticate", secret, linkauth.link_id(secret), 0):
+            fail(LlmStatus.LLM_LINK_FAILED, f"{where}: its self-description failed authentication (a relay between "
+                 "us rewrote it?)")
         if resp.cluster_id != link.remote_cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, f"{link.remote_address} is cluster {resp.cluster_id}, not "
                  f"{link.remote_cluster_id}")
         if len(resp.instance_epoch.encode()) > MAX_EPOCH_BYTES:
             fail(LlmStatus.LLM_LINK_FAILED, f"{where} sent an instance epoch longer than {MAX_EPOCH_BYTES} bytes")
         link.remote_epoch = resp.instance_epoch
-        link.secret = linkauth.derive_link_secret(self._key, bound)
+        link.secret = secret
         link.channel, link.backend = await self._choose_backend(link, resp)
         link.state = LinkState.READY
         link.last_seen = time.time()
@@ -362,6 +497,16 @@ class LinkTable:
         assert link.stub is not None
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            expired = self._expired(link)
+            if expired is not None:
+                if expired[0] == "idle":  # the peer is alive: tell it, so that its slot for us is freed too
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await link.stub.Unlink(link.signed("Unlink", peer_pb2.PeerUnlinkRequest()),
+                                               timeout=HEARTBEAT_INTERVAL_S)
+                self._reclaim(link, *expired)
+                return
+            # Even while the peer does not answer (it may have died): what we hold of its memory must not outlive it.
+            link.sweep()
             try:
                 resp = await link.stub.Heartbeat(link.signed("Heartbeat", peer_pb2.HeartbeatRequest()),
                                                  timeout=HEARTBEAT_INTERVAL_S)
@@ -413,10 +558,19 @@ class LinkTable:
         for link in list(self.links.values()):
             await link.close()
         self.links.clear()
+        for task in list(self._closing):
+            with contextlib.suppress(Exception):
+                await task
         self.inbound.clear()
 
     def secret_for(self, lid: bytes) -> bytes | None:
         return self.inbound.secret_for(lid)
+
+
+def link_reason(broken: list[Link]) -> str:
+    """Why the oldest of these BROKEN links broke, for the log line of its removal."""
+    oldest = min(broken, key=lambda link: link.broken_since)
+    return f"BROKEN for {time.monotonic() - oldest.broken_since:.0f} s: {oldest.reason}"
 
 
 __all__ = ["PROTOCOL_VERSION", "InboundLink", "Link", "LinkTable", "LlmError"]

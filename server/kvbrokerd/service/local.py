@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
@@ -19,11 +20,13 @@ from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAY
 from kvbrokerd.links import notifications
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
-from kvbrokerd.registry import devicemem
+from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining
-from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction
+from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
+
+log = logging.getLogger(__name__)
 
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
@@ -91,6 +94,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         self.node = node
         self._listing_bytes: dict[int, int] = {}
         """Size of each cache's entry in the ListCaches reply, by cache id (see MAX_CACHE_LISTING_BYTES)."""
+        self._orphans: set[asyncio.Task[None]] = set()
+        """Releases of caches whose callers gave up while they were made (kept referenced until they finish)."""
 
     @property
     def _shm_dir(self) -> str:
@@ -115,10 +120,42 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                             ) -> broker_pb2.AllocateCacheResponse:
         if request.session_id:
             self.node.sessions.touch(request.session_id)
+        _check_caller_waits(context, "AllocateCache")
         # Reserving the memory takes about a second per GiB on a loaded host: off the event loop.
-        entry = await asyncio.to_thread(self.node.registry.allocate, _desc(request.desc),  # type: ignore[arg-type]
-                                        request.session_id)
+        entry = await self._unless_caller_gone(context, asyncio.to_thread(
+            self.node.registry.allocate, _desc(request.desc), request.session_id))  # type: ignore[arg-type]
         return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
+
+    async def _unless_caller_gone(self, context: grpc.aio.ServicerContext, making: Awaitable[CacheEntry]
+                                  ) -> CacheEntry:
+        """The cache that `making` adds, once made, if its caller still waits for the answer. A caller that gave up
+        (cancelled, or its deadline passed) never learns the cache's id, and a cache without a lease would live
+        forever: the daemon releases it then, even if the work that makes it finishes only after the caller left."""
+        work = asyncio.ensure_future(making)
+        try:
+            entry = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._release_orphan)
+            raise
+        if context.cancelled() or context.done() or time_remaining(context) == 0.0:
+            await self._release(entry)
+            fail(LlmStatus.LLM_TIMEOUT, f"the caller gave up before cache {entry.cache_id} was ready; it was "
+                 "released again")
+        return entry
+
+    def _release_orphan(self, work: asyncio.Future[CacheEntry]) -> None:
+        if work.cancelled() or work.exception() is not None:
+            return  # nothing was made (a failure left nothing behind)
+        task = asyncio.ensure_future(self._release(work.result()))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release(self, entry: CacheEntry) -> None:
+        try:
+            await self.node.registry.remove(entry.cache_id, daemon_owned=None, wait_s=0.0)
+            log.warning("released cache %d: its caller gave up before it was ready", entry.cache_id)
+        except LlmError as e:  # no one else knows the id: nothing can be using it, so this is not expected
+            log.error("could not release cache %d, whose caller gave up: %s", entry.cache_id, e)
 
     @llm_errors
     async def DeallocateCache(self, request: broker_pb2.DeallocateCacheRequest, context: grpc.aio.ServicerContext
@@ -134,9 +171,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             self.node.sessions.touch(request.session_id)
         if devicemem.is_device(tensors) or request.desc.placement == types_pb2.PLACEMENT_DEVICE:
             # Opening IPC handles and registering device memory with an engine can take a while: off the event loop.
-            entry = await asyncio.to_thread(devicemem.register, _desc(request.desc),  # type: ignore[arg-type]
-                                            tensors, self.node.links.backends, owner=request.session_id,
-                                            known=backend_index.device_kinds())
+            _check_caller_waits(context, "RegisterKvCache")
+            entry = await self._unless_caller_gone(context, asyncio.to_thread(
+                devicemem.register, _desc(request.desc), tensors, self.node.links.backends,  # type: ignore[arg-type]
+                owner=request.session_id, known=backend_index.device_kinds()))
         else:
             entry = self.node.registry.register(_desc(request.desc), tensors,  # type: ignore[arg-type]
                                                 owner=request.session_id)
@@ -315,6 +353,48 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             broker_pb2.Notification(cluster_id=n.cluster_id, topic=n.topic, payload=n.payload,
                                     received_unix=n.received_unix) for n in got])
 
+    @llm_errors
+    async def CreateGrant(self, request: broker_pb2.CreateGrantRequest, context: grpc.aio.ServicerContext
+                          ) -> broker_pb2.CreateGrantResponse:
+        registry = self.node.registry
+        grant, secret = self.node.grants.create(
+            list(request.cache_ids), list(request.blocks), request.lease_ms, request.max_hold_ms, request.label,
+            list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0])
+        return broker_pb2.CreateGrantResponse(grant=broker_pb2.GrantRef(grant_id=grant.grant_id, secret=secret),
+                                              expires_in_ms=grant.expires_in_ms())
+
+    @llm_errors
+    async def RenewGrant(self, request: broker_pb2.RenewGrantRequest, context: grpc.aio.ServicerContext
+                         ) -> broker_pb2.RenewGrantResponse:
+        _check_ref(request.grant)
+        grants.lease_of(request.lease_ms, optional=True)
+        ref = request.grant
+        if request.cluster_id in (0, self.node.cluster_id):
+            grant = self.node.grants.renew(ref.grant_id, ref.secret, request.lease_ms)
+            return broker_pb2.RenewGrantResponse(expires_in_ms=grant.expires_in_ms())
+        link = self.node.links.get_ready(request.cluster_id)
+        expires_in_ms = await link.renew_grant(bytes(ref.grant_id), bytes(ref.secret), request.lease_ms,
+                                               _peer_timeout(context))
+        return broker_pb2.RenewGrantResponse(expires_in_ms=expires_in_ms)
+
+    @llm_errors
+    async def ReleaseGrant(self, request: broker_pb2.ReleaseGrantRequest, context: grpc.aio.ServicerContext
+                           ) -> broker_pb2.ReleaseGrantResponse:
+        _check_ref(request.grant)
+        ref = request.grant
+        if request.cluster_id in (0, self.node.cluster_id):
+            self.node.grants.release(ref.grant_id, ref.secret)
+        else:
+            await self.node.links.get_ready(request.cluster_id).release_grant(
+                bytes(ref.grant_id), bytes(ref.secret), _peer_timeout(context))
+        return broker_pb2.ReleaseGrantResponse()
+
+
+def _peer_timeout(context: grpc.aio.ServicerContext) -> float:
+    """A call forwarded to a peer answers within the caller's deadline (or 10 s)."""
+    remaining = time_remaining(context)
+    return 10.0 if remaining is None else max(0.001, remaining - 0.05)
+
 
 # Constrained, not bound to Message: each response type's constructor is checked with the summary fields.
 _Summary = TypeVar("_Summary", broker_pb2.PullKvBlocksResponse, broker_pb2.PushKvBlocksResponse,
@@ -337,7 +417,20 @@ def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
                          src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")))
+                         layers=_layers(request.ext_param, request.HasField("ext_param")),
+                         grant=_claim(request.grant) if request.HasField("grant") else None)
+
+
+def _claim(msg: broker_pb2.GrantClaim) -> GrantClaim:
+    _check_ref(msg.grant)
+    return GrantClaim(bytes(msg.grant.grant_id), bytes(msg.grant.secret), msg.cache_slot, msg.first_block)
+
+
+def _check_ref(ref: broker_pb2.GrantRef) -> None:
+    # Checked here, so that a malformed grant is the caller's LLM_PARAM_INVALID, never a peer's refusal.
+    if len(ref.grant_id) != grants.ID_BYTES or len(ref.secret) != grants.SECRET_BYTES:
+        fail(LlmStatus.LLM_PARAM_INVALID, f"a grant is a {grants.ID_BYTES}-byte id and a {grants.SECRET_BYTES}-byte "
+             "secret")
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
@@ -353,6 +446,12 @@ def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
     remaining = time_remaining(context)
     timeout = timeout_ms / 1000 if timeout_ms else DEFAULT_LINK_TIMEOUT_S
     return timeout if remaining is None else max(0.001, min(timeout, remaining - 0.1))
+
+
+def _check_caller_waits(context: grpc.aio.ServicerContext, what: str) -> None:
+    """Refuses work that makes a cache when the caller's deadline has already passed: it could not learn the id."""
+    if time_remaining(context) == 0.0:
+        fail(LlmStatus.LLM_TIMEOUT, f"{what}: the call's deadline passed before it started")
 
 
 def _wait(context: grpc.aio.ServicerContext) -> float:

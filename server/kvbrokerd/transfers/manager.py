@@ -1,24 +1,28 @@
-"""The transfer manager: validates a request completely, plans it, runs it on the link's backend off the event loop,
-and ends it in exactly one terminal state: DONE (a TransferResult) or FAILED / TIMEOUT / CANCELLED (a raised
-LlmError whose report says which destination blocks and layers did not land).
+"""The transfer manager: one pass per request, ending in exactly one terminal state: DONE (a TransferResult) or
+FAILED / TIMEOUT / CANCELLED (a raised LlmError whose report says which destination blocks and layers did not land).
 
-Pull, push and copy share one path: `prepare_*` does every check and builds a `Job` (nothing moves yet), `run`
-executes jobs. A rejected request therefore never writes a byte.
+The pass, in the order of this module: an operation (`transfer_blocks`, `transfer_cache`, `copy_blocks`,
+`pull_blocks_by_layer`, `transfer_batch`) opens its `Tracked` record (tracking.py), then
+1. validate and plan: `prepare_*` checks everything (our cluster, the local cache, the link, the remote cache and
+   what the link's backend can move; a grant is redeemed first) and turns the request into a `Plan` of byte runs
+   (planner.py); the result is a `Job`, and nothing has moved yet, so a rejected request never writes a byte;
+2. claim and pin: `run` waits for the link's turn, checks the limits, claims the destination blocks (blocklocks.py)
+   and pins the local cache;
+3. run on the backend: the link's channel pulls or pushes, on the event loop, inline or on a worker thread;
+4. report: on failure `_on_failure` builds the TransferReport (reports.py) of what did not land; the pins and claims
+   are released when the backend has stopped touching the memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import enum
-import itertools
 import logging
-import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,7 +32,6 @@ from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links.table import Link, LinkTable
-from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
@@ -44,16 +47,17 @@ from kvbrokerd.transfers.planner import (
     plan_cache,
 )
 from kvbrokerd.transfers.reports import GroupReport, TransferReport
+from kvbrokerd.transfers.tracking import Deadline, Tracked
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEADLINE_S = 60.0
 GRACE_S = 1.0
-REPLY_MARGIN_S = 0.05
-MAX_REPLY_MARGIN_S = 0.25
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
 PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
+GRANT_HOLD_MARGIN_S = 2.0
+"""A redeemed grant is held this much past our pull's deadline: a pull that began in time ends before the granting
+side may free (and reuse) the blocks."""
 
 
 class Direction(enum.Enum):
@@ -72,6 +76,18 @@ class BlocksRequest:
     src_blocks: Sequence[int]
     dst_blocks: Sequence[int]
     layers: LayerSelection
+    grant: GrantClaim | None = None
+    """Pull granted blocks (see `TransferManager._redeem`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrantClaim:
+    """PullKvBlocksRequest.grant: a peer's grant, which of its caches, and where in its block list to start."""
+
+    grant_id: bytes
+    secret: bytes
+    cache_slot: int
+    first_block: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,19 +118,6 @@ class Job:
     @property
     def backend(self) -> str:
         return self.channel.name
-
-
-class Deadline:
-    """The caller's deadline, minus a margin so that the caller gets our report instead of a bare timeout."""
-
-    def __init__(self, timeout: float | None) -> None:
-        budget = DEFAULT_DEADLINE_S if timeout is None else timeout
-        # 10% of the budget (50-250 ms): on a loaded host a reply sent 50 ms early can still miss a 1 s deadline.
-        margin = min(MAX_REPLY_MARGIN_S, max(REPLY_MARGIN_S, budget * 0.1), budget * 0.2)
-        self.at = time.monotonic() + budget - margin
-
-    def remaining(self) -> float:
-        return max(0.001, self.at - time.monotonic())
 
 
 class TransferManager:
@@ -157,6 +160,8 @@ class TransferManager:
             side = "src" if direction == Direction.PULL else "dst"
             param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
                           f"{req.remote_batch_index}")
+        if req.grant is not None:
+            req = await self._redeem(direction, req, deadline)
         src_blocks = block_array(req.src_blocks, "src_blocks")
         dst_blocks = block_array(req.dst_blocks, "dst_blocks")
         check_block_lists(src_blocks, dst_blocks)
@@ -169,6 +174,43 @@ class TransferManager:
             plan = await asyncio.get_running_loop().run_in_executor(
                 self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, req.layers)
         return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
+
+    async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
+        """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
+        names (never what the caller names): redeemed over the link, before any byte moves. The granting daemon
+        keeps the grant alive past our deadline, so the blocks cannot be freed under the pull."""
+        claim = req.grant
+        assert claim is not None
+        if direction != Direction.PULL:
+            param_invalid("a grant is pulled from, never pushed to")
+        if req.remote_cluster_id == self._links.cluster_id:
+            param_invalid(f"cannot pull with our own cluster {req.remote_cluster_id}")
+        dst_blocks = block_array(req.dst_blocks, "dst_blocks")
+        if not len(dst_blocks):
+            param_invalid("dst_blocks is empty")
+        self._registry.get(req.local_cache_id)
+        link = self._links.get_ready(req.remote_cluster_id)
+        granted = await link.redeem_grant(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
+                                          deadline.remaining())
+        if claim.cache_slot >= len(granted.cache_ids):
+            param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
+                          f"{claim.cache_slot}")
+        cache_id = int(granted.cache_ids[claim.cache_slot])
+        if req.remote_cache_id not in (0, cache_id):
+            param_invalid(f"the grant covers cache {cache_id} in slot {claim.cache_slot}, not cache "
+                          f"{req.remote_cache_id}")
+        blocks = [int(b) for b in granted.blocks]
+        if len(req.src_blocks):
+            src = [int(b) for b in req.src_blocks]
+            outside = sorted(set(src) - set(blocks))
+            if outside:
+                param_invalid(f"the grant does not cover src blocks {outside[:8]}{'...' if len(outside) > 8 else ''}")
+        else:
+            if claim.first_block + len(dst_blocks) > len(blocks):
+                param_invalid(f"the grant covers {len(blocks)} blocks; {len(dst_blocks)} from its block "
+                              f"{claim.first_block} on were asked for")
+            src = blocks[claim.first_block : claim.first_block + len(dst_blocks)]
+        return replace(req, remote_cache_id=cache_id, src_blocks=src, grant=None)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
         local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
@@ -203,6 +245,16 @@ class TransferManager:
     # -- execution ---------------------------------------------------------------------------------------------------
     async def run(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None = None) -> int:
         """Runs `plan` (default: the job's whole plan) to its terminal state; returns the bytes moved."""
+        if job.link is None:
+            return await self._run_plan(job, deadline, transfer_id, plan)
+        job.link.busy += 1  # a link carrying a transfer is not idle, however long the transfer takes
+        try:
+            return await self._run_plan(job, deadline, transfer_id, plan)
+        finally:
+            job.link.busy -= 1
+            job.link.last_used = time.monotonic()
+
+    async def _run_plan(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None) -> int:
         plan = job.plan if plan is None else plan
         channel = job.channel
         on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)
@@ -345,7 +397,7 @@ class TransferManager:
         return Tracked(self.metrics, op, str(peer), Deadline(timeout))
 
     async def execute(self, job: Job, t: Tracked) -> TransferResult:
-        t.started(job)
+        t.started(job.backend)
         t.moved = await self.run(job, t.deadline, t.id)
         log.debug("%s: %d bytes in %d runs", job.direction.value, t.moved, job.plan.num_runs)
         return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_runs)
@@ -370,7 +422,7 @@ class TransferManager:
         """Yields (destination layer, bytes) as each layer lands, then the TransferResult."""
         with self.track("pull_blocks_stream", req.remote_cluster_id, timeout) as t:
             job = await self.prepare_blocks(Direction.PULL, req, t.deadline)
-            t.started(job)
+            t.started(job.backend)
             completed: list[int] = []
             layers = layer_plans(job.plan, req.layers.tensor_num_per_layer)
             for k, (layer, sub) in enumerate(layers):
@@ -411,7 +463,7 @@ class TransferManager:
             except LlmError as e:
                 e.details["group"] = str(i)
                 raise type(e)(e.status, f"group {i}: {e.message}", e.details) from None
-        t.started(jobs[0], backend=",".join(sorted({j.backend for j in jobs})))
+        t.started(",".join(sorted({j.backend for j in jobs})))
         outcomes = await asyncio.gather(*(self.run(job, t.deadline, f"{t.id}.{i}") for i, job in enumerate(jobs)),
                                         return_exceptions=True)
         failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -437,59 +489,6 @@ class TransferManager:
         result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
                                 num_runs=sum(j.plan.num_runs for j in jobs))
         return result, [j.backend for j in jobs]
-
-
-# Transfer ids: a random per-process prefix and a counter, 12 hex digits for the first 16M transfers and longer
-# after (cheaper than a uuid per request; never repeated within a daemon's life, and distinct across daemons and
-# restarts as far as logs need).
-_ID_PREFIX = secrets.token_hex(3)
-_ID_COUNTER = itertools.count(1)
-
-
-class Tracked:
-    """One transfer request from arrival to its terminal state: its id and log context (every log line of the
-    transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
-
-    def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
-        self.id = f"{_ID_PREFIX}{next(_ID_COUNTER):06x}"
-        self.op, self.peer, self.deadline = op, peer, deadline
-        self.backend = "none"
-        self.moved = 0
-        self._metrics = metrics
-        self._arrived = time.monotonic()
-        self._wire_started: float | None = None
-        self._token: contextvars.Token[Mapping[str, str]] | None = None
-
-    def started(self, job: Job, backend: str | None = None) -> None:
-        """Validation and planning are over: data starts to move."""
-        self.backend = backend or job.backend
-        self._wire_started = time.monotonic()
-        LOG_CONTEXT.set({**LOG_CONTEXT.get(), "backend": self.backend})
-
-    def __enter__(self) -> Tracked:
-        self._token = LOG_CONTEXT.set({"transfer": self.id, "op": self.op, "peer": self.peer})
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, LlmError):
-            outcome = exc.status.name
-            report = exc.details.get("transfer_report")
-            self.moved = report.bytes_moved if isinstance(report, TransferReport) else self.moved
-            exc.details.setdefault("transfer_id", self.id)
-        elif exc is not None:
-            outcome = "CANCELLED" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "LLM_FAILED"
-        else:
-            outcome = "DONE"
-        now = time.monotonic()
-        wire_started = self._wire_started or now
-        if self._metrics is not None:
-            self._metrics.observe(self.op, self.backend, self.peer, outcome, self.moved,
-                                  wire_started - self._arrived, now - wire_started)
-        if outcome not in ("DONE", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST", "LLM_NOT_YET_LINK"):
-            log.info("ended %s after %.1f ms (%d bytes moved)", outcome, (now - self._arrived) * 1e3, self.moved)
-        if self._token is not None:
-            with contextlib.suppress(ValueError):  # an async generator closed from another context
-                LOG_CONTEXT.reset(self._token)
 
 
 def _channel_of(link: Link) -> PeerChannel:

@@ -27,9 +27,17 @@ class ConnectorConfig:
     """Deadline of one request's pull (`kvbroker_pull_timeout_s`); past it the blocks are recomputed locally."""
     link_timeout_s: float = 5.0
     """Deadline of linking to a prefill node's daemon on first use (`kvbroker_link_timeout_s`)."""
-    release_timeout_s: float = 120.0
-    """How long a prefill node keeps a finished request's blocks for a decode node that never says it has them
-    (`kvbroker_release_timeout_s`); then they are freed and a warning is logged."""
+    release_timeout_s: float = 600.0
+    """The most a prefill node keeps a finished request's blocks, however long decode nodes renew their lease
+    (`kvbroker_release_timeout_s`): the grant's cap."""
+    hold_lease_s: float = 30.0
+    """Lease of a prefill node's grant on a finished request's blocks (`kvbroker_hold_lease_s`): the blocks are freed
+    this long after the decode node last renewed it (it renews while the request waits in its queue), or at once when
+    the decode node releases it."""
+    prefill_daemons: str = ""
+    """The prefill daemons a decode node pulls from (`kvbroker_prefill_daemons`): "CLUSTER_ID=HOST:PORT" entries,
+    comma-separated (IPv6: "7=[::1]:7100"). A request naming any other cluster is computed locally; addresses never
+    come from requests."""
     lease_ttl_s: float = 30.0
     """The KV memory belongs to the engine's kvbroker session; if the engine dies without cleaning up, the daemon
     frees it this long after the last renewal (`kvbroker_lease_ttl_s`)."""
@@ -72,7 +80,7 @@ class ConnectorConfig:
         return config
 
     def _check(self) -> None:
-        for name in ("pull_timeout_s", "link_timeout_s", "release_timeout_s"):
+        for name in ("pull_timeout_s", "link_timeout_s", "release_timeout_s", "hold_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}{name} must be > 0 seconds")
         if not 0.0 <= self.idle_wait_s <= 1.0:
@@ -84,8 +92,29 @@ class ConnectorConfig:
         if len(self.model_id) > 64 or any(not c.isprintable() or c.isspace() for c in self.model_id):
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}model_id must be at most 64 printable "
                              "characters without spaces")
+        if not 0.1 <= self.hold_lease_s <= min(3600.0, self.release_timeout_s):
+            raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}hold_lease_s must be in [0.1, 3600] seconds and "
+                             f"at most {KEY_PREFIX}release_timeout_s")
+        self.trusted_prefill()
         if not self.target:
             raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}target must name the kvbrokerd local API")
+
+
+    def trusted_prefill(self) -> dict[int, str]:
+        """`prefill_daemons` as {cluster id: peer address}; ValueError naming the key if it is malformed."""
+        out: dict[int, str] = {}
+        for entry in filter(None, (e.strip() for e in self.prefill_daemons.split(","))):
+            cluster, eq, address = entry.partition("=")
+            host, colon, port = address.rpartition(":")
+            # HOST:PORT only (a bracketed IPv6 literal may hold colons): never a gRPC scheme such as unix:.
+            bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+            if not (eq and cluster.strip().isdigit() and colon and bare and port.isdigit()) or "/" in address \
+                    or (":" in bare and bare == host) or "[" in bare or any(c.isspace() for c in address) \
+                    or len(address) > 512:
+                raise ValueError(f"kv_connector_extra_config: {KEY_PREFIX}prefill_daemons entry {entry!r} is not "
+                                 "CLUSTER_ID=HOST:PORT")
+            out[int(cluster)] = address
+        return out
 
 
 def _coerce(key: str, type_name: Any, raw: Any) -> Any:

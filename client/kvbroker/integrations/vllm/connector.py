@@ -20,10 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
+from kvbroker.integrations.vllm import gpu
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
-from kvbroker.integrations.vllm.params import PullSpec, ReleaseSpec, WorkerEndpoint
+from kvbroker.integrations.vllm.params import PullSpec, WorkerEndpoint
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
 from kvbroker.integrations.vllm.worker import WorkerSide
 
@@ -42,7 +43,6 @@ class KvBrokerMetadata(KVConnectorMetadata):
     """One step's work for the workers."""
 
     pulls: list[PullSpec] = dataclasses.field(default_factory=list)
-    releases: list[ReleaseSpec] = dataclasses.field(default_factory=list)
     holds: dict[str, float] = dataclasses.field(default_factory=dict)
     idle: bool = False
     """The step computes no token: its `get_finished` may wait for a pull to end (`ConnectorConfig.idle_wait_s`)."""
@@ -103,8 +103,13 @@ class KvBrokerConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             model_id = self.config.model_id or model_identity(vllm_config.model_config.hf_config)
+            self._gpu_mode = ""
+            on_gpu = vllm_config.device_config.device_type != "cpu"
+            if on_gpu:  # validated at start-up: a typo must not fall back to another mode
+                self._gpu_mode = gpu.mode_for(transfer_config.kv_buffer_device)
             layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
-                                      vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units)
+                                      vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units,
+                                      on_gpu=on_gpu)
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
     @property
@@ -122,7 +127,14 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return self.worker_side.allocation_context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register(kv_caches)
+        if gpu.on_gpu(kv_caches):
+            config = self._vllm_config
+            self.worker_side.register_gpu(
+                kv_caches, self._gpu_mode or gpu.mode_for(config.kv_transfer_config.kv_buffer_device),
+                getattr(config.cache_config, "kv_cache_layout", None),
+                saves=config.kv_transfer_config.kv_role != "kv_consumer")
+        else:
+            self.worker_side.register(kv_caches)
 
     def get_handshake_metadata(self) -> KvBrokerHandshake | None:
         endpoint = self.worker_side.endpoint
@@ -131,16 +143,21 @@ class KvBrokerConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvBrokerMetadata)
-        self.worker_side.start(meta.pulls, meta.releases, meta.holds)
+        self.worker_side.start(meta.pulls, meta.holds)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once its whole pull has landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # nothing to save: the KV already lives in memory the daemon serves
+        # Nothing to save when the daemon serves the KV memory itself (CPU engine, GPU device-direct); host-staged:
+        # this layer's new blocks go to the host buffer on a side stream, overlapped with the next layers.
+        staged = self.worker_side.gpu
+        if isinstance(staged, gpu.HostStaged):
+            staged.save_from_metadata(layer_name, attn_metadata, self.worker_side.layout.block_size)
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker_side.gpu is not None:
+            self.worker_side.gpu.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._connector_metadata
@@ -169,6 +186,8 @@ class KvBrokerConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # -- scheduler side -------------------------------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -180,6 +199,11 @@ class KvBrokerConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvBrokerWorkerMetadata):
             self.scheduler_side.on_transfers(meta.transfers)
+        if connector_output.finished_recving:
+            self.scheduler_side.on_pulls_ended(set(connector_output.finished_recving))
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
@@ -191,7 +215,7 @@ class KvBrokerConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
         plan = self.scheduler_side.take_plan()
-        return KvBrokerMetadata(pulls=plan.pulls, releases=plan.releases, holds=plan.holds,
+        return KvBrokerMetadata(pulls=plan.pulls, holds=plan.holds,
                                 idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

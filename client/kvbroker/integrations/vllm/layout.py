@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
 # Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
@@ -43,7 +44,7 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "head", "layers", "total_kv_heads", "units")
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "head", "layers", "total_kv_heads", "units")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
 MAPPED = ("tp", "block", "kv_heads", "page")
 
@@ -74,6 +75,9 @@ class KvLayout:
     """The daemon addresses the cache in units of `chunk_tokens` elements instead of one head's block (`desc`), so
     that blocks of another size can be remapped token by token (`kvbroker_token_units`, on both engines). Costs a
     longer block list per pull (one entry per unit, merged into runs by the daemon)."""
+    physical: str = ""
+    """GPU engines only: vLLM's resolved KV cache layout and the runs it gives (`gpu.physical_tag`); the bytes of a
+    block are in that order, so both sides must share it."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -122,8 +126,17 @@ class KvLayout:
         return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks * self.units_per_block, self.unit_elems),
                          data_type=dtype, layout_tag=self.daemon_tag())
 
+    def daemon_blocks(self, blocks: Sequence[int]) -> list[int]:
+        """vLLM's block ids as the daemon addresses them: every transfer unit of each block (a GPU engine's cache
+        is addressed in whole blocks: `gpu.runs_desc`)."""
+        if self.physical:
+            return [int(b) for b in blocks]
+        per = self.units_per_block
+        return [int(b) * per + k for b in blocks for k in range(per)]
+
     def fields(self) -> dict[str, str]:
-        return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "head": str(self.head_size),
+        return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
+                "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
                 "units": f"token{self.chunk_tokens}" if self.token_units else "head",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
@@ -172,7 +185,7 @@ def layout_of_tag(tag: str) -> KvLayout:
                         num_kv_heads=int(f["kv_heads"]), head_size=int(f["head"]), dtype=f["dtype"],
                         page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
-                        token_units=f["units"] != "head")
+                        token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"])
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
 
@@ -186,8 +199,9 @@ def model_identity(hf_config: Any) -> str:
 
 
 def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv_heads: int = 0,
-                     token_units: bool = False) -> KvLayout:
-    """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy."""
+                     token_units: bool = False, on_gpu: bool = False) -> KvLayout:
+    """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy. On a GPU
+    engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedLayoutError(
@@ -199,6 +213,13 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
+    if on_gpu:
+        return KvLayout(num_layers=len(groups[0].layer_names), num_blocks=int(kv_cache_config.num_blocks),
+                        block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
+                        head_size=int(spec.head_size), dtype=dtype, page_bytes=int(spec.page_size_bytes),
+                        model_id=model_id, tp_size=tp_size,
+                        total_kv_heads=1 if "MLA" in type(spec).__name__ else total_kv_heads,
+                        memory=MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU)
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) != 1:
         raise UnsupportedLayoutError(f"{len(tensors)} KV backing allocations; one is supported")

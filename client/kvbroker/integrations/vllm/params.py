@@ -5,24 +5,31 @@ kvbroker's own addressing is under `kvbroker_*` keys.
 Prefill request in:  {"do_remote_decode": True}
 Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [...],
                       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
-                      "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 1, "kvbroker_cluster_id": ...,
-                      "kvbroker_peer_address": "host:port", "kvbroker_cache_ids": [one per TP rank],
-                      "kvbroker_layout_tag": "...", "kvbroker_hold_expires_unix": ...}
+                      "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 2, "kvbroker_cluster_id": ...,
+                      "kvbroker_grant": "<id hex>.<secret hex>", "kvbroker_layout_tag": "..."}
 Decode request in:   the prefill output's params, unchanged.
 Decode output out:   {"kvbroker_prompt_tokens": ..., "kvbroker_tokens_pulled": ..., "kvbroker_tokens_cached": ...,
                       "kvbroker_tokens_recomputed": ..., ["kvbroker_refused": "field: local .. vs remote .."]}, and
                      {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
                      when the request's KV was pulled.
+
+The params come back through the HTTP client, so nothing in them is trusted: the grant is a capability for this
+request's blocks only (the prefill daemon names the cache and blocks when the decode daemon redeems it), and the
+cluster id only selects one of the decode node's configured prefill daemons (`kvbroker_prefill_daemons`).
+`remote_host` and `remote_port` are informative (NixlConnector's keys); kvbroker never uses them. `remote_block_ids`
+only say which of the grant's blocks hold which tokens (for a remap): the prefill daemon refuses any it did not grant.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from kvbroker.types import Grant
+
+PROTOCOL_VERSION = 2
+"""1: addressing (peer address, cache ids, block ids) from the params; 2: a grant, redeemed with the prefill daemon."""
 MAX_TOPIC_BYTES = 128
 
 
@@ -46,16 +53,15 @@ class RemoteKv:
     """A prefill node's KV of one request, as its decode node sees it."""
 
     cluster_id: int
-    peer_address: str
-    cache_ids: tuple[int, ...]
-    """One per tensor-parallel rank of the prefill engine."""
+    grant: Grant
+    """Its blocks, as the prefill daemon granted them (one cache per TP rank, in rank order)."""
     block_ids: tuple[int, ...]
+    """As the params say (informative: the grant's blocks are what is pulled)."""
     request_id: str
     engine_id: str
     layout_tag: str
     num_tokens: int
-    hold_expires_unix: float = 0.0
-    """When the prefill node frees the blocks if nobody releases them first (0: unknown)."""
+    tp_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,8 @@ class PullSpec:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     remote: RemoteKv
+    first_block: int = 0
+    """The grant's blocks from this index on land in `local_blocks` (the ones before are cached locally)."""
     refused: str = ""
     """Why the scheduler already knows this pull cannot run (then every local block is reported as failed)."""
     start_token: int = 0
@@ -75,17 +83,8 @@ class PullSpec:
     blocks, `remote_blocks[i]` into `local_blocks[i]`."""
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseSpec:
-    """Tell a prefill node that this decode node will not read a request's blocks (aborted, computed locally)."""
-
-    request_id: str
-    remote: RemoteKv
-    reason: str
-
-
 def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: str, request_id: str,
-                          block_ids: Sequence[int], num_tokens: int, hold_expires_unix: float) -> dict[str, Any]:
+                          block_ids: Sequence[int], num_tokens: int, grant: Grant) -> dict[str, Any]:
     first = endpoints[min(endpoints)]
     host, _, port = first.peer_address.rpartition(":")
     return {
@@ -100,10 +99,8 @@ def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: st
         "tp_size": len(endpoints),
         "kvbroker_protocol": PROTOCOL_VERSION,
         "kvbroker_cluster_id": first.cluster_id,
-        "kvbroker_peer_address": first.peer_address,
-        "kvbroker_cache_ids": [endpoints[r].cache_id for r in sorted(endpoints)],
+        "kvbroker_grant": grant.token(),
         "kvbroker_layout_tag": first.layout_tag,
-        "kvbroker_hold_expires_unix": round(hold_expires_unix, 3),
     }
 
 
@@ -120,22 +117,21 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
     try:
         remote = RemoteKv(
             cluster_id=_int(params["kvbroker_cluster_id"]),
-            peer_address=str(params["kvbroker_peer_address"]),
-            cache_ids=tuple(_int(c) for c in params["kvbroker_cache_ids"]),
+            grant=Grant.from_token(params["kvbroker_grant"]),
             block_ids=tuple(_int(b) for b in params["remote_block_ids"]),
             request_id=str(params["remote_request_id"]),
             engine_id=str(params["remote_engine_id"]),
             layout_tag=str(params["kvbroker_layout_tag"]),
             num_tokens=_int(params.get("remote_num_tokens", 0)),
-            hold_expires_unix=float(params.get("kvbroker_hold_expires_unix", 0.0)),
+            tp_size=_int(params.get("tp_size", 1)),
         )
     except KeyError as e:
         raise BadTransferParams(f"kv_transfer_params lack {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise BadTransferParams(f"malformed kv_transfer_params: {e}") from None
-    if not remote.cache_ids:
-        raise BadTransferParams("kv_transfer_params name no kvbroker cache")
-    if len(release_topic(remote.engine_id, len(remote.cache_ids))) > MAX_TOPIC_BYTES:
+    if not remote.tp_size:
+        raise BadTransferParams("kv_transfer_params name no prefill rank (tp_size 0)")
+    if len(release_topic(remote.engine_id, remote.tp_size)) > MAX_TOPIC_BYTES:
         raise BadTransferParams(f"remote_engine_id is too long ({len(remote.engine_id)} characters)")
     return remote
 
@@ -150,28 +146,21 @@ def _int(value: Any) -> int:
 
 
 def release_topic(engine_id: str, rank: int) -> str:
-    """Notification topic on which a prefill engine's rank `rank` hears that decode nodes are done with blocks."""
+    """Topic on which a prefill engine's rank `rank` hears from its own daemon that a grant ended (GrantEvent)."""
     return f"kvbroker.vllm/{engine_id}/{rank}/release"
 
 
-def release_payload(request_id: str, outcome: str, rank: int = 0, of: int = 1) -> bytes:
-    """`rank`: the decode rank that is done; `of`: how many decode ranks will say so to this prefill rank (with
-    different TP sizes several read one prefill rank, which may free the blocks only once all of them are done)."""
-    return json.dumps({"request_id": request_id, "outcome": outcome, "rank": rank, "of": of}).encode()
-
-
 def parse_release(payload: bytes) -> tuple[str, str]:
-    """(request id, outcome) of a release notification; ValueError if it is not one."""
-    msg = json.loads(payload)
-    if not isinstance(msg, dict) or not isinstance(msg.get("request_id"), str):
-        raise ValueError("not a release notification")
-    return msg["request_id"], str(msg.get("outcome", ""))
+    """(request id, outcome) of a grant's end (a GrantEvent whose label is the request id); ValueError if not."""
+    from google.protobuf.message import DecodeError
 
+    from kvbroker.v1 import broker_pb2
 
-def release_count(payload: bytes) -> tuple[int, int]:
-    """(decode rank, decode ranks expected) of a release notification: (0, 1) for senders that do not say."""
-    msg = json.loads(payload)
-    rank, of = msg.get("rank", 0), msg.get("of", 1)
-    if not isinstance(rank, int) or not isinstance(of, int) or not 0 <= rank < 1 << 16 or not 1 <= of <= 1 << 16:
-        raise ValueError("malformed release notification")
-    return rank, of
+    event = broker_pb2.GrantEvent()
+    try:
+        event.ParseFromString(payload)
+    except DecodeError:
+        raise ValueError("not a grant event") from None
+    if not event.label or not event.outcome:
+        raise ValueError("not a grant event")
+    return event.label, event.outcome

@@ -60,6 +60,12 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         field = "tp" if not 1 <= remote.tp_size <= MAX_TP else "block"
         return Refusal(field, f"{field}: remote {getattr(remote, 'tp_size' if field == 'tp' else 'block_size')} is "
                               "out of range")
+    if ours.physical:  # a GPU engine's cache is addressed in whole blocks (gpu.runs_desc): nothing is remapped
+        for name, local, other in (("tp", ours.tp_size, remote.tp_size), ("block", ours.block_size,
+                                                                         remote.block_size)):
+            if local != other:
+                return Refusal(name, f"{name}: local {local} vs remote {other} (GPU engines pull rank to rank, "
+                                     "block to block)")
     small, large = sorted((ours.tp_size, remote.tp_size))
     if small < 1 or large % small:
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
@@ -96,18 +102,6 @@ def head_sources(ours: KvLayout, rank: int, remote: KvLayout) -> dict[int, list[
         source = holders[rank * len(holders) // ours.tp_size]
         out.setdefault(source, []).append((rank_heads(source, remote.tp_size, total).index(head), local))
     return out
-
-
-def release_targets(ours: KvLayout, rank: int, remote_tp: int, remote: KvLayout | None) -> dict[int, int]:
-    """Remote rank -> how many of our ranks notify it, for the remote ranks our `rank` notifies when it is done.
-
-    Every prefill rank must hear from every decode rank that reads it (it may free its blocks only once all of them
-    are done), and from at least one decode rank (ranks nobody reads: replicas). `remote` None: no pull ran."""
-    def targets(r: int) -> set[int]:
-        read = set(head_sources(ours, r, remote)) if remote is not None else set()
-        return read | {p for p in range(remote_tp) if p % ours.tp_size == r}
-
-    return {p: sum(p in targets(r) for r in range(ours.tp_size)) for p in targets(rank)}
 
 
 @dataclass(frozen=True, slots=True)

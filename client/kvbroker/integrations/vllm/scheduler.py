@@ -1,32 +1,37 @@
 """Scheduler side of the connector: decides which requests pull, which hold their blocks, and tells the workers.
 
-It runs in vLLM's engine-core process and never talks to the daemon: the workers do. Everything it needs from them
-(cluster id, peer address, cache id and layout tag per TP rank) arrives once through vLLM's handshake metadata.
+It runs in vLLM's engine-core process. Everything it needs from the workers (cluster id, cache id and layout tag per
+TP rank) arrives once through vLLM's handshake metadata. It owns the request's grant: on the prefill side it asks
+the daemon for one when a request finishes (so the grant exists before its id leaves the engine, and a decode node's
+first renewal can never arrive before it); on the decode side its GrantKeeper renews the grant from the moment the
+request arrives until its pull ended, then releases it, on a thread of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks
 from kvbroker.integrations.vllm.layout import KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
     BadTransferParams,
     PullSpec,
-    ReleaseSpec,
     RemoteKv,
     WorkerEndpoint,
     parse_remote,
     prefill_output_params,
+    release_topic,
     wants_remote_prefill,
 )
 from kvbroker.integrations.vllm.remap import Refusal, refusal
 from kvbroker.integrations.vllm.stats import RequestTransfer
+from kvbroker.status import LlmError
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -37,13 +42,13 @@ class StepPlan:
     """What the workers do this step (becomes the connector metadata)."""
 
     pulls: list[PullSpec] = field(default_factory=list)
-    releases: list[ReleaseSpec] = field(default_factory=list)
     holds: dict[str, float] = field(default_factory=dict)
-    """Prefill requests whose blocks are held for a decode node: request id -> time.monotonic() deadline."""
+    """Prefill requests whose blocks are held for a decode node, until their grant ends: request id -> its lease."""
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int, client: Client | None = None
+                 ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
@@ -57,6 +62,10 @@ class SchedulerSide:
         self._refused: dict[str, int] = {}
         """Refusals since the last `take_stats`, by the field that could not be mapped."""
         self.layout: KvLayout | None = None
+        # No I/O here: the channel opens on the first call (an engine that never grants nor pulls never makes one).
+        self.client = client or Client(config.target, timeout=config.link_timeout_s, lease_ttl=None)
+        self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
+        self.grants = GrantKeeper(self.links)
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
@@ -73,6 +82,18 @@ class SchedulerSide:
                  first.layout_tag)
 
     # -- decode side ---------------------------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """A request arrived: from now until its pull ends, its grant is renewed (however long it waits)."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        try:
+            remote = parse_remote(params)
+        except BadTransferParams:
+            return  # said in num_new_matched_tokens
+        if not self._refusal(remote):
+            self.grants.watch(request.request_id, remote.cluster_id, remote.grant)
+
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
@@ -105,14 +126,14 @@ class SchedulerSide:
                       remote.engine_id, refused.message)
             self._refused[refused.field] = self._refused.get(refused.field, 0) + 1
             self._reports[request.request_id] = {"prompt": prompt, "cached": 0, "refused": refused.message}
-            self._plan.releases.append(ReleaseSpec(request.request_id, remote, "incompatible"))
+            self._release(request.request_id, remote, "incompatible")
             return
         # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's tokens.
         num_local_hits = len(all_blocks) - len(new_blocks)
         start = num_local_hits * self.block_size
         self._reports[request.request_id] = {"prompt": prompt, "cached": min(start, prompt), "refused": ""}
         if num_external_tokens <= 0:
-            self._plan.releases.append(ReleaseSpec(request.request_id, remote, "cached locally"))
+            self._release(request.request_id, remote, "cached locally")
             return
         assert self.layout is not None  # set with the endpoints, without which _refusal refuses
         theirs = layout_of_tag(remote.layout_tag)
@@ -125,8 +146,21 @@ class SchedulerSide:
                    f"tokens for {remote.num_tokens} tokens, {num_local_hits} blocks cached locally, "
                    f"{len(new_blocks)} allocated)")
             local = tuple(new_blocks)
-        self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, why, start, end))
+        self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, first_block=num_local_hits,
+                                         refused=why, start_token=start, end_token=end))
         self._pulling.add(request.request_id)
+
+    def on_pulls_ended(self, request_ids: set[str]) -> None:
+        """Every rank's pull of these requests ended (vLLM's finished_recving): their grants may go."""
+        for req_id in request_ids:
+            self.grants.release(req_id, "pulled")
+
+    def _release(self, request_id: str, remote: RemoteKv, reason: str) -> None:
+        """The prefill node may free the blocks now, not when the lease lapses (unless the daemon is untrusted)."""
+        if self.links.refusal(remote.cluster_id):
+            self.grants.release(request_id, reason)  # stops any renewal; nothing is sent to an untrusted cluster
+        else:
+            self.grants.release(request_id, reason, remote.cluster_id, remote.grant)
 
     def on_transfers(self, transfers: Mapping[str, RequestTransfer]) -> None:
         """The workers' finished pulls: reported in the request's output (`kv_transfer_params`) when it finishes."""
@@ -137,9 +171,11 @@ class SchedulerSide:
     def _refusal(self, remote: RemoteKv) -> Refusal | None:
         if self.layout is None:
             return Refusal("engine", "this engine's workers have not reported their kvbroker caches")
+        if why := self.links.refusal(remote.cluster_id):
+            return Refusal("cluster", why)
         refused = refusal(self.layout, remote.layout_tag)
-        if refused is None and layout_of_tag(remote.layout_tag).tp_size != len(remote.cache_ids):
-            return Refusal("tp", f"tp: the prefill engine names {len(remote.cache_ids)} caches for tp "
+        if refused is None and layout_of_tag(remote.layout_tag).tp_size != remote.tp_size:
+            return Refusal("tp", f"tp: the prefill engine's params say tp_size {remote.tp_size}, its layout tp "
                                  f"{layout_of_tag(remote.layout_tag).tp_size}")
         return refused
 
@@ -161,22 +197,39 @@ class SchedulerSide:
             return False, transfer.params()
         if not params:
             return False, None
-        if wants_remote_prefill(params):
-            # Finished (aborted) before it was ever scheduled: free the prefill node's blocks now, not at its timeout.
+        # Aborted during its pull or before it was ever scheduled: the prefill node may free its blocks now.
+        if not wants_remote_prefill(params):
+            self.grants.release(request.request_id, "finished")
+        else:
             params["do_remote_prefill"] = False
             with contextlib.suppress(BadTransferParams):  # logged when it arrived
-                self._plan.releases.append(ReleaseSpec(request.request_id, parse_remote(params), "aborted"))
+                self._release(request.request_id, parse_remote(params), "aborted")
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if not finished_normally or not block_ids or not self.endpoints:
+        if not finished_normally or not block_ids or self.layout is None:
             return False, None
         num_tokens = request.num_computed_tokens
         blocks = list(block_ids)[: -(-num_tokens // self.block_size)]
-        self._plan.holds[request.request_id] = time.monotonic() + self.config.release_timeout_s
-        expires = time.time() + self.config.release_timeout_s
+        ranks = sorted(self.endpoints)
+        try:
+            # Made before the params leave the engine: every renewal or redeem of it finds it.
+            grant = self.client.create_grant(
+                [self.endpoints[r].cache_id for r in ranks], self.layout.daemon_blocks(blocks),
+                self.config.hold_lease_s,
+                max_hold=self.config.release_timeout_s, label=request.request_id,
+                event_topics=[release_topic(self.engine_id, r) for r in ranks], timeout=self.config.link_timeout_s)
+        except LlmError as e:
+            log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
+                      "compute them", request.request_id, e.status.name, e.message)
+            return False, None
+        self._plan.holds[request.request_id] = self.config.hold_lease_s
         return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, blocks, num_tokens,
-                                           expires)
+                                           grant)
+
+    def shutdown(self) -> None:
+        self.grants.stop()
+        self.client.close()
 
     @staticmethod
     def _decode_report(report: dict[str, Any], transfer: RequestTransfer | None) -> dict[str, Any]:

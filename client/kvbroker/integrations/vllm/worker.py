@@ -2,15 +2,16 @@
 
 Decode role: each pull runs on a small thread pool (the engine keeps stepping meanwhile); a finished pull, good or
 bad, is reported through `get_finished` in the same step as the blocks that did not land, so vLLM recomputes those
-instead of reading them. The decode node then tells the prefill node's daemon (a notification over the link it
-pulled through) that the request's blocks may be freed.
+instead of reading them. A pull names only the request's grant: the daemon redeems it with the prefill daemon (a
+trusted one: `kvbroker_prefill_daemons`), which names the cache and blocks. The scheduler side releases the grant.
 
-Prefill role: a finished request's blocks stay allocated until the decode node's notification arrives, or until
-`release_timeout_s` passes (logged), whichever comes first.
+Prefill role: a finished request's blocks stay allocated until its grant ends (released by the decode node, lapsed,
+or capped), which this node's own daemon posts on the rank's topic; notes from anyone else there are ignored.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,23 +24,21 @@ import torch
 
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
+from kvbroker.integrations.vllm.grants import PeerLinks
 from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
     PullSpec,
-    ReleaseSpec,
-    RemoteKv,
     WorkerEndpoint,
     parse_release,
-    release_count,
-    release_payload,
     release_topic,
 )
-from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal, release_targets
+from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal
 from kvbroker.integrations.vllm.stats import TransferLog
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
-from kvbroker.types import CacheIndex, ClusterInfo, KvCacheExtParam, LinkState, PullBlocks, TransferResult
+from kvbroker.types import KvCacheExtParam, TransferResult
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -47,9 +46,8 @@ log = logging.getLogger(f"vllm.{__name__}")
 # One tensor per layer, addressed in units of a few tokens of one head (layout.KvLayout.desc).
 _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
-# A pull must end this long before the prefill node's hold on the blocks expires (covers clock skew between hosts):
-# past the hold the blocks may already serve another request there, and their bytes are not this request's KV.
-HOLD_MARGIN_S = 1.0
+_RELEASED_KEPT_S = 600.0
+"""A grant's end for a request this rank does not (yet) hold is kept this long (the daemon's notification age)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,21 +75,17 @@ class WorkerSide:
         self.endpoint: WorkerEndpoint | None = None
         self.transfers = TransferLog()
         self._allocation: DaemonKvAllocation | None = None
+        self.gpu: GpuKv | None = None
+        """Set on a GPU engine (register_gpu): the mode serving vLLM's device KV buffer."""
         self._lock = threading.Lock()
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
         self._pulls = ThreadPoolExecutor(config.max_concurrent_pulls, thread_name_prefix="kvbroker-pull")
-        # Releases go out on their own thread: a slow or unreachable prefill daemon (up to `link_timeout_s` per
-        # notification) must not hold a pull slot while other requests wait for their KV.
-        self._notifier = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-notify")
         self._pulled: list[PullOutcome] = []
         self._load_errors: set[int] = set()
-        self._links: dict[int, str] = {}
-        self._link_lock = threading.Lock()
+        self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self._held: dict[str, float] = {}
         self._released: dict[str, tuple[float, str]] = {}
-        self._votes: dict[str, tuple[float, set[int]]] = {}
-        """Releases heard from some, not yet all, of the decode ranks that read a request (first heard, ranks)."""
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
@@ -130,6 +124,17 @@ class WorkerSide:
                 raise RuntimeError(f"vLLM's KV layer {name} has shape {tuple(t.shape)}, not the {shape} of memory "
                                    f"layout {lay.memory} (this attention backend is not supported by "
                                    "KvBrokerConnector)")
+        self._serve()
+
+    def register_gpu(self, kv_caches: dict[str, torch.Tensor], mode: str, vllm_layout: str | None,
+                     saves: bool = True) -> None:
+        """A GPU engine: vLLM keeps its KV buffer; the daemon serves it device-direct or host-staged (gpu.py)."""
+        self.gpu, self.layout = open_gpu_kv(self.client, kv_caches, self.layout, mode, vllm_layout, saves=saves)
+        self.cache = self.gpu.cache
+        self._serve()
+
+    def _serve(self) -> None:
+        assert self.cache is not None
         info = self.client.get_cluster_info()
         self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
@@ -141,15 +146,13 @@ class WorkerSide:
         self._poller.start()
 
     # -- per step -------------------------------------------------------------------------------------------------
-    def start(self, pulls: Iterable[PullSpec], releases: Iterable[ReleaseSpec], holds: dict[str, float]) -> None:
+    def start(self, pulls: Iterable[PullSpec], holds: dict[str, float]) -> None:
         pulls = list(pulls)
         with self._lock:
             self._held.update(holds)
             self._in_flight += len(pulls)
         for spec in pulls:
-            self._pulls.submit(self._pull_and_release, spec)
-        for rel in releases:
-            self._notifier.submit(self._release, rel.remote, rel.reason)
+            self._pulls.submit(self._pull_and_report, spec)
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose pull ended); the pulls' failed blocks are
@@ -163,23 +166,18 @@ class WorkerSide:
             for outcome in pulled:
                 self._load_errors |= outcome.failed_blocks
             sending = set()
-            for req_id, deadline in list(self._held.items()):
+            for req_id in list(self._held):
                 if req_id in self._released:
+                    _, ended = self._released.pop(req_id)
+                    if ended != "released":
+                        log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
+                                    "KV blocks", req_id, ended)
+                    del self._held[req_id]
                     sending.add(req_id)
-                elif now >= deadline:
-                    log.warning("request %s: no decode node released its KV blocks within %.0f s; freeing them",
-                                req_id, self.config.release_timeout_s)
-                    sending.add(req_id)
-            for req_id in sending:
-                del self._held[req_id]
-                self._released.pop(req_id, None)
-            # Releases for requests this worker never held (or no longer holds) are forgotten after the timeout.
+            # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
             for req_id, (at, _) in list(self._released.items()):
-                if now - at > self.config.release_timeout_s:
+                if now - at > _RELEASED_KEPT_S:
                     del self._released[req_id]
-            for req_id, (at, _) in list(self._votes.items()):
-                if now - at > self.config.release_timeout_s:
-                    del self._votes[req_id]
         return sending, {o.request_id for o in pulled}
 
     def take_load_errors(self) -> set[int]:
@@ -188,7 +186,7 @@ class WorkerSide:
         return errors
 
     # -- decode: pulls --------------------------------------------------------------------------------------------
-    def _pull_and_release(self, spec: PullSpec) -> None:
+    def _pull_and_report(self, spec: PullSpec) -> None:
         failed: frozenset[int] = frozenset()
         try:
             failed = self._pull(spec)
@@ -203,7 +201,6 @@ class WorkerSide:
                 self._in_flight -= 1
                 self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
-        self._notifier.submit(self._release, spec.remote, "failed" if failed else "pulled", spec.request_id, True)
 
     def _pull(self, spec: PullSpec) -> frozenset[int]:
         """Returns the local blocks that did not land."""
@@ -214,68 +211,74 @@ class WorkerSide:
             return everything
         assert self.cache is not None
         remote = spec.remote
+        dst = self.cache.cache_id
         refused = refusal(self.layout, remote.layout_tag)
         if refused is not None:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, refused.message)
             return everything
-        theirs = layout_of_tag(remote.layout_tag)
-        if theirs.tp_size != len(remote.cache_ids):
-            log.error("request %s: prefill engine names %d caches for tp %d; recomputing", spec.request_id,
-                      len(remote.cache_ids), theirs.tp_size)
+        if why := self.links.refusal(remote.cluster_id):
+            log.error("request %s: not pulling: %s", spec.request_id, why)
             return everything
-        try:
+        calls: list[Callable[[], TransferResult]] = []
+        if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
+            if self.rank >= remote.tp_size:
+                log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
+                          remote.tp_size, self.rank)
+                return everything
+            calls.append(lambda: self.client.pull_granted_kv_blocks(
+                remote.cluster_id, remote.grant, dst, spec.local_blocks, cache_slot=self.rank,
+                first_block=spec.first_block, ext_param=_ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s))
+            sources = 1
+        else:
+            theirs = layout_of_tag(remote.layout_tag)
             start, end = (spec.start_token, spec.end_token) if spec.end_token else (
                 0, len(spec.local_blocks) * self.layout.block_size)
-            pulls = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
-        except ValueError as e:
-            log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
-            return everything
-        if self._hold_expired(remote):
-            log.error("request %s: the prefill node's hold on its blocks has expired; recomputing (raise "
-                      "kvbroker_release_timeout_s on the prefill node if this recurs)", spec.request_id)
-            return everything
-        dst = self.cache.cache_id
-        if len(pulls) == 1:
-            (one,) = pulls
-            src = CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[one.remote_rank])
-            src_units: Any = one.src_units  # uint64 arrays: the client takes them as they are
-            dst_units: Any = one.dst_units
-            call: Callable[[], TransferResult] = lambda: self.client.pull_kv_blocks(  # noqa: E731
-                src, dst, src_units, dst_units, _ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s)
-        else:  # several prefill ranks (prefill TP larger): one transfer, validated whole before any byte moves
-            groups = [PullBlocks(CacheIndex(cluster_id=remote.cluster_id, cache_id=remote.cache_ids[p.remote_rank]),
-                                 dst, tuple(p.src_units.tolist()), tuple(p.dst_units.tolist()), _ONE_TENSOR_PER_LAYER)
-                      for p in pulls]
-            call = lambda: self.client.transfer_kv_blocks_batch(  # noqa: E731
-                groups, timeout=self.config.pull_timeout_s)
-        outcome = self._pull_units(spec, call)
-        if isinstance(outcome, frozenset):
-            return outcome
-        nbytes, seconds, backend = outcome.bytes_moved, outcome.seconds, outcome.backend
-        if self._hold_expired(remote):
-            log.error("request %s: the pull ended after the prefill node's hold on its blocks expired; its bytes "
-                      "cannot be trusted, recomputing", spec.request_id)
-            return everything
-        self.transfers.record(spec.request_id, nbytes, seconds, backend, tokens=end - start)
+            try:
+                plan = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
+            except ValueError as e:
+                log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
+                return everything
+            # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
+            for one in plan:
+                src_units: Any = one.src_units  # uint64 arrays: the client takes them as they are
+                dst_units: Any = one.dst_units
+                calls.append(functools.partial(
+                    self.client.pull_granted_kv_blocks, remote.cluster_id, remote.grant, dst, dst_units,
+                    cache_slot=one.remote_rank, src_blocks=src_units, ext_param=_ONE_TENSOR_PER_LAYER,
+                    timeout=self.config.pull_timeout_s))
+            sources = len(plan)
+        nbytes, seconds, backends = 0, 0.0, []
+        for call in calls:
+            outcome = self._pull_units(spec, call)
+            if isinstance(outcome, frozenset):
+                return outcome
+            nbytes, seconds = nbytes + outcome.bytes_moved, seconds + outcome.seconds
+            backends.append(outcome.backend)
+        if self.gpu is not None:
+            self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule the request
+        whole = len(spec.local_blocks) * self.layout.block_size
+        tokens = spec.end_token - spec.start_token if spec.end_token else whole
+        backend = ",".join(dict.fromkeys(",".join(backends).split(",")))
+        self.transfers.record(spec.request_id, nbytes, seconds, backend, tokens=tokens)
         if self.config.log_transfers:
             log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s) from %d prefill "
                      "rank(s)", spec.request_id, len(spec.local_blocks), nbytes, seconds * 1e3, backend,
-                     nbytes / max(seconds, 1e-9) / 1e9, len(pulls))
+                     nbytes / max(seconds, 1e-9) / 1e9, sources)
         return frozenset()
 
     def _pull_units(self, spec: PullSpec, call: Callable[[], TransferResult]) -> _Pulled | frozenset[int]:
-        """Runs the request's transfer (linking first, and once more if the link went away); the failed local
+        """Runs one transfer of the request (linking first, and once more if the link went away); the failed local
         blocks if it did not land."""
         assert self.cache is not None
         everything = frozenset(spec.local_blocks)
         remote = spec.remote
         for attempt in (1, 2):
             try:
-                self._ensure_link(remote)
+                self.links.ensure(remote.cluster_id)
                 started = time.monotonic()  # the pull alone: linking on first use is not transfer time
                 result = call()
             except NotYetLinkError:
-                self._forget_link(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
+                self.links.forget(remote.cluster_id)  # the daemon dropped the link (peer restart): link again once
                 if attempt == 2:
                     log.warning("request %s: cluster %d is not linked; recomputing", spec.request_id,
                                 remote.cluster_id)
@@ -283,74 +286,17 @@ class WorkerSide:
                 continue
             except LlmError as e:
                 if e.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_TIMEOUT):
-                    self._forget_link(remote.cluster_id)
+                    self.links.forget(remote.cluster_id)
+                    if attempt == 1 and e.status == LlmStatus.LLM_LINK_FAILED and not e.failed_dst_blocks:
+                        continue  # nothing moved: check the link (restarted or moved peer) and try once more
                 landed_partly = e.failed_dst_blocks
                 failed = blocks_of_units(self.layout, landed_partly) & everything if landed_partly else everything
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
                 return failed or everything
-            # A batch names each group's backend ("shm,shm"): the request's report names each backend once.
-            backend = ",".join(dict.fromkeys(result.backend.split(",")))
-            return _Pulled(result.bytes_moved, time.monotonic() - started, backend)
+            return _Pulled(result.bytes_moved, time.monotonic() - started, result.backend)
         return everything
-
-    @staticmethod
-    def _hold_expired(remote: RemoteKv) -> bool:
-        return bool(remote.hold_expires_unix) and time.time() > remote.hold_expires_unix - HOLD_MARGIN_S
-
-    def _ensure_link(self, remote: RemoteKv) -> None:
-        with self._link_lock:
-            if self._links.get(remote.cluster_id) == remote.peer_address:
-                return
-            info = ClusterInfo(remote_cluster_id=remote.cluster_id, remote_address=remote.peer_address)
-            result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
-            if result.status == LlmStatus.LLM_PROCESSING_LINK:
-                # Another TP rank of this engine (same daemon, another process) is making this link: wait for it.
-                deadline = time.monotonic() + self.config.link_timeout_s
-                while not self._link_usable(info) and time.monotonic() < deadline:
-                    self._stop.wait(0.02)
-                result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
-            if result.status == LlmStatus.LLM_ALREADY_LINK and not self._link_usable(info):
-                # The daemon keeps a link we cannot use (the peer restarted, or moved): make it anew.
-                self.client.unlink_clusters([info], force=True, timeout=self.config.link_timeout_s)
-                result = self.client.link_clusters([info], timeout=self.config.link_timeout_s)[0]
-            if not result.ok and result.status != LlmStatus.LLM_ALREADY_LINK:
-                raise LlmError(result.status, f"cannot link to cluster {remote.cluster_id} at {remote.peer_address}: "
-                                              f"{result.message}")
-            self._links[remote.cluster_id] = remote.peer_address
-            log.info("kvbroker connector: linked to cluster %d at %s", remote.cluster_id, remote.peer_address)
-
-    def _link_usable(self, info: ClusterInfo) -> bool:
-        for link in self.client.list_links(timeout=self.config.link_timeout_s):
-            if link.remote_cluster_id == info.remote_cluster_id:
-                return link.state == LinkState.READY and link.remote_address == info.remote_address
-        return False
-
-    def _forget_link(self, cluster_id: int) -> None:
-        with self._link_lock:
-            self._links.pop(cluster_id, None)
-
-    def _release(self, remote: RemoteKv, outcome: str, request_id: str = "", mapped: bool = False) -> None:
-        """Tells the prefill node it may free the request's blocks. Best effort: its timeout covers a lost one.
-
-        Goes to every prefill rank this rank read (`mapped`: a pull ran) and to the ranks it answers for; each
-        notification says how many decode ranks will notify that prefill rank (remap.release_targets)."""
-        theirs = None
-        if mapped and refusal(self.layout, remote.layout_tag) is None:
-            theirs = layout_of_tag(remote.layout_tag)
-            if theirs.tp_size != len(remote.cache_ids):
-                theirs = None
-        targets = release_targets(self.layout, self.rank, len(remote.cache_ids), theirs)
-        for prefill_rank, of in sorted(targets.items()):
-            try:
-                self.client.send_notification(
-                    remote.cluster_id, release_topic(remote.engine_id, prefill_rank),
-                    release_payload(remote.request_id, outcome, self.rank, of), timeout=self.config.link_timeout_s)
-            except LlmError as e:
-                log.warning("request %s: could not tell cluster %d to free its blocks (%s); it frees them after its "
-                            "timeout", request_id or remote.request_id, remote.cluster_id, e.message)
-                return
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:
@@ -364,44 +310,44 @@ class WorkerSide:
             except LlmError as e:
                 if not failing_since:
                     failing_since = time.monotonic()
-                    log.warning("kvbroker connector: cannot fetch release notifications (%s); held blocks are freed "
-                                "after %.0f s until this recovers", e.message, self.config.release_timeout_s)
+                    log.warning("kvbroker connector: cannot fetch grant events (%s); held blocks stay held until "
+                                "this recovers", e.message)
                 self._stop.wait(_POLL_WAIT_S)
                 continue
             now = time.monotonic()
+            ours = self.endpoint.cluster_id if self.endpoint is not None else -1
             for note in notes:
+                if note.cluster_id != ours:
+                    # Only our daemon ends our grants; a peer's note on this topic frees nothing.
+                    log.warning("kvbroker connector: ignoring a note on the grant topic from cluster %d",
+                                note.cluster_id)
+                    continue
                 try:
                     req_id, outcome = parse_release(note.payload)
-                    rank, of = release_count(note.payload)
                 except ValueError:
-                    log.warning("kvbroker connector: ignoring a malformed release from cluster %d", note.cluster_id)
+                    log.warning("kvbroker connector: ignoring a malformed grant event")
                     continue
-                self.note_release(req_id, outcome, now, rank=rank, of=of)
+                self.note_release(req_id, outcome, now)
 
-    def note_release(self, request_id: str, outcome: str, at: float | None = None, rank: int = 0,
-                     of: int = 1) -> None:
-        """Decode rank `rank` is done with a request's blocks (its notification arrived, possibly before the hold);
-        they are released once `of` distinct decode ranks have said so."""
-        at = time.monotonic() if at is None else at
+    def note_release(self, request_id: str, outcome: str, at: float | None = None) -> None:
+        """A request's grant ended (the event may arrive before the hold itself)."""
         with self._lock:
-            ranks = self._votes.setdefault(request_id, (at, set()))[1]
-            ranks.add(rank)
-            if len(ranks) >= of:
-                del self._votes[request_id]
-                self._released[request_id] = (at, outcome)
+            self._released[request_id] = (time.monotonic() if at is None else at, outcome)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the threads and gives the KV memory back to the daemon; idempotent."""
         self._stop.set()
         self._pulls.shutdown(wait=True, cancel_futures=True)
-        self._notifier.shutdown(wait=True)  # after the pulls, which queue releases; each is bounded by its timeout
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
         if self.cache is not None:
             try:
-                self.client.deallocate_cache(self.cache.cache_id, timeout=5.0)
+                if self.gpu is not None:
+                    self.gpu.close()
+                else:
+                    self.client.deallocate_cache(self.cache.cache_id, timeout=5.0)
             except LlmError as e:  # the lease frees it anyway
                 log.warning("kvbroker connector: could not free KV cache %d (%s)", self.cache.cache_id, e.message)
             self.cache = None

@@ -2,8 +2,10 @@
 than its request may.
 
 A `Watch` says how long each blocking call of one request may wait: until the request's deadline; optionally not
-longer than `stall_s` without a byte of progress; and, with `abandon`, a blocked call wakes every POLL_S to ask
-whether to give up (the serving side stops feeding a reader that stopped reading once the cache is being released).
+longer than `stall_s` without a byte of progress; optionally not below a `MinRate` (a peer that reads or writes a
+few bytes now and then makes progress, yet would hold the cache it pins for as long as its deadline allows); and,
+with `abandon`, a blocked call wakes every POLL_S to ask whether to give up (the serving side stops feeding a reader
+that stopped reading once the cache is being released).
 
 Memory that vanished under a copy (a model server truncated its segment) makes the kernel answer EFAULT instead of
 raising SIGBUS; it becomes a `MemoryFault` that says how many bytes had moved, so that callers fail the transfer that
@@ -17,6 +19,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from socket import SO_SNDTIMEO, SOL_SOCKET, socket
 
 IOV_BATCH = 512
@@ -34,13 +37,26 @@ class MemoryFault(Exception):
         self.done = done
 
 
+@dataclass(frozen=True)
+class MinRate:
+    """Each `window_s` of a request must move at least `bytes_per_s * window_s` bytes; 0 bytes/s: no minimum."""
+
+    bytes_per_s: int
+    window_s: float
+
+
 class Watch:
     def __init__(self, deadline: float, stall_s: float | None = None,
-                 abandon: Callable[[], str | None] | None = None) -> None:
+                 abandon: Callable[[], str | None] | None = None, min_rate: MinRate | None = None) -> None:
         self.deadline = deadline
         self._stall_s = stall_s
         self._abandon = abandon
         self._progress_at = time.monotonic()
+        self._rate = min_rate if min_rate is not None and min_rate.bytes_per_s > 0 else None
+        # Windows, not the average since the start: the kernel's buffers take megabytes at once, which would let a
+        # peer trickle for a long time on the credit of its first burst.
+        self._window_at = self._progress_at
+        self._window_bytes = 0
 
     def timeout(self, final: bool = False) -> float:
         """Seconds the next call may wait; raises TimeoutError when none are left. `final`: the call cannot be
@@ -53,20 +69,37 @@ class Watch:
             left = min(left, self._progress_at + self._stall_s - now)
             if left <= 0:
                 raise TimeoutError(f"no progress for {self._stall_s:g} s")
+        if self._rate is not None:
+            self._check_rate(now)
+            if not final:  # wake at the window's end to judge it, even while the peer moves nothing
+                left = min(left, max(0.001, self._window_at + self._rate.window_s - now))
         return left if final or self._abandon is None else min(left, POLL_S)
+
+    def _check_rate(self, now: float) -> None:
+        assert self._rate is not None
+        elapsed = now - self._window_at
+        if elapsed < self._rate.window_s:
+            return
+        if self._window_bytes < self._rate.bytes_per_s * elapsed:
+            raise TimeoutError(f"the peer moved {self._window_bytes} bytes in {elapsed:.1f} s, below the minimum "
+                               f"of {self._rate.bytes_per_s} bytes/s")
+        self._window_at, self._window_bytes = now, 0
 
     @property
     def deadline_only(self) -> bool:
-        return self._stall_s is None and self._abandon is None
+        return self._stall_s is None and self._abandon is None and self._rate is None
 
     @property
     def in_slices(self) -> bool:
         """Calls wait in POLL_S slices (to ask `abandon`), so a bulk send may block in the kernel that long."""
         return self._abandon is not None
 
-    def progressed(self) -> None:
-        if self._stall_s is not None:
-            self._progress_at = time.monotonic()
+    def progressed(self, nbytes: int) -> None:
+        if self._stall_s is not None or self._rate is not None:
+            self._progress_at = now = time.monotonic()
+            if self._rate is not None:
+                self._window_bytes += nbytes
+                self._check_rate(now)
 
     def waited(self) -> None:
         """A call used up its timeout: raises if the request must end now, else the caller tries again."""
@@ -97,7 +130,7 @@ def send_views(sock: socket, views: list[memoryview], watch: Watch) -> None:
         for v in views:
             sock.settimeout(watch.timeout(final=True))
             sock.sendall(v)
-            watch.progressed()
+            watch.progressed(len(v))
         return
     views = list(views)
     i = done = 0
@@ -122,7 +155,7 @@ def send_views(sock: socket, views: list[memoryview], watch: Watch) -> None:
                     raise MemoryFault(done) from e
                 raise
             done += sent
-            watch.progressed()
+            watch.progressed(sent)
             if in_kernel:
                 watch.timeout()  # raises once the deadline has passed, however steadily the reader reads
             i, _ = _advance(views, i, sent)
@@ -170,7 +203,7 @@ def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int
             raise ConnectionError("peer closed the data connection")
         done += got
         if not lean:
-            watch.progressed()
+            watch.progressed(got)
         i, completed = _advance(views, i, got)
         for k in completed:
             on_complete(k)
@@ -191,7 +224,7 @@ def recv_exact(sock: socket, view: memoryview, watch: Watch) -> None:
         if got == 0:
             raise ConnectionError("peer closed the data connection")
         pos += got
-        watch.progressed()
+        watch.progressed(got)
 
 
 def recv_bytes(sock: socket, n: int, watch: Watch) -> bytes:
@@ -213,7 +246,7 @@ def send_all(sock: socket, data: bytes | memoryview, watch: Watch) -> None:
             watch.waited()
             continue
         view = view[sent:]
-        watch.progressed()
+        watch.progressed(sent)
 
 
 def send_zeros(sock: socket, n: int, watch: Watch) -> None:

@@ -1,5 +1,5 @@
 """The `hccl` backend's per-peer channel: the HIXL link to one peer's engine, made after registering and remade when
-a registration epoch needs it, and the transfers on it (see hccl.py for the rules)."""
+a registration epoch needs it, and the transfers on it (see backend.py for the rules)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,42 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from kvbroker.status import LlmError
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
-from kvbrokerd.backends.hccl.engine import DISCONNECT_TIMEOUT_MS, NAME, hixl_name, llm_status
+from kvbrokerd.backends.hccl.engine import DISCONNECT_TIMEOUT_MS, NAME, HcclSettings, hixl_name, llm_status
 from kvbrokerd.errors import LlmStatus, fail
 
 if TYPE_CHECKING:
-    from kvbrokerd.backends.hccl.backend import HcclBackend
     from kvbrokerd.registry.caches import CacheEntry
     from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class Engine(Protocol):
+    """What a channel uses of its backend (HcclBackend): the HIXL module, the engine thread, registrations."""
+
+    hixl: Any
+    epoch: int
+    live: Any
+    settings: HcclSettings
+
+    @property
+    def serving(self) -> bool: ...
+
+    def call(self, fn: Callable[[Any], _T]) -> _T: ...
+
+    def registration(self, entry: CacheEntry) -> Any: ...
+
+    def forget_channel(self, channel: HcclChannel) -> None: ...
 
 MAX_DESCS_PER_TRANSFER = 4096
 """Descriptors per HIXL request."""
@@ -51,7 +71,7 @@ class HcclChannel(PeerChannel):
 
     name = NAME
 
-    def __init__(self, backend: HcclBackend, remote_engine: str, remote_epoch: int) -> None:
+    def __init__(self, backend: Engine, remote_engine: str, remote_epoch: int) -> None:
         self._backend = backend
         self.remote_engine = remote_engine
         self._seen_remote_epoch = remote_epoch

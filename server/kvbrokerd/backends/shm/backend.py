@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 NAME = "shm"
 _MAX_CONTROL_SLOTS = 1 << 24
+MAX_OPEN_CACHES = 64
+"""Remote caches a link keeps open (and mapped) at most; the least recently used is closed beyond that, and opened
+again by its next transfer. Without a bound a puller kept every cache it ever read, holding the peer's tmpfs."""
 _WRITABLE = NAME + ":rw"
 
 
@@ -154,12 +158,15 @@ class _Opened:
                 seg.close()
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{label}: cannot map its memory ({e})", cache_id=remote.cache_id)
 
+        cache_id = remote.cache_id  # not `remote`: remote -> backend_state -> this -> remote would be a cycle, and
+        # a dropped cache's segments would stay open (holding the peer's tmpfs) until the garbage collector ran
+
         def check() -> None:
             for name, extent in extents.items():
                 size = segments[name].current_size()
                 if size < extent:
                     fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"{label}: segment {name!r} shrank to {size} bytes, the "
-                         f"cache needs {extent} (its owner truncated it)", cache_id=remote.cache_id)
+                         f"cache needs {extent} (its owner truncated it)", cache_id=cache_id)
 
         endpoint = Endpoint(
             label=label, addresses=[bases[t.segment] + t.offset for t in remote.tensors] if bases else [],
@@ -178,6 +185,8 @@ class ShmChannel(PeerChannel):
         self._shm_dir = shm_dir
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
+        self._open: OrderedDict[RemoteCache, None] = OrderedDict()
+        """The remote caches whose segments are open here, least recently used first (at most MAX_OPEN_CACHES)."""
 
     def runs_inline(self, plan: Plan) -> bool:
         return memcopy.small_enough_for_the_loop(plan)
@@ -192,7 +201,16 @@ class ShmChannel(PeerChannel):
             if opened is None:
                 opened = remote.backend_state[key] = _Opened.open(remote, self._control, self._shm_dir,
                                                                   writable=writable)
+            self._open[remote] = None
+            self._open.move_to_end(remote)
+            while len(self._open) > MAX_OPEN_CACHES:
+                self._drop(self._open.popitem(last=False)[0])
             return opened
+
+    @staticmethod
+    def _drop(remote: RemoteCache) -> None:
+        remote.backend_state.pop(NAME, None)  # closed once no running copy holds them
+        remote.backend_state.pop(_WRITABLE, None)
 
     def _check_peer(self, remote: RemoteCache) -> None:
         if self._control.closed:
@@ -235,8 +253,12 @@ class ShmChannel(PeerChannel):
 
     def forget(self, remote: RemoteCache) -> None:
         with self._lock:
-            remote.backend_state.pop(NAME, None)  # closed once no running copy holds them
-            remote.backend_state.pop(_WRITABLE, None)
+            self._open.pop(remote, None)
+            self._drop(remote)
+
+    def gone(self, remote: RemoteCache) -> bool:
+        # Two preads and a lock probe: cheap enough for every known cache at each heartbeat.
+        return self._control.closed or not self._control.daemon_alive() or not self._control.is_live(remote.cache_id)
 
     def close(self) -> None:
         self._control.close()

@@ -19,9 +19,10 @@ from kvbrokerd.backends.base import (
     PeerChannel,
     PeerInfo,
 )
+from kvbrokerd.backends.common.sockio import MinRate
 from kvbrokerd.backends.tcp.channel import TcpChannel
 from kvbrokerd.backends.tcp.server import DataServer
-from kvbrokerd.backends.tcp.wire import NAME
+from kvbrokerd.backends.tcp.wire import MAX_REQUEST_S, MIN_RATE_BYTES_PER_S, NAME, RATE_WINDOW_S
 
 if TYPE_CHECKING:
     from kvbrokerd.tls import TlsMaterial
@@ -35,10 +36,19 @@ class TcpSettings(BackendSettings):
         "help": "data-plane port on the peer host (0 = any free port)", "aliases": ("data_port",)})
     tls: bool = field(default=False, metadata={
         "help": "TLS on data connections too (needs the daemon's tls_*)", "aliases": ("data_tls",)})
+    min_rate: int = field(default=MIN_RATE_BYTES_PER_S, metadata={
+        "help": "bytes/s below which a peer reading or writing one of our caches is abandoned (it pins the cache "
+                "against release and lease expiry); 0 = no minimum"})
+    rate_window_s: float = field(default=RATE_WINDOW_S, metadata={
+        "help": "seconds over which min_rate is averaged (each window of a request must reach it)"})
 
     def check(self, daemon: DaemonFacts) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port")
+        if not 0 <= self.min_rate <= 1 << 40:
+            raise ValueError(f"min_rate: {self.min_rate} bytes/s is not in [0, 2^40]")
+        if not 0.1 <= self.rate_window_s <= MAX_REQUEST_S:
+            raise ValueError(f"rate_window_s: {self.rate_window_s} s is not in [0.1, {MAX_REQUEST_S:g}]")
         if self.tls and not daemon.mutual_tls:
             raise ValueError("tls: needs tls_cert, tls_key and tls_ca")
 
@@ -80,7 +90,8 @@ class TcpBackend(Backend):
     async def start(self) -> None:
         tls = self._tls()
         self.server = DataServer(self.ctx.registry, self.ctx.secret_for, self.ctx.peer_host, self.settings.port,
-                                 tls=tls.data_server_context() if tls else None)
+                                 tls=tls.data_server_context() if tls else None,
+                                 min_rate=MinRate(self.settings.min_rate, self.settings.rate_window_s))
         self.server.start()
         self._client_tls = tls.data_client_context() if tls else None
 

@@ -54,6 +54,9 @@ _SPLIT_MIN_BYTES = 4 << 20
 # Pulls at most this big run on the event loop (see TcpChannel.runs_on_loop).
 _LOOP_MAX_BYTES = 1 << 20
 _LOOP_MAX_RUNS = 64
+# At most this many small pulls of one link on the event loop at once (each holds a connection); with the worker
+# side's connections (parallel_transfers, each split over at most as many) well inside the server's per-link share.
+_LOOP_MAX_CONNECTIONS = 16
 # A client retires a pooled connection idle for longer than this (well before the server's IDLE_TIMEOUT_S).
 _POOL_IDLE_S = 60.0
 
@@ -156,6 +159,9 @@ class TcpChannel(PeerChannel):
         # Idle connections with the time they were last used (the server ends idle ones after IDLE_TIMEOUT_S).
         self._idle: list[tuple[socket.socket, float]] = []
         self._loop_idle: list[tuple[socket.socket, float]] = []  # non-blocking ones, used from the event loop
+        # Small pulls on the loop share a bounded set of connections: the data server holds each link to its own
+        # share (MAX_CONNECTIONS_PER_LINK), and 64 concurrent small pulls must not each open one.
+        self._loop_turns = asyncio.Semaphore(_LOOP_MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -168,7 +174,7 @@ class TcpChannel(PeerChannel):
                            deadline: float) -> int:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())), self._loop_turns:
                 sock = _fresh(self._loop_idle) or await self._connect_on_loop(loop)
                 ok = False
                 try:

@@ -3,8 +3,10 @@ in wire.py). The server validates a whole request against its registry before a 
 meanwhile; runs travel as scatter/gather lists (sendmsg / recvmsg_into) straight between the caches' memory.
 Nothing waits without a bound: a handshake has one total deadline and the oldest pending one gives way when
 MAX_HANDSHAKES are under way; a request's frame must arrive within REQUEST_TIMEOUT_S of its first byte; its payload
-moves within the sender's deadline (at most MAX_REQUEST_S), gives up after STALL_TIMEOUT_S without progress and,
-once its cache is being released, as soon as the other side stops taking bytes.
+moves within the sender's deadline (at most MAX_REQUEST_S), gives up after STALL_TIMEOUT_S without progress, below
+the minimum rate (`--tcp-min-rate` bytes/s over each `--tcp-rate-window-s`: a peer that reads or writes a trickle
+would otherwise pin the cache until its deadline) and, once its cache is being released, as soon as the other side
+stops taking bytes.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from kvbrokerd.backends.tcp.wire import (
     HELLO,
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_LINK,
     MAX_HANDSHAKES,
     MAX_REQUEST_S,
     MAX_RUNS_PER_REQUEST,
+    MIN_RATE_BYTES_PER_S,
+    RATE_WINDOW_S,
     REPLY,
     REQUEST,
     REQUEST_TIMEOUT_S,
@@ -59,6 +64,8 @@ log = logging.getLogger(__name__)
 
 _SERVED_VERSIONS = (1, 2)
 _REQUEST_V1 = struct.Struct("<4sIq")
+DEFAULT_MIN_RATE = sockio.MinRate(MIN_RATE_BYTES_PER_S, RATE_WINDOW_S)
+
 # The accept loop wakes this often to end handshakes past their deadline.
 _ACCEPT_POLL_S = 0.25
 _BACKOFF_MIN_S = 0.01
@@ -84,6 +91,7 @@ class _Conn:
     """A served connection; `sock` becomes the TLS socket once wrapped (shutting that down wakes its thread)."""
 
     sock: socket.socket
+    link_id: bytes = b""  # the link it proved, once it did
 
 
 class DataServer:
@@ -98,18 +106,25 @@ class DataServer:
     def __init__(self, registry: Registry, secret_for: Callable[[bytes], bytes | None], host: str,
                  port: int = 0, tls: ssl.SSLContext | None = None, *,
                  block_locks: blocklocks.BlockLocks = blocklocks.DEFAULT,
-                 on_serving_change: Callable[[bool], None] | None = None) -> None:
+                 on_serving_change: Callable[[bool], None] | None = None,
+                 min_rate: sockio.MinRate = DEFAULT_MIN_RATE) -> None:
+        """`min_rate`: a peer reading or writing a cache slower than this is abandoned (the pin it holds blocks
+        the cache's release and its owner's lease expiry)."""
         self._tls = tls
+        self._min_rate = min_rate
         self._registry = registry
         self._secret_for = secret_for
         self._block_locks = block_locks
         self.on_serving_change = on_serving_change
         self.serving = False
-        self._listener = socket.create_server((host, port), family=family(host), backlog=128, reuse_port=False)
+        # `::` (a peer API on [::]) serves IPv4 peers too, as gRPC's own listener on [::] does.
+        self._listener = socket.create_server((host, port), family=family(host), backlog=128, reuse_port=False,
+                                              dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         self._listener.settimeout(_ACCEPT_POLL_S)
         self.port: int = self._listener.getsockname()[1]
         self._handshaking: dict[_Conn, float] = {}  # -> handshake deadline; insertion order = oldest first
         self._conns: set[_Conn] = set()
+        self._per_link: dict[bytes, int] = {}  # authenticated connections open, by link id
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kvbroker-tcp-accept", daemon=True)
@@ -227,13 +242,13 @@ class DataServer:
             with self._lock:
                 if self._handshaking.pop(conn, None) is None:
                     return  # it ran out of time, or gave way to newer connections
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+                if not self._admit(conn):
                     return
-                self._conns.add(conn)
             sockio.send_all(conn.sock, b"KVOK", sockio.Watch(deadline))
             while not self._stop.is_set() and self._serve_request(conn.sock, version):
                 pass
+        except TimeoutError as e:  # a stalled or too slow peer: worth an operator's look (one line per connection)
+            log.warning("dropped the data connection from %s: %s", _peer_name(conn.sock), e)
         except (ConnectionError, OSError, struct.error):
             pass
         except Exception:
@@ -241,8 +256,27 @@ class DataServer:
         finally:
             with self._lock:
                 self._handshaking.pop(conn, None)
-                self._conns.discard(conn)
+                if conn in self._conns:
+                    self._conns.discard(conn)
+                    self._per_link[conn.link_id] -= 1
+                    if not self._per_link[conn.link_id]:
+                        del self._per_link[conn.link_id]
             conn.sock.close()
+
+    def _admit(self, conn: _Conn) -> bool:
+        """Counts an authenticated connection against both caps (under _lock): a link holding its share is refused
+        before the global cap is touched, so one peer cannot lock the others out."""
+        held = self._per_link.get(conn.link_id, 0)
+        if held >= MAX_CONNECTIONS_PER_LINK:
+            log.warning("refused a data connection of link %s: it holds %d already (the most one link may)",
+                        conn.link_id.hex()[:8], held)
+            return False
+        if len(self._conns) >= MAX_CONNECTIONS:
+            log.warning("refused a data connection: %d are open already", MAX_CONNECTIONS)
+            return False
+        self._conns.add(conn)
+        self._per_link[conn.link_id] = held + 1
+        return True
 
     def _handshake(self, conn: _Conn, deadline: float) -> int | None:
         """The connection's protocol version once it proved its link, else None."""
@@ -259,6 +293,7 @@ class DataServer:
         if secret is None or not linkauth.verify(secret, nonce, lid, mac):
             log.warning("refused a data connection from %s: no valid link proof", _peer_name(conn.sock))
             return None
+        conn.link_id = bytes(lid)
         return int(version)
 
     def _read_request(self, conn: socket.socket, version: int) -> tuple[bytes, int, float, np.ndarray] | None:
@@ -296,7 +331,7 @@ class DataServer:
             with self._registry.pinned(cache_id) as entry:
                 check_before_tls(conn, entry)
                 # The pin blocks the cache's release: a reader that stopped reading must not keep it for long.
-                watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry))
+                watch = sockio.Watch(deadline, STALL_TIMEOUT_S, lambda: _being_released(entry), self._min_rate)
                 if magic == b"KVRQ":
                     self._serve_read(conn, version, entry, runs, watch)
                 else:

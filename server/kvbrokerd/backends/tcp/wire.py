@@ -59,12 +59,22 @@ MAX_RUNS_PER_REQUEST = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 128
 MAX_CONNECTIONS = 512
+"""Authenticated data connections open at once, over all links."""
+MAX_CONNECTIONS_PER_LINK = 64
+"""Authenticated data connections one link may hold open: a peer that hoards them (idle ones stay IDLE_TIMEOUT_S)
+exhausts its own share, not MAX_CONNECTIONS. An honest puller holds at most 16 on the event loop (small pulls wait their
+turn beyond that) and a few per worker-side transfer, so 64 leaves it ample room."""
 IDLE_TIMEOUT_S = 600.0
 """An authenticated connection may wait this long for its next request (clients retire pooled ones sooner)."""
 REQUEST_TIMEOUT_S = 10.0
 MAX_REQUEST_S = 300.0
 """Longest a request may run (and pin its cache), whatever deadline its sender announces; version 1 gets this."""
 STALL_TIMEOUT_S = 10.0
+MIN_RATE_BYTES_PER_S = 1 << 20
+RATE_WINDOW_S = 10.0
+"""A request that moves less than MIN_RATE_BYTES_PER_S on average over any of its RATE_WINDOW_S windows is abandoned:
+a peer that trickles must not pin a cache (blocking its release and its lease's expiry) for MAX_REQUEST_S. Any
+link worth pulling KV blocks over moves far more; the defaults of `--tcp-min-rate` and `--tcp-rate-window-s`."""
 SOCKET_BUFFER_BYTES = 4 << 20
 
 

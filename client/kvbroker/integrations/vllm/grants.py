@@ -1,0 +1,186 @@
+"""Grants and links, as the connector uses them: which prefill daemons a decode node may dial (configuration only),
+and the thread that renews and releases a decode node's grants on prefill blocks.
+
+Trust: a request's `kv_transfer_params` come from the HTTP client. They name a grant (an unguessable capability for
+one request's blocks, made by the prefill daemon) and the prefill daemon's cluster id; the address dialled for that
+cluster comes only from `kvbroker_prefill_daemons`. A link that is READY is never torn down here (a request cannot
+make us drop a healthy link); only one the daemon reports BROKEN by a peer restart is made anew. Each cluster has its
+own lock, so linking to one slow prefill daemon never stalls pulls from another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kvbroker._client import Client
+from kvbroker.status import LlmError, LlmStatus
+from kvbroker.types import ClusterInfo, ClusterResult, Grant, LinkState
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+MIN_RENEW_S = 0.05
+LINK_POLL_S = 0.05
+
+
+class UntrustedPrefill(LlmError):
+    """The request names a prefill daemon that is not in `kvbroker_prefill_daemons`."""
+
+
+class PeerLinks:
+    def __init__(self, client: Client, trusted: dict[int, str], timeout_s: float) -> None:
+        self.client = client
+        self.trusted = dict(trusted)
+        self.timeout_s = timeout_s
+        self._ready: set[int] = set()
+        self._locks: dict[int, threading.Lock] = {}
+
+    def refusal(self, cluster_id: int) -> str:
+        if cluster_id in self.trusted:
+            return ""
+        return (f"prefill daemon cluster {cluster_id} is not one this decode node trusts (kvbroker_prefill_daemons: "
+                f"{sorted(self.trusted) or 'none'})")
+
+    def ensure(self, cluster_id: int) -> None:
+        """A READY link to a trusted prefill daemon (LlmError if there is none)."""
+        if cluster_id in self._ready:
+            return
+        if why := self.refusal(cluster_id):
+            raise UntrustedPrefill(LlmStatus.LLM_PARAM_INVALID, why)
+        with self._locks.setdefault(cluster_id, threading.Lock()):  # atomic: one lock per cluster
+            if cluster_id in self._ready:
+                return
+            info = ClusterInfo(remote_cluster_id=cluster_id, remote_address=self.trusted[cluster_id])
+            result = self.client.link_clusters([info], timeout=self.timeout_s)[0]
+            if result.status == LlmStatus.LLM_PROCESSING_LINK:
+                # Another client of the daemon (this engine's scheduler renewing a grant, or another rank) is making
+                # the same link right now: wait for it instead of failing this pull.
+                result = self._await_link(info)
+            if result.status == LlmStatus.LLM_ALREADY_LINK and self._stale(info):
+                # The peer restarted (the link is BROKEN) or the operator moved it: only then is the link made anew,
+                # and only to the configured address.
+                self.client.unlink_clusters([info], force=True, timeout=self.timeout_s)
+                result = self.client.link_clusters([info], timeout=self.timeout_s)[0]
+            if not result.ok and result.status != LlmStatus.LLM_ALREADY_LINK:
+                raise LlmError(result.status, f"cannot link to cluster {cluster_id} at {info.remote_address}: "
+                                              f"{result.message}")
+            self._ready.add(cluster_id)
+            if result.ok:  # logged by whichever of this engine's clients made the link, once
+                log.info("kvbroker connector: linked to cluster %d at %s", cluster_id, info.remote_address)
+
+    def _await_link(self, info: ClusterInfo) -> ClusterResult:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            state = next((link.state for link in self.client.list_links(timeout=self.timeout_s)
+                          if link.remote_cluster_id == info.remote_cluster_id), None)
+            if state != LinkState.LINKING or time.monotonic() >= deadline:
+                break  # up, or the other attempt failed (then this one links, or says why it cannot)
+            time.sleep(LINK_POLL_S)
+        return self.client.link_clusters([info], timeout=self.timeout_s)[0]  # ALREADY_LINK once it is up
+
+    def _stale(self, info: ClusterInfo) -> bool:
+        for link in self.client.list_links(timeout=self.timeout_s):
+            if link.remote_cluster_id == info.remote_cluster_id:
+                return link.state == LinkState.BROKEN or link.remote_address != info.remote_address
+        return False
+
+    def forget(self, cluster_id: int) -> None:
+        self._ready.discard(cluster_id)
+
+
+@dataclass
+class _Held:
+    cluster_id: int
+    grant: Grant
+    renew_at: float  # time.monotonic()
+
+
+class GrantKeeper:
+    """Decode side: renews the grant of each request waiting for its KV, and releases grants, on its own thread
+    (the engine's scheduler never waits for a prefill daemon)."""
+
+    def __init__(self, links: PeerLinks) -> None:
+        self.links = links
+        self._held: dict[str, _Held] = {}
+        self._releases: list[tuple[str, int, Grant, str]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.renewals = 0
+
+    def watch(self, request_id: str, cluster_id: int, grant: Grant) -> None:
+        """Renews the grant from now until `release` (a renewal right away learns the lease's length)."""
+        with self._cond:
+            self._held[request_id] = _Held(cluster_id, grant, 0.0)
+            self._start()
+            self._cond.notify_all()
+
+    def release(self, request_id: str, reason: str, cluster_id: int = 0, grant: Grant | None = None) -> None:
+        """Stops renewing and tells the prefill daemon (once) that the blocks may be freed."""
+        with self._cond:
+            held = self._held.pop(request_id, None)
+            if held is not None:
+                cluster_id, grant = held.cluster_id, held.grant
+            if grant is None:
+                return
+            self._releases.append((request_id, cluster_id, grant, reason))
+            self._start()
+            self._cond.notify_all()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stop:
+            self._thread = threading.Thread(target=self._run, name="kvbroker-grants", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.links.timeout_s * 2 + 1)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [(r, h) for r, h in self._held.items() if h.renew_at <= now]
+                if not due and not self._releases:
+                    if self._stop:
+                        return
+                    wait = min((h.renew_at for h in self._held.values()), default=now + 60.0) - now
+                    self._cond.wait(max(MIN_RENEW_S, wait))
+                    continue
+                releases, self._releases = self._releases, []
+            for request_id, cluster_id, grant, reason in releases:
+                self._release(request_id, cluster_id, grant, reason)
+            for request_id, held in due:
+                self._renew(request_id, held)
+
+    def _renew(self, request_id: str, held: _Held) -> None:
+        try:
+            self.links.ensure(held.cluster_id)
+            left = self.links.client.renew_grant(held.grant, cluster_id=held.cluster_id, timeout=self.links.timeout_s)
+            self.renewals += 1
+            # A third of what is left: two renewals may fail (a slow moment) before the grant lapses.
+            held.renew_at = time.monotonic() + max(MIN_RENEW_S, left / 3)
+        except LlmError as e:
+            if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST or isinstance(e, UntrustedPrefill):
+                with self._cond:
+                    self._held.pop(request_id, None)  # gone for good: its pull fails and the blocks are recomputed
+                log.warning("request %s: its prefill grant cannot be renewed (%s)", request_id, e.message)
+                return
+            if e.status in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_NOT_YET_LINK):
+                self.links.forget(held.cluster_id)
+            held.renew_at = time.monotonic() + 1.0
+            log.warning("request %s: could not renew its prefill grant (%s); retrying", request_id, e.message)
+
+    def _release(self, request_id: str, cluster_id: int, grant: Grant, reason: str) -> None:
+        try:
+            self.links.ensure(cluster_id)
+            self.links.client.release_grant(grant, cluster_id=cluster_id, timeout=self.links.timeout_s)
+        except LlmError as e:
+            if e.status != LlmStatus.LLM_KV_CACHE_NOT_EXIST:  # already ended: nothing to free
+                log.warning("request %s: could not release its prefill grant (%s: %s); it lapses with its lease",
+                            request_id, reason, e.message)

@@ -1,0 +1,203 @@
+"""Grants: held blocks as capabilities with leases.
+
+A local client (the prefill engine, when a request finishes) grants some blocks of its caches and gets an
+unguessable grant: a public id and a secret. Whoever holds both may renew the grant's lease, redeem it (a linked
+peer's daemon, to learn which cache and blocks it may pull) or release it; nobody else can name the blocks. A grant
+ends when it is released, when its lease lapses (its holder died or forgot it), when renewals would keep it past its
+cap, or when one of its caches is removed; each end is posted once, as a GrantEvent, on the topics the creator named,
+so the creator frees the blocks then and only then.
+
+The table holds only a digest of each secret (compared in constant time), so nothing it lists or logs lets anyone
+use a grant. A wrong secret reads exactly like an unknown grant: the answer is no oracle for which ids exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbrokerd.errors import LlmStatus, fail, param_invalid
+from kvbrokerd.limits import check_text
+
+log = logging.getLogger(__name__)
+
+ID_BYTES = 16
+SECRET_BYTES = 32
+MAX_GRANTS = 65536
+MAX_CACHES = 64
+MAX_BLOCKS = 65536
+MAX_TOPICS = 64
+MAX_TOPIC_BYTES = 128
+MAX_LABEL_BYTES = 128
+MIN_LEASE_S = 0.1
+MAX_LEASE_S = 3600.0
+MAX_HOLD_S = 86400.0
+MAX_REDEEM_HOLD_S = 600.0
+SWEEP_INTERVAL_S = 0.1
+STALL_S = 0.25
+"""A sweep this much later than planned means the daemon did not run in between (see sessions.py)."""
+
+
+@dataclass(eq=False, slots=True)
+class Grant:
+    grant_id: bytes
+    digest: bytes
+    cache_ids: tuple[int, ...]
+    blocks: tuple[int, ...]
+    block_set: frozenset[int]
+    lease_s: float
+    expires: float  # time.monotonic()
+    cap: float  # time.monotonic(): renewals never move `expires` past it
+    label: str
+    event_topics: tuple[str, ...]
+
+    def expires_in_ms(self) -> int:
+        return max(0, min(0xFFFFFFFF, int((self.expires - time.monotonic()) * 1000)))
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(b"kvbroker grant v1\0" + secret).digest()
+
+
+def lease_of(lease_ms: int, *, optional: bool = False) -> float | None:
+    if optional and lease_ms == 0:
+        return None
+    lease_s = lease_ms / 1000
+    if not MIN_LEASE_S <= lease_s <= MAX_LEASE_S:
+        param_invalid(f"lease_ms must be in [{int(MIN_LEASE_S * 1000)}, {int(MAX_LEASE_S * 1000)}], got {lease_ms}")
+    return lease_s
+
+
+class GrantTable:
+    """Runs on the event loop. `on_end(grant, outcome)` posts the grant's events (it must not raise)."""
+
+    def __init__(self, on_end: Callable[[Grant, str], None], *, max_grants: int = MAX_GRANTS) -> None:
+        self._grants: dict[bytes, Grant] = {}
+        self._on_end = on_end
+        self.max_grants = max_grants
+        self._sweeper: asyncio.Task[None] | None = None
+        self.ended: dict[str, int] = {}
+        """Grants ended so far, by outcome (for metrics and tests)."""
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    # -- the holder's operations ---------------------------------------------------------------------------------
+    def create(self, cache_ids: Sequence[int], blocks: Sequence[int], lease_ms: int, max_hold_ms: int, label: str,
+               event_topics: Sequence[str], num_blocks_of: Callable[[int], int]) -> tuple[Grant, bytes]:
+        """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache)."""
+        self.sweep()
+        if not 1 <= len(cache_ids) <= MAX_CACHES:
+            param_invalid(f"a grant covers 1..{MAX_CACHES} caches, got {len(cache_ids)}")
+        if len(set(cache_ids)) != len(cache_ids):
+            param_invalid("cache_ids repeat a cache")
+        if not 1 <= len(blocks) <= MAX_BLOCKS:
+            param_invalid(f"a grant covers 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
+        block_set = frozenset(int(b) for b in blocks)
+        if len(block_set) != len(blocks):
+            param_invalid("blocks repeat a block")
+        for cache_id in cache_ids:
+            if max(block_set) >= (n := num_blocks_of(cache_id)):
+                param_invalid(f"block {max(block_set)} is out of range for cache {cache_id} ({n} blocks)")
+        lease_s = lease_of(lease_ms)
+        assert lease_s is not None
+        hold_s = max_hold_ms / 1000 if max_hold_ms else MAX_HOLD_S
+        if not lease_s <= hold_s <= MAX_HOLD_S:
+            param_invalid(f"max_hold_ms must be 0 or in [lease_ms, {int(MAX_HOLD_S * 1000)}], got {max_hold_ms}")
+        check_text("label", label, MAX_LABEL_BYTES)
+        if len(event_topics) > MAX_TOPICS:
+            param_invalid(f"at most {MAX_TOPICS} event topics, got {len(event_topics)}")
+        for topic in event_topics:
+            if not 1 <= len(topic.encode()) <= MAX_TOPIC_BYTES:
+                param_invalid(f"an event topic must be 1..{MAX_TOPIC_BYTES} bytes")
+        if len(self._grants) >= self.max_grants:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"grant limit reached ({self.max_grants}); release grants first")
+        grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
+        now = time.monotonic()
+        grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), tuple(int(b) for b in blocks),
+                      block_set, lease_s, now + lease_s, now + hold_s, label, tuple(event_topics))
+        self._grants[grant_id] = grant
+        return grant, secret
+
+    def get(self, grant_id: bytes, secret: bytes) -> Grant:
+        """The live grant that `secret` opens; an unknown id, a wrong secret and an ended grant read the same."""
+        grant = self._grants.get(bytes(grant_id))
+        if grant is not None and grant.expires <= time.monotonic():
+            self.sweep()
+            grant = None
+        if grant is None or not hmac.compare_digest(grant.digest, _digest(bytes(secret))):
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, "grant unknown, lapsed or released (or the secret is wrong)")
+        return grant
+
+    def renew(self, grant_id: bytes, secret: bytes, lease_ms: int) -> Grant:
+        lease_s = lease_of(lease_ms, optional=True)
+        grant = self.get(grant_id, secret)
+        if lease_s is not None:
+            grant.lease_s = lease_s
+        grant.expires = min(grant.cap, max(grant.expires, time.monotonic() + grant.lease_s))
+        return grant
+
+    def redeem(self, grant_id: bytes, secret: bytes, hold_ms: int) -> Grant:
+        """The grant, kept alive at least `hold_ms` (within its cap): a pull that began in time never reads blocks
+        that were freed under it."""
+        grant = self.get(grant_id, secret)
+        hold_s = min(hold_ms / 1000, MAX_REDEEM_HOLD_S)
+        grant.expires = min(grant.cap, max(grant.expires, time.monotonic() + hold_s))
+        return grant
+
+    def release(self, grant_id: bytes, secret: bytes) -> None:
+        self._end(self.get(grant_id, secret), "released")
+
+    # -- ends the holder did not ask for ------------------------------------------------------------------------
+    def cache_removed(self, cache_id: int) -> None:
+        for grant in [g for g in self._grants.values() if cache_id in g.cache_ids]:
+            self._end(grant, "cache removed")
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for grant in [g for g in self._grants.values() if g.expires <= now]:
+            self._end(grant, "capped" if grant.expires >= grant.cap else "lapsed")
+
+    def forgive_stall(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s`: no renewal could be heard, so that time does not count."""
+        for grant in self._grants.values():
+            grant.expires += stalled_s
+            grant.cap += stalled_s
+
+    def _end(self, grant: Grant, outcome: str) -> None:
+        if self._grants.pop(grant.grant_id, None) is None:
+            return
+        self.ended[outcome] = self.ended.get(outcome, 0) + 1
+        if outcome != "released":
+            log.info("grant %s (%s) ended: %s", grant.grant_id.hex()[:8], grant.label, outcome)
+        self._on_end(grant, outcome)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
+    async def _sweep_forever(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            late = time.monotonic() - last - SWEEP_INTERVAL_S
+            if late > STALL_S:
+                self.forgive_stall(late + SWEEP_INTERVAL_S)
+            try:
+                self.sweep()
+            except Exception:  # one bad event post must not stop every later expiry
+                log.exception("grant sweep failed")
+            last = time.monotonic()

@@ -1,0 +1,89 @@
+"""A transfer's deadline and its record from arrival to its terminal state: id, log context and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+
+from kvbrokerd.errors import LlmError
+from kvbrokerd.logs import LOG_CONTEXT
+from kvbrokerd.metrics import Metrics
+from kvbrokerd.transfers.reports import TransferReport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 60.0
+REPLY_MARGIN_S = 0.05
+MAX_REPLY_MARGIN_S = 0.25
+
+
+class Deadline:
+    """The caller's deadline, minus a margin so that the caller gets our report instead of a bare timeout."""
+
+    def __init__(self, timeout: float | None) -> None:
+        budget = DEFAULT_DEADLINE_S if timeout is None else timeout
+        # 10% of the budget (50-250 ms): on a loaded host a reply sent 50 ms early can still miss a 1 s deadline.
+        margin = min(MAX_REPLY_MARGIN_S, max(REPLY_MARGIN_S, budget * 0.1), budget * 0.2)
+        self.at = time.monotonic() + budget - margin
+
+    def remaining(self) -> float:
+        return max(0.001, self.at - time.monotonic())
+
+
+# Transfer ids: a random per-process prefix and a counter, 12 hex digits for the first 16M transfers and longer
+# after (cheaper than a uuid per request; never repeated within a daemon's life, and distinct across daemons and
+# restarts as far as logs need).
+_ID_PREFIX = secrets.token_hex(3)
+_ID_COUNTER = itertools.count(1)
+
+
+class Tracked:
+    """One transfer request from arrival to its terminal state: its id and log context (every log line of the
+    transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
+
+    def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
+        self.id = f"{_ID_PREFIX}{next(_ID_COUNTER):06x}"
+        self.op, self.peer, self.deadline = op, peer, deadline
+        self.backend = "none"
+        self.moved = 0
+        self._metrics = metrics
+        self._arrived = time.monotonic()
+        self._wire_started: float | None = None
+        self._token: contextvars.Token[Mapping[str, str]] | None = None
+
+    def started(self, backend: str) -> None:
+        """Validation and planning are over: data starts to move over `backend`."""
+        self.backend = backend
+        self._wire_started = time.monotonic()
+        LOG_CONTEXT.set({**LOG_CONTEXT.get(), "backend": self.backend})
+
+    def __enter__(self) -> Tracked:
+        self._token = LOG_CONTEXT.set({"transfer": self.id, "op": self.op, "peer": self.peer})
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, LlmError):
+            outcome = exc.status.name
+            report = exc.details.get("transfer_report")
+            self.moved = report.bytes_moved if isinstance(report, TransferReport) else self.moved
+            exc.details.setdefault("transfer_id", self.id)
+        elif exc is not None:
+            outcome = "CANCELLED" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "LLM_FAILED"
+        else:
+            outcome = "DONE"
+        now = time.monotonic()
+        wire_started = self._wire_started or now
+        if self._metrics is not None:
+            self._metrics.observe(self.op, self.backend, self.peer, outcome, self.moved,
+                                  wire_started - self._arrived, now - wire_started)
+        if outcome not in ("DONE", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST", "LLM_NOT_YET_LINK"):
+            log.info("ended %s after %.1f ms (%d bytes moved)", outcome, (now - self._arrived) * 1e3, self.moved)
+        if self._token is not None:
+            with contextlib.suppress(ValueError):  # an async generator closed from another context
+                LOG_CONTEXT.reset(self._token)

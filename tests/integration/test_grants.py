@@ -1,0 +1,182 @@
+"""Grants of held blocks between real daemons: grant, redeem (a pull of exactly the granted blocks), renew, release,
+expiry, and every refusal, each before any byte moves."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbroker import (
+    CacheDesc,
+    Grant,
+    KvCacheNotExistError,
+    LinkFailedError,
+    ParamInvalidError,
+)
+from kvbroker._local import LocalDaemon
+from kvbroker.shm import Cache
+from kvbroker.v1 import broker_pb2
+from tests.conftest import cluster_of
+from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot, wait_until
+
+DESC = CacheDesc(num_tensors=2, shape=(8, 64))
+TOPIC = "grants/test"
+
+
+class Pd:
+    """A prefill daemon (makes grants) and a decode daemon linked to it (redeems them), with a cache on each."""
+
+    def __init__(self, p: LocalDaemon, d: LocalDaemon) -> None:
+        self.p, self.d = p, d
+        self.pc, self.dc = p.client(), d.client()
+        self.src: Cache = self.pc.allocate_cache(DESC)
+        self.src2: Cache = self.pc.allocate_cache(DESC)
+        self.dst: Cache = self.dc.allocate_cache(DESC)
+        fill(self.src, 1)
+        fill(self.src2, 3)
+        fill(self.dst, 2)
+
+    def grant(self, blocks: list[int], lease: float = 30.0, **kwargs: object) -> Grant:
+        return self.pc.create_grant([self.src.cache_id, self.src2.cache_id], blocks, lease, label="req-1",
+                                    event_topics=[TOPIC], **kwargs)  # type: ignore[arg-type]
+
+    def events(self) -> list[tuple[int, broker_pb2.GrantEvent]]:
+        out = []
+        for note in self.pc.fetch_notifications(TOPIC):
+            event = broker_pb2.GrantEvent()
+            event.ParseFromString(note.payload)
+            out.append((note.cluster_id, event))
+        return out
+
+    def refused_untouched(self, exc: type[Exception], match: str, grant: Grant, dst_blocks: list[int],
+                          **kwargs: object) -> None:
+        """The pull is refused with `exc` and the destination holds exactly what it held."""
+        before = snapshot(self.dst)
+        with pytest.raises(exc, match=match):
+            self.dc.pull_granted_kv_blocks(self.p.cluster_id, grant, self.dst, dst_blocks,
+                                           **kwargs)  # type: ignore[arg-type]
+        assert_bytes_equal(self.dst.tensors, before)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
+    root: Path = tmp_path_factory.mktemp("grants")
+    with LocalDaemon(root, 61) as p, LocalDaemon(root, 62) as d:
+        with d.client() as c:
+            assert c.link_clusters([cluster_of(p)])[0].ok
+        pd = Pd(p, d)
+        try:
+            yield pd
+        finally:
+            pd.pc.close()
+            pd.dc.close()
+
+
+def test_a_pull_with_a_grant_reads_exactly_the_granted_blocks_of_the_slot(pd: Pd) -> None:
+    grant = pd.grant([5, 2, 7])
+    assert 29 < grant.expires_in <= 30
+    before = snapshot(pd.dst)
+    # The grant's blocks from its second on (the decode side had the first one cached), from the second cache.
+    result = pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0, 1], cache_slot=1, first_block=1)
+    assert result.bytes_moved == 2 * DESC.block_nbytes * 2
+    assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src2, before, [2, 7], [0, 1], range(2), range(2)))
+    # Named blocks are fine when the grant covers them.
+    before = snapshot(pd.dst)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [3], src_blocks=[7])
+    assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src, before, [7], [3], range(2), range(2)))
+    pd.dc.release_grant(grant, cluster_id=pd.p.cluster_id)
+    assert [(c, e.grant_id, e.label, e.outcome) for c, e in pd.events()] == [
+        (pd.p.cluster_id, grant.grant_id, "req-1", "released")]
+
+
+def test_pulls_a_grant_does_not_cover_are_refused_before_any_byte_moves(pd: Pd) -> None:
+    grant = pd.grant([5, 2, 7])
+    pd.refused_untouched(ParamInvalidError, r"does not cover src blocks \[1\]", grant, [0, 1], src_blocks=[2, 1])
+    pd.refused_untouched(ParamInvalidError, "covers 3 blocks; 2 from its block 2", grant, [0, 1], first_block=2)
+    pd.refused_untouched(ParamInvalidError, "no cache_slot 2", grant, [0], cache_slot=2)
+    with pytest.raises(ParamInvalidError, match="not cache"):  # a cache of the caller's choosing: never
+        req = broker_pb2.PullKvBlocksRequest(dst_cache_id=pd.dst.cache_id, dst_blocks=[0])
+        req.src_cache_index.cluster_id = pd.p.cluster_id
+        req.src_cache_index.cache_id = pd.src.cache_id + 1000
+        req.grant.grant.grant_id, req.grant.grant.secret = grant.grant_id, grant.secret
+        pd.dc._call("PullKvBlocks", req, 10.0)
+    forged = Grant(grant.grant_id, bytes(32))
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", forged, [0])
+    stranger = Grant(bytes(16), grant.secret)
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", stranger, [0])
+    pd.refused_untouched(ParamInvalidError, "16-byte id and a 32-byte secret", Grant(b"short", b"x"), [0])
+    # Nobody but the holder renews or releases it.
+    for wrong in (forged, stranger):
+        with pytest.raises(KvCacheNotExistError):
+            pd.dc.renew_grant(wrong, cluster_id=pd.p.cluster_id)
+        with pytest.raises(KvCacheNotExistError):
+            pd.dc.release_grant(wrong, cluster_id=pd.p.cluster_id)
+    assert pd.events() == []
+    pd.pc.release_grant(grant)  # the creator holds it too (cluster_id 0: this daemon)
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", grant, [0])
+    with pytest.raises(KvCacheNotExistError):
+        pd.dc.release_grant(grant, cluster_id=pd.p.cluster_id)
+    assert [e.outcome for _, e in pd.events()] == ["released"]
+
+
+def test_a_grant_lapses_unless_renewed_and_its_end_is_posted(pd: Pd) -> None:
+    renewed, lapsing = pd.grant([1], lease=1.0), pd.grant([2], lease=0.2)
+    assert pd.dc.renew_grant(renewed, 5.0, cluster_id=pd.p.cluster_id) > 1.0  # a longer lease from now on
+    (cluster, event), = wait_until(pd.events, what="the unrenewed grant's lapse posted")
+    assert (cluster, event.grant_id, event.outcome) == (pd.p.cluster_id, lapsing.grant_id, "lapsed")
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", lapsing, [0])
+    with pytest.raises(KvCacheNotExistError):
+        pd.dc.renew_grant(lapsing, cluster_id=pd.p.cluster_id)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, renewed, pd.dst, [0])
+    pd.pc.release_grant(renewed)
+    assert [e.outcome for _, e in pd.events()] == ["released"]
+
+
+def test_renewals_never_pass_the_cap(pd: Pd) -> None:
+    grant = pd.grant([1], lease=0.2, max_hold=0.4)
+
+    def capped() -> list[tuple[int, broker_pb2.GrantEvent]]:
+        with contextlib.suppress(KvCacheNotExistError):
+            pd.dc.renew_grant(grant, cluster_id=pd.p.cluster_id)
+        return pd.events()
+
+    (_, event), = wait_until(capped, poll=0.05, what="the grant ending at its cap although renewed")
+    assert event.outcome == "capped"
+
+
+def test_removing_a_granted_cache_ends_the_grant(pd: Pd) -> None:
+    extra = pd.pc.allocate_cache(DESC)
+    grant = pd.pc.create_grant([extra.cache_id], [0, 1], 30.0, label="gone", event_topics=[TOPIC, TOPIC + "/2"])
+    pd.pc.deallocate_cache(extra)
+    (_, event), = wait_until(pd.events, what="the grant's end posted")
+    assert (event.label, event.outcome) == ("gone", "cache removed")
+    assert [n.cluster_id for n in pd.pc.fetch_notifications(TOPIC + "/2")] == [pd.p.cluster_id]
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", grant, [0])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cache_ids": [], "blocks": [1]}, "1..64 caches"),
+    ({"cache_ids": [-5], "blocks": [1]}, "does not exist"),
+    ({"blocks": []}, "1..65536 blocks"),
+    ({"blocks": [1, 1]}, "repeat a block"),
+    ({"blocks": [8]}, "block 8 is out of range"),
+    ({"lease": 0.05}, "lease_ms must be in"),
+    ({"lease": 10.0, "max_hold": 5.0}, "max_hold_ms must be"),
+    ({"label": "a\nb"}, "label holds a control"),
+    ({"event_topics": ["x" * 129]}, "event topic must be"),
+])
+def test_bad_grants_are_refused(pd: Pd, kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"cache_ids": [pd.src.cache_id], "blocks": [1], "lease": 1.0, **kwargs}
+    with pytest.raises(ParamInvalidError if "exist" not in message else KvCacheNotExistError, match=message):
+        pd.pc.create_grant(**args)  # type: ignore[arg-type]
+
+
+def test_a_grant_needs_a_ready_link_to_the_daemon_that_made_it(pd: Pd) -> None:
+    grant = pd.grant([1])
+    with pytest.raises((LinkFailedError, Exception), match="not linked"):
+        pd.pc.renew_grant(grant, cluster_id=pd.d.cluster_id)  # p never linked to d
+    pd.pc.release_grant(grant)
+    pd.events()
