@@ -4,8 +4,9 @@
 
 Two local kvbrokerd daemons (shm backend), a prefill cache per prefill TP rank and one decode cache per case, laid
 out exactly as the vLLM connector lays them out (vLLM's CPU attention: [block, head, K|V, token, dim], fp16, head
-size 128). Each case runs the connector's own plan (`remap.plan_pull`) through `Client.pull_kv_blocks`, as a decode
-worker does, and is timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number
+size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a decode worker does: one
+`Client.pull_granted_kv_blocks` per prefill rank read, by a grant of the request's blocks, naming the units of that
+rank's cache; it is timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number
 of bytes: for a decode rank that takes half the heads, the baseline is a homogeneous pull of half the tokens. The
 figure is the median of `--rounds` pulls, after one warm-up; `ratio` = heterogeneous / homogeneous.
 """
@@ -19,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbroker import CacheIndex, KvCacheExtParam
+from kvbroker import KvCacheExtParam
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.remap import plan_pull
-from kvbroker.types import PullBlocks
+from kvbroker.types import Grant
 
 HEAD = 128
 
@@ -60,18 +61,14 @@ def main() -> None:
         from kvbroker import ClusterInfo
         d.link_clusters([ClusterInfo(p_daemon.cluster_id, p_daemon.peer_address)], timeout=10)
 
-        def timed(src_caches: list[int], dst: int, pulls: list[tuple[int, list[int], list[int]]]) -> float:
+        def timed(grant: Grant, dst: int, pulls: list[tuple[int, list[int], list[int]]]) -> float:
             times = []
+            ext = KvCacheExtParam(tensor_num_per_layer=1)
             for i in range(args.rounds + 1):
                 started = time.perf_counter()
-                ext = KvCacheExtParam(tensor_num_per_layer=1)
-                if len(pulls) == 1:  # as the connector's worker does: one pull, or one batch over prefill ranks
-                    ((rank, src_units, dst_units),) = pulls
-                    d.pull_kv_blocks(CacheIndex(p_daemon.cluster_id, src_caches[rank]), dst, src_units, dst_units,
-                                     ext)
-                else:
-                    d.transfer_kv_blocks_batch([PullBlocks(CacheIndex(p_daemon.cluster_id, src_caches[rank]), dst,
-                                                           tuple(s), tuple(t), ext) for rank, s, t in pulls])
+                for rank, src_units, dst_units in pulls:  # as the connector's worker does: one per prefill rank
+                    d.pull_granted_kv_blocks(p_daemon.cluster_id, grant, dst, dst_units, cache_slot=rank,
+                                             src_blocks=src_units, ext_param=ext)
                 if i:
                     times.append(time.perf_counter() - started)
             return statistics.median(times)
@@ -86,16 +83,22 @@ def main() -> None:
             d_blocks = list(range(1, tokens // d_block + 1))
             plan = plan_pull(ours, rank, theirs, d_blocks, p_blocks, 0, tokens)
             nbytes = sum(len(u.dst_units) for u in plan) * ours.unit_bytes * layers
-            seconds = timed([c.cache_id for c in src], dst.cache_id,
+            grant = p.create_grant([c.cache_id for c in src], p_blocks, 600.0,
+                                   units_per_block=theirs.grant_units)
+            seconds = timed(grant, dst.cache_id,
                             [(u.remote_rank, u.src_units.tolist(), u.dst_units.tolist()) for u in plan])
+            p.release_grant(grant)
             if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
                 same = layout(1, 32, blocks, layers, heads)
                 h_src, h_dst = p.allocate_cache(same.desc()), d.allocate_cache(same.desc())
                 n_tokens = nbytes // (same.page_bytes * layers) * 32
                 h_plan = plan_pull(same, 0, same, list(range(1, n_tokens // 32 + 1)),
                                    list(range(1, n_tokens // 32 + 1)), 0, n_tokens)
-                homogeneous[nbytes] = timed([h_src.cache_id], h_dst.cache_id,
+                h_grant = p.create_grant([h_src.cache_id], list(range(1, n_tokens // 32 + 1)), 600.0,
+                                         units_per_block=same.grant_units)
+                homogeneous[nbytes] = timed(h_grant, h_dst.cache_id,
                                             [(0, u.src_units.tolist(), u.dst_units.tolist()) for u in h_plan])
+                p.release_grant(h_grant)
                 p.deallocate_cache(h_src.cache_id)
                 d.deallocate_cache(h_dst.cache_id)
             rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "units_per_layer": sum(

@@ -139,7 +139,8 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
         caches = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
         for rank, cache in enumerate(caches):
             _fill(cache, theirs, rank, p_blocks, num_tokens)
-        grant = p.create_grant([c.cache_id for c in caches], theirs.daemon_blocks(p_blocks), 60.0)
+        grant = p.create_grant([c.cache_id for c in caches], p_blocks, 60.0,
+                               units_per_block=theirs.grant_units)
         remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=tuple(p_blocks), request_id="p-req",
                           engine_id=engine, layout_tag=theirs.tag(), num_tokens=num_tokens, tp_size=p_tp)
         spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, first_block=1,
@@ -192,7 +193,7 @@ def test_blocks_outside_the_grant_are_refused_and_nothing_lands(daemons: tuple[L
     with p_daemon.client() as p:
         cache = p.allocate_cache(theirs.desc())
         _fill(cache, theirs, 0, [5, 6], 64)
-        grant = p.create_grant([cache.cache_id], theirs.daemon_blocks([1, 2]), 60.0)
+        grant = p.create_grant([cache.cache_id], [1, 2], 60.0, units_per_block=theirs.grant_units)
         remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(5, 6), request_id="p-req",
                           engine_id="engine-p-outside", layout_tag=theirs.tag(), num_tokens=64, tp_size=1)
         worker, buffer = _decode_worker(d_daemon, p_daemon, ours, 0)

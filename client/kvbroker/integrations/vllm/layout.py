@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,13 +125,11 @@ class KvLayout:
         return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks * self.units_per_block, self.unit_elems),
                          data_type=dtype, layout_tag=self.daemon_tag())
 
-    def daemon_blocks(self, blocks: Sequence[int]) -> list[int]:
-        """vLLM's block ids as the daemon addresses them: every transfer unit of each block (a GPU engine's cache
-        is addressed in whole blocks: `gpu.runs_desc`)."""
-        if self.physical:
-            return [int(b) for b in blocks]
-        per = self.units_per_block
-        return [int(b) * per + k for b in blocks for k in range(per)]
+    @property
+    def grant_units(self) -> int:
+        """How many of the daemon's blocks one engine block is (`CreateGrant`'s units_per_block): its transfer units
+        (a GPU engine's cache is addressed in whole blocks: `gpu.runs_desc`)."""
+        return 1 if self.physical else self.units_per_block
 
     def fields(self) -> dict[str, str]:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",

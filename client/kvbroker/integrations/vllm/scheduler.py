@@ -215,10 +215,10 @@ class SchedulerSide:
         try:
             # Made before the params leave the engine: every renewal or redeem of it finds it.
             grant = self.client.create_grant(
-                [self.endpoints[r].cache_id for r in ranks], self.layout.daemon_blocks(blocks),
-                self.config.hold_lease_s,
+                [self.endpoints[r].cache_id for r in ranks], blocks, self.config.hold_lease_s,
                 max_hold=self.config.release_timeout_s, label=request.request_id,
-                event_topics=[release_topic(self.engine_id, r) for r in ranks], timeout=self.config.link_timeout_s)
+                event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
+                timeout=self.config.link_timeout_s)
         except LlmError as e:
             log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
                       "compute them", request.request_id, e.status.name, e.message)
