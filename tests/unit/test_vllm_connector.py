@@ -28,6 +28,7 @@ from kvbroker.integrations.vllm.params import (
     prefill_output_params,
 )
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.status import LlmStatus
 from kvbroker.types import Grant
 from kvbroker.v1 import broker_pb2
 from tests.helpers import wait_until
@@ -287,6 +288,8 @@ def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> N
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     plan = side.take_plan()
     assert not plan.pulls and _releases(side) == ["incompatible"]
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"layout": 1}  # vLLM's connector stats, /metrics
 
 
 def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> None:
@@ -306,6 +309,8 @@ def test_decode_side_never_dials_nor_renews_with_an_untrusted_prefill_daemon() -
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     assert not side.take_plan().pulls
     assert not side.grants._releases  # nothing is ever sent to a daemon this node does not trust
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"untrusted": 1}
 
 
 def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> None:
@@ -362,6 +367,8 @@ def test_held_blocks_are_freed_when_their_grant_ends_and_not_before(caplog: pyte
     assert "its grant ended (lapsed)" in caplog.text
     worker.note_release("held", "released")
     assert worker.finished() == ({"held"}, set())
+    counted = worker.transfers.take()  # vLLM's connector stats: vllm:kvbroker_expired_holds{outcome="lapsed"}
+    assert counted is not None and counted["expired_holds"] == {"lapsed": 1}
     worker.shutdown()
 
 
@@ -374,6 +381,8 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
     done = wait_until(lambda: (got := worker.finished())[1] and got, what="the refused pull reported")
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    counted = worker.transfers.take()
+    assert counted is not None and (counted["recomputes"], counted["failures"]) == ({"block_mismatch": 1}, {})
     worker.shutdown()
 
 
@@ -443,3 +452,28 @@ def test_transfer_stats_sum_over_workers_and_intervals() -> None:
     other = {"num_pulls": 1, "num_failed": 0, "transfer_bytes": [3_000_000], "transfer_s": [0.030]}
     assert summarize(merge(first, other)) == {"num_pulls": 3, "num_failed": 1, "bytes_MB": 4.0, "avg_transfer_ms": 20.0,
                                               "p90_transfer_ms": 30.0, "throughput_GBps": 0.1}
+
+
+def test_recomputes_failures_and_expired_holds_are_counted_by_bounded_reason() -> None:
+    from kvbroker.integrations.vllm.stats import TransferLog, merge, reason_of, summarize
+
+    log = TransferLog()
+    log.record_recompute("layout")  # refused: never tried, not a failed pull
+    log.record_recompute(reason_of(LlmStatus.LLM_KV_CACHE_NOT_EXIST), pull_failed=True)
+    log.record_recompute("made up by a bug", pull_failed=True)
+    first = log.take()
+    assert first is not None  # reported with no pull at all (a prefill node's expired holds, a refusal)
+    assert (first["recomputes"], first["failures"]) == ({"layout": 1, "hold_expired": 1, "other": 1},
+                                                        {"hold_expired": 1, "other": 1})
+    log.record_expired_hold("cache removed".replace(" ", "_"))
+    log.record_expired_hold("anything else")
+    second = log.take()
+    assert second is not None and log.take() is None
+    both = merge(first, merge(second, {"num_pulls": 0, "num_failed": 0, "transfer_bytes": [], "transfer_s": []}))
+    assert both["expired_holds"] == {"cache_removed": 1, "other": 1}
+    assert summarize(both) == {"num_pulls": 0, "num_failed": 0, "bytes_MB": 0.0, "recomputes_hold_expired": 1,
+                               "recomputes_layout": 1, "recomputes_other": 1, "failures_hold_expired": 1,
+                               "failures_other": 1, "expired_holds_cache_removed": 1, "expired_holds_other": 1}
+    assert [reason_of(s) for s in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_NOT_YET_LINK, LlmStatus.LLM_TIMEOUT,
+                                   LlmStatus.LLM_PARAM_INVALID)] == [
+        "unreachable", "unreachable", "timeout", "refused_by_daemon"]

@@ -29,7 +29,7 @@ from kvbroker.integrations.vllm.params import (
     release_topic,
     wants_remote_prefill,
 )
-from kvbroker.integrations.vllm.stats import RequestTransfer
+from kvbroker.integrations.vllm.stats import RequestTransfer, TransferLog
 from kvbroker.status import LlmError
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
@@ -59,6 +59,8 @@ class SchedulerSide:
         self.client = client or Client(config.target, timeout=config.link_timeout_s, lease_ttl=None)
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self.grants = GrantKeeper(self.links)
+        self.stats = TransferLog()
+        """Requests this side decided to compute locally (refused KV), for vLLM's connector stats."""
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
@@ -110,9 +112,11 @@ class SchedulerSide:
         try:
             remote = parse_remote(params)
         except BadTransferParams:
+            self.stats.record_recompute("bad_params")
             return  # logged by num_new_matched_tokens; without addressing nobody can be told anything
         refusal = self._refusal(remote)
         if refusal:
+            self.stats.record_recompute(self._refusal_reason(remote))
             log.error("request %s: refusing KV of prefill engine %s, computing locally: %s", request.request_id,
                       remote.engine_id, refusal)
             self._release(request.request_id, remote, "incompatible")
@@ -164,6 +168,12 @@ class SchedulerSide:
                     "kvbroker pulls rank to rank")
         mismatch = explain_mismatch(ours, remote.layout_tag)
         return f"incompatible KV layouts ({mismatch})" if mismatch else ""
+
+    def _refusal_reason(self, remote: RemoteKv) -> str:
+        """`_refusal`'s reason as a metric label."""
+        if not self.endpoints:
+            return "not_ready"
+        return "untrusted" if self.links.refusal(remote.cluster_id) else "layout"
 
     # -- both sides ----------------------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool

@@ -32,7 +32,7 @@ from kvbroker.integrations.vllm.params import (
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.stats import TransferLog
+from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
 from kvbroker.types import KvCacheExtParam
@@ -153,6 +153,7 @@ class WorkerSide:
                     if ended != "released":
                         log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
                                     "KV blocks", req_id, ended)
+                        self.transfers.record_expired_hold(ended.replace(" ", "_"))
                     del self._held[req_id]
                     sending.add(req_id)
             # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
@@ -174,6 +175,7 @@ class WorkerSide:
         except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
             failed = frozenset(spec.local_blocks)
+            self.transfers.record_recompute("error", pull_failed=True)
         finally:
             with self._lock:
                 self._pulled.append(PullOutcome(spec.request_id, failed))
@@ -187,19 +189,23 @@ class WorkerSide:
         if spec.refused:
             log.error("request %s: not pulling from prefill engine %s: %s", spec.request_id, spec.remote.engine_id,
                       spec.refused)
+            self.transfers.record_recompute("block_mismatch")
             return everything
         assert self.cache is not None
         remote = spec.remote
         mismatch = explain_mismatch(self.layout.tag(), remote.layout_tag)
         if mismatch:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, mismatch)
+            self.transfers.record_recompute("layout")
             return everything
         if self.rank >= remote.tp_size:
             log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
                       remote.tp_size, self.rank)
+            self.transfers.record_recompute("layout")
             return everything
         if why := self.links.refusal(remote.cluster_id):
             log.error("request %s: not pulling: %s", spec.request_id, why)
+            self.transfers.record_recompute("untrusted")
             return everything
         for attempt in (1, 2):
             try:
@@ -214,6 +220,7 @@ class WorkerSide:
                 if attempt == 2:
                     log.warning("request %s: cluster %d is not linked; recomputing", spec.request_id,
                                 remote.cluster_id)
+                    self.transfers.record_recompute("unreachable", pull_failed=True)
                     return everything
                 continue
             except LlmError as e:
@@ -226,6 +233,7 @@ class WorkerSide:
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
+                self.transfers.record_recompute(reason_of(e.status), pull_failed=True)
                 return failed or everything
             if self.gpu is not None:
                 self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule the request
