@@ -27,13 +27,19 @@ def _metrics(registry: CollectorRegistry) -> Any:
     from kvbroker.integrations.vllm import KvBrokerConnector
 
     # vLLM passes its metric classes (they register in its global registry); these register in the test's own.
-    def bound(cls: type) -> type:
-        def init(self: Any, *args: Any, **kwargs: Any) -> None:
-            cls.__init__(self, *args, registry=registry, **kwargs)
+    class OurCounter(Counter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "registry": registry})
 
-        return type(cls.__name__, (cls,), {"__init__": init})
+    class OurHistogram(Histogram):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "registry": registry})
 
-    types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    class OurGauge(Gauge):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "registry": registry})
+
+    types = {Gauge: OurGauge, Counter: OurCounter, Histogram: OurHistogram}
     labels = {0: ["tiny", "0"], 1: ["tiny", "1"]}
     config = SimpleNamespace(kv_transfer_config=None)
     return KvBrokerConnector.build_prom_metrics(config, types, ["model_name", "engine"], labels)
