@@ -45,7 +45,8 @@ What it does:
   head layout, layer count and TP size match (the cache's layout tag, also enforced by kvbrokerd).
 - Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report the request's pull:
   `kvbroker_transfer_ms`, `kvbroker_transfer_bytes`, `kvbroker_backend`; vLLM's KV connector stats ("KV Transfer
-  metrics" log line) sum pulls, failures, bytes and transfer times per interval; `kvbroker_log_transfers` adds an
+  metrics" log line) sum pulls, failures, bytes and transfer times per interval, and recomputes and expired holds by
+  reason; vLLM's `/metrics` has them as `vllm:kvbroker_*` series (`prom.py`); `kvbroker_log_transfers` adds an
   INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over BACKEND (X GB/s)").
 - Loads are asynchronous (vLLM schedules a request once its whole pull has landed), so layer-by-layer loading would
   overlap nothing: the decode step after a pull computes one token. The pull itself runs as one transfer.
