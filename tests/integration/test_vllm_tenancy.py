@@ -160,6 +160,9 @@ def test_a_forged_or_ended_grant_pulls_nothing_and_ends_no_hold(fleet: Fleet) ->
     wait_until(lambda: "victim" in fleet.ended(), what="the victim's grant released")
     local, failed = fleet.run_decode("d-replay", victim)
     assert failed == set(local) and [fleet.origin(b) for b in local] == [0.0, 0.0]
+    # Counted for vLLM's /metrics: the forged and the replayed pull failed, their hold unknown to the prefill daemon.
+    counted = fleet.worker.transfers.take()
+    assert counted is not None and counted["failures"] == counted["recomputes"] == {"hold_expired": 2}
     with pytest.raises(KvCacheNotExistError):
         fleet.pc.renew_grant(grant)
 

@@ -28,6 +28,7 @@ from kvbroker.integrations.vllm.params import (
     prefill_output_params,
 )
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.status import LlmStatus
 from kvbroker.types import Grant
 from kvbroker.v1 import broker_pb2
 from tests.helpers import wait_until
@@ -299,11 +300,13 @@ def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> N
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     plan = side.take_plan()
     assert not plan.pulls and _releases(side) == ["incompatible"]
-    # The output says so, with the field, and the refusal is counted by field.
+    # The output says so, with the field, and the refusal is counted by field and as a recompute.
     assert side.request_finished(req, [8, 9], finished_normally=True) == (False, {
         "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 0, "kvbroker_tokens_cached": 0,
         "kvbroker_tokens_recomputed": 40, "kvbroker_refused": "dtype: local float32 vs remote bfloat16"})
-    assert side.take_stats() == {"dtype": 1} and side.take_stats() == {}
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"layout": 1}  # vLLM's connector stats, /metrics
+    assert counted["refused"] == {"dtype": 1} and side.stats.take() is None
 
 
 def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> None:
@@ -323,6 +326,8 @@ def test_decode_side_never_dials_nor_renews_with_an_untrusted_prefill_daemon() -
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     assert not side.take_plan().pulls
     assert not side.grants._releases  # nothing is ever sent to a daemon this node does not trust
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"untrusted": 1}
 
 
 def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> None:
@@ -381,6 +386,8 @@ def test_held_blocks_are_freed_when_their_grant_ends_and_not_before(caplog: pyte
     assert "its grant ended (lapsed)" in caplog.text
     worker.note_release("held", "released")
     assert worker.finished() == ({"held"}, set())
+    counted = worker.transfers.take()  # vLLM's connector stats: vllm:kvbroker_expired_holds{outcome="lapsed"}
+    assert counted is not None and counted["expired_holds"] == {"lapsed": 1}
     worker.shutdown()
 
 
@@ -393,6 +400,8 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
     done = wait_until(lambda: (got := worker.finished())[1] and got, what="the refused pull reported")
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    counted = worker.transfers.take()
+    assert counted is not None and (counted["recomputes"], counted["failures"]) == ({"block_mismatch": 1}, {})
     worker.shutdown()
 
 
@@ -509,3 +518,28 @@ def test_head_sources(ours_tp: int, theirs_tp: int, heads: int, sources: dict[in
 
     ours, theirs = _gqa(ours_tp, heads=heads), _gqa(theirs_tp, heads=heads)
     assert {r: head_sources(ours, r, theirs) for r in range(ours_tp)} == sources
+
+
+def test_recomputes_failures_and_expired_holds_are_counted_by_bounded_reason() -> None:
+    from kvbroker.integrations.vllm.stats import TransferLog, merge, reason_of, summarize
+
+    log = TransferLog()
+    log.record_recompute("layout")  # refused: never tried, not a failed pull
+    log.record_recompute(reason_of(LlmStatus.LLM_KV_CACHE_NOT_EXIST), pull_failed=True)
+    log.record_recompute("made up by a bug", pull_failed=True)
+    first = log.take()
+    assert first is not None  # reported with no pull at all (a prefill node's expired holds, a refusal)
+    assert (first["recomputes"], first["failures"]) == ({"layout": 1, "hold_expired": 1, "other": 1},
+                                                        {"hold_expired": 1, "other": 1})
+    log.record_expired_hold("cache removed".replace(" ", "_"))
+    log.record_expired_hold("anything else")
+    second = log.take()
+    assert second is not None and log.take() is None
+    both = merge(first, merge(second, {"num_pulls": 0, "num_failed": 0, "transfer_bytes": [], "transfer_s": []}))
+    assert both["expired_holds"] == {"cache_removed": 1, "other": 1}
+    assert summarize(both) == {"num_pulls": 0, "num_failed": 0, "bytes_MB": 0.0, "recomputes_hold_expired": 1,
+                               "recomputes_layout": 1, "recomputes_other": 1, "failures_hold_expired": 1,
+                               "failures_other": 1, "expired_holds_cache_removed": 1, "expired_holds_other": 1}
+    assert [reason_of(s) for s in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_NOT_YET_LINK, LlmStatus.LLM_TIMEOUT,
+                                   LlmStatus.LLM_PARAM_INVALID)] == [
+        "unreachable", "unreachable", "timeout", "refused_by_daemon"]

@@ -451,7 +451,10 @@ class TransferManager:
 
     async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
                              ) -> tuple[TransferResult, list[str]]:
-        with self.track("batch", ",".join(sorted({str(r.remote_cluster_id) for _, r in groups})), timeout) as t:
+        peers = {str(r.remote_cluster_id) for _, r in groups}
+        # One peer label per transfer: a batch over several peers gets a shared one (not their list, which would make
+        # a new series for every combination).
+        with self.track("batch", peers.pop() if len(peers) == 1 else "several", timeout) as t:
             return await self._transfer_batch(groups, t)
 
     async def _transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], t: Tracked

@@ -53,7 +53,8 @@ What it does:
   from: `kvbroker_prompt_tokens`, `kvbroker_tokens_pulled` (from the prefill side), `kvbroker_tokens_cached` (the
   local prefix cache), `kvbroker_tokens_recomputed`, `kvbroker_refused` (why, when refused), and for a pull
   `kvbroker_transfer_ms`, `kvbroker_transfer_bytes`, `kvbroker_backend`; vLLM's KV connector stats ("KV Transfer
-  metrics" log line) sum pulls, failures, refusals, bytes and transfer times per interval;
+  metrics" log line) sum pulls, failures, refusals (by field), bytes and transfer times per interval, and
+  recomputes and expired holds by reason; vLLM's `/metrics` has them as `vllm:kvbroker_*` series (`prom.py`);
   `kvbroker_log_transfers` adds an INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over
   BACKEND (X GB/s)").
 - Loads are asynchronous (vLLM schedules a request once its whole pull has landed), so layer-by-layer loading would

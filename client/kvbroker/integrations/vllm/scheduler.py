@@ -30,7 +30,7 @@ from kvbroker.integrations.vllm.params import (
     wants_remote_prefill,
 )
 from kvbroker.integrations.vllm.remap import Refusal, refusal
-from kvbroker.integrations.vllm.stats import RequestTransfer
+from kvbroker.integrations.vllm.stats import RequestTransfer, TransferLog
 from kvbroker.status import LlmError
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
@@ -59,13 +59,13 @@ class SchedulerSide:
         self._reports: dict[str, dict[str, Any]] = {}
         """Decode requests that asked for remote KV: what their output will say about where their prompt's KV came
         from (completed with the workers' transfers)."""
-        self._refused: dict[str, int] = {}
-        """Refusals since the last `take_stats`, by the field that could not be mapped."""
         self.layout: KvLayout | None = None
         # No I/O here: the channel opens on the first call (an engine that never grants nor pulls never makes one).
         self.client = client or Client(config.target, timeout=config.link_timeout_s, lease_ttl=None)
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self.grants = GrantKeeper(self.links)
+        self.stats = TransferLog()
+        """Requests this side decided to compute locally (refused KV), for vLLM's connector stats."""
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
@@ -118,13 +118,15 @@ class SchedulerSide:
         try:
             remote = parse_remote(params)
         except BadTransferParams:
+            self.stats.record_recompute("bad_params")
             return  # logged by num_new_matched_tokens; without addressing nobody can be told anything
         refused = self._refusal(remote)
         prompt = request.num_prompt_tokens
         if refused:
+            self.stats.record_recompute(self._refusal_reason(refused))
+            self.stats.record_refused(refused.field)
             log.error("request %s: refusing KV of prefill engine %s, computing locally: %s", request.request_id,
                       remote.engine_id, refused.message)
-            self._refused[refused.field] = self._refused.get(refused.field, 0) + 1
             self._reports[request.request_id] = {"prompt": prompt, "cached": 0, "refused": refused.message}
             self._release(request.request_id, remote, "incompatible")
             return
@@ -179,10 +181,10 @@ class SchedulerSide:
                                  f"{layout_of_tag(remote.layout_tag).tp_size}")
         return refused
 
-    def take_stats(self) -> dict[str, int]:
-        """Refusals since the last call, by field (the scheduler's part of the connector's stats)."""
-        out, self._refused = self._refused, {}
-        return out
+    @staticmethod
+    def _refusal_reason(refused: Refusal) -> str:
+        """A refusal's recompute reason, as a metric label."""
+        return {"engine": "not_ready", "cluster": "untrusted"}.get(refused.field, "layout")
 
     # -- both sides ----------------------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool

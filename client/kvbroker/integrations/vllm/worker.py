@@ -35,7 +35,7 @@ from kvbroker.integrations.vllm.params import (
     release_topic,
 )
 from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal
-from kvbroker.integrations.vllm.stats import TransferLog
+from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
 from kvbroker.types import KvCacheExtParam, TransferResult
@@ -172,6 +172,7 @@ class WorkerSide:
                     if ended != "released":
                         log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
                                     "KV blocks", req_id, ended)
+                        self.transfers.record_expired_hold(ended.replace(" ", "_"))
                     del self._held[req_id]
                     sending.add(req_id)
             # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
@@ -193,6 +194,7 @@ class WorkerSide:
         except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
             failed = frozenset(spec.local_blocks)
+            self.transfers.record_recompute("error", pull_failed=True)
         finally:
             if failed:  # reported too: the request's output says its tokens were recomputed, not pulled
                 self.transfers.record_failed(spec.request_id)
@@ -208,6 +210,7 @@ class WorkerSide:
         if spec.refused:
             log.error("request %s: not pulling from prefill engine %s: %s", spec.request_id, spec.remote.engine_id,
                       spec.refused)
+            self.transfers.record_recompute("block_mismatch")
             return everything
         assert self.cache is not None
         remote = spec.remote
@@ -215,15 +218,18 @@ class WorkerSide:
         refused = refusal(self.layout, remote.layout_tag)
         if refused is not None:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, refused.message)
+            self.transfers.record_recompute("layout")
             return everything
         if why := self.links.refusal(remote.cluster_id):
             log.error("request %s: not pulling: %s", spec.request_id, why)
+            self.transfers.record_recompute("untrusted")
             return everything
         calls: list[Callable[[], TransferResult]] = []
         if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
             if self.rank >= remote.tp_size:
                 log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
                           remote.tp_size, self.rank)
+                self.transfers.record_recompute("layout")
                 return everything
             calls.append(lambda: self.client.pull_granted_kv_blocks(
                 remote.cluster_id, remote.grant, dst, spec.local_blocks, cache_slot=self.rank,
@@ -237,6 +243,7 @@ class WorkerSide:
                 plan = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
             except ValueError as e:
                 log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
+                self.transfers.record_recompute("block_mismatch")
                 return everything
             # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
             for one in plan:
@@ -282,6 +289,7 @@ class WorkerSide:
                 if attempt == 2:
                     log.warning("request %s: cluster %d is not linked; recomputing", spec.request_id,
                                 remote.cluster_id)
+                    self.transfers.record_recompute("unreachable", pull_failed=True)
                     return everything
                 continue
             except LlmError as e:
@@ -294,6 +302,7 @@ class WorkerSide:
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             spec.request_id, remote.cluster_id, e.status.name, e.message, len(failed or everything),
                             len(everything))
+                self.transfers.record_recompute(reason_of(e.status), pull_failed=True)
                 return failed or everything
             return _Pulled(result.bytes_moved, time.monotonic() - started, result.backend)
         return everything
