@@ -552,8 +552,8 @@ class _Calls:
 
     @_rpc()
     def create_grant(self, cache_ids: Sequence[int], blocks: Sequence[int], lease: float, *, max_hold: float = 0.0,
-                     label: str = "", event_topics: Sequence[str] = (), timeout: float | None = None
-                     ) -> _Call[Grant]:
+                     label: str = "", event_topics: Sequence[str] = (), units_per_block: int = 1,
+                     timeout: float | None = None) -> _Call[Grant]:
         """Grants linked peers the right to pull `blocks` of local caches `cache_ids` (e.g. a finished prefill
         request's KV, one cache per TP rank) for `lease` seconds unless renewed.
 
@@ -565,6 +565,8 @@ class _Calls:
             label: echoed in the GrantEvent (e.g. the request id).
             event_topics: topics on which this daemon posts a GrantEvent when the grant ends (FetchNotifications;
                 the notification's cluster_id is this daemon's own).
+            units_per_block: each granted block stands for this many consecutive blocks of the caches (block b:
+                b * units_per_block onwards), e.g. an engine block addressed in finer units; 1..65536.
             timeout: deadline in seconds (default: the client's `timeout`).
 
         Returns:
@@ -577,7 +579,7 @@ class _Calls:
         """
         req = broker_pb2.CreateGrantRequest(cache_ids=list(cache_ids), blocks=_blocks(blocks),
                                             lease_ms=_ms(lease), max_hold_ms=_ms(max_hold or None), label=label,
-                                            event_topics=list(event_topics))
+                                            event_topics=list(event_topics), units_per_block=units_per_block)
         return _Call("CreateGrant", req, _grant, timeout)
 
     @_rpc()

@@ -128,7 +128,9 @@ class Daemon:
                 credentials=tls.channel_credentials() if tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl,
                 broken_link_ttl_s=cfg.broken_link_ttl, idle_link_ttl_s=cfg.idle_link_ttl)
-            self.metrics = Metrics()
+            links = self._links
+            self.metrics = metrics = Metrics(linked=lambda peer: peer.isdigit() and int(peer) in links.links)
+            links.on_removed.append(lambda cluster_id: metrics.forget_peer(str(cluster_id)))
             transfers = TransferManager(self._registry, self._links, self._executor, self._parts_executor,
                                         max_transfers=cfg.max_transfers, max_inflight_bytes=cfg.max_inflight_bytes,
                                         parallel_transfers=cfg.parallel_transfers,
@@ -257,7 +259,7 @@ class Daemon:
                 "caches": len(caches),
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
-                "sessions": len(node.sessions), "grants": len(node.grants)}
+                "sessions": len(node.sessions), "grants": len(node.grants), "grants_ended": dict(node.grants.ended)}
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:

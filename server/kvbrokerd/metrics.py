@@ -1,11 +1,18 @@
 """Prometheus metrics: what moved, how it ended, how long it took, and the daemon's state at scrape time.
 
 Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, backend, peer, outcome};
-transfer_seconds {op, backend, stage=queue|wire|total}; and, read from the daemon when scraped: links {state} (the
-links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
+transfer_seconds {op, backend, peer, stage=queue|wire|total}; and, read from the daemon when scraped: links {state}
+(the links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
 reason} (links removed without an unlink: outbound `broken`, `idle`, `room`; inbound `expired`, `silent`,
-`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions,
-grants.
+`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions, grants, grants_ended_total
+{outcome=released|lapsed|capped|cache_removed} (holds of this daemon's blocks that ended, and how).
+
+`peer` is the remote cluster id of the transfer (`local` for a copy within this daemon, `several` for a batch over
+more than one peer). Its cardinality is bounded: at most `max_peers` (MAX_PEER_LABELS) linked cluster ids get series
+of their own, the first ones seen; the transfers of any further peer, and those naming a cluster this daemon has no
+link to, are counted under `peer="other"`. When a link is
+removed (unlinked, or reclaimed: dead, idle or making room), that peer's series are removed and its place is free
+for the next peer, so a fleet that churns through thousands of pods keeps a bounded set of series.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from kvbrokerd.listen import ListenError, in_use
 log = logging.getLogger(__name__)
 
 _MAX_CHILDREN = 4096
+MAX_PEER_LABELS = 256
+"""Distinct `peer` label values with series of their own (a decode daemon's prefill peers; beyond: `other`)."""
+_SHARED_PEERS = frozenset({"local", "several", "other"})
+_STAGES = ("queue", "wire", "total")
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -44,6 +55,11 @@ class _StateCollector(Collector):
         for (side, reason), count in sorted(state["links_reclaimed"].items()):
             reclaimed.add_metric([side, reason], count)
         yield reclaimed
+        ended = CounterMetricFamily("kvbroker_grants_ended", "Grants of held blocks that ended, by outcome (released "
+                                    "by the holder; lapsed: no renewal; capped; cache_removed)", labels=["outcome"])
+        for outcome, count in sorted(state.get("grants_ended", {}).items()):
+            ended.add_metric([outcome.replace(" ", "_")], count)
+        yield ended
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),
@@ -53,30 +69,57 @@ class _StateCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, max_peers: int = MAX_PEER_LABELS, linked: Callable[[str], bool] = lambda peer: True) -> None:
+        """`linked(peer)`: whether this daemon has a link to `peer` now; a peer without one (a pull naming a cluster
+        never linked) gets no series of its own, so calls naming made-up cluster ids cannot use up the places."""
         self.registry = CollectorRegistry()
         labels = ["op", "backend", "peer", "outcome"]
         self.bytes = Counter("kvbroker_transfer_bytes", "Bytes moved by finished transfers", labels,
                              registry=self.registry)
         self.transfers = Counter("kvbroker_transfers", "Transfers by outcome", labels, registry=self.registry)
         self.seconds = Histogram("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, "
-                                 "planning), wire (data movement) and total", ["op", "backend", "stage"],
+                                 "planning), wire (data movement) and total", ["op", "backend", "peer", "stage"],
                                  buckets=_BUCKETS, registry=self.registry)
+        self.max_peers = max_peers
+        self._linked = linked
         # Each transfer's five label look-ups cost more than its bookkeeping (prometheus_client validates and
         # hashes the labels every time): the children are kept per label set. Bounded: ops, backends and outcomes
-        # are few, peers at most --max-links (plus those of unlinked clusters, which one daemon sees few of).
+        # are few, peers at most max_peers.
         self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
+        self._peers: dict[str, set[tuple[str, str, str, str]]] = {}
+        """Peers with series of their own -> the label sets made for them (to remove them with the peer)."""
+
+    def _peer_label(self, peer: str) -> str:
+        if peer in self._peers or peer in _SHARED_PEERS:
+            return peer
+        if len(self._peers) >= self.max_peers or not self._linked(peer):
+            return "other"
+        self._peers[peer] = set()
+        return peer
+
+    def forget_peer(self, peer: str) -> None:
+        """`peer`'s link is gone: its series go (a scrape no longer shows them) and its place is free. Runs on the
+        event loop, as `observe` does."""
+        for key in self._peers.pop(peer, ()):
+            self._children.pop(key, None)
+            op, backend, _, _ = key
+            for metric, values in ((self.bytes, key), (self.transfers, key),
+                                   *((self.seconds, (op, backend, peer, stage)) for stage in _STAGES)):
+                metric.remove(*values)  # (a label set already removed is no error)
 
     def observe(self, op: str, backend: str, peer: str, outcome: str, moved: int, queue_s: float,
                 wire_s: float) -> None:
+        peer = self._peer_label(peer)
         key = (op, backend, peer, outcome)
         children = self._children.get(key)
         if children is None:
             if len(self._children) >= _MAX_CHILDREN:
                 self._children.clear()
             children = self._children[key] = (
-                self.bytes.labels(*key), self.transfers.labels(*key), self.seconds.labels(op, backend, "queue"),
-                self.seconds.labels(op, backend, "wire"), self.seconds.labels(op, backend, "total"))
+                self.bytes.labels(*key), self.transfers.labels(*key),
+                *(self.seconds.labels(op, backend, peer, stage) for stage in _STAGES))
+            if peer in self._peers:
+                self._peers[peer].add(key)
         moved_bytes, count, queue, wire, total = children
         moved_bytes.inc(moved)
         count.inc()

@@ -92,6 +92,22 @@ def test_a_pull_with_a_grant_reads_exactly_the_granted_blocks_of_the_slot(pd: Pd
         (pd.p.cluster_id, grant.grant_id, "req-1", "released")]
 
 
+def test_a_grant_of_units_covers_every_unit_of_its_blocks_and_no_other(pd: Pd) -> None:
+    """An engine block addressed in finer units (the vLLM connector's head or token units): granted block b stands
+    for the caches' blocks 2b and 2b + 1."""
+    grant = pd.grant([3, 1], units_per_block=2)
+    before = snapshot(pd.dst)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0, 4, 5], src_blocks=[7, 2, 3])
+    assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src, before, [7, 2, 3], [0, 4, 5], range(2), range(2)))
+    before = snapshot(pd.dst)  # without src_blocks: the units of the granted blocks, in the grant's order
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [1, 2, 6], first_block=1, cache_slot=1)
+    assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src2, before, [7, 2, 3], [1, 2, 6], range(2), range(2)))
+    pd.refused_untouched(ParamInvalidError, r"does not cover src blocks \[4, 5\]", grant, [0, 1], src_blocks=[4, 5])
+    pd.refused_untouched(ParamInvalidError, "covers 4 blocks; 2 from its block 3", grant, [0, 1], first_block=3)
+    pd.pc.release_grant(grant)
+    assert [e.outcome for _, e in pd.events()] == ["released"]
+
+
 def test_pulls_a_grant_does_not_cover_are_refused_before_any_byte_moves(pd: Pd) -> None:
     grant = pd.grant([5, 2, 7])
     pd.refused_untouched(ParamInvalidError, r"does not cover src blocks \[1\]", grant, [0, 1], src_blocks=[2, 1])
@@ -162,7 +178,9 @@ def test_removing_a_granted_cache_ends_the_grant(pd: Pd) -> None:
     ({"cache_ids": [-5], "blocks": [1]}, "does not exist"),
     ({"blocks": []}, "1..65536 blocks"),
     ({"blocks": [1, 1]}, "repeat a block"),
-    ({"blocks": [8]}, "block 8 is out of range"),
+    ({"blocks": [8]}, "block 8 .* is out of range"),
+    ({"blocks": [4], "units_per_block": 2}, r"block 4 \(of 2 blocks each\) is out of range"),
+    ({"units_per_block": 65537}, "units_per_block must be in"),
     ({"lease": 0.05}, "lease_ms must be in"),
     ({"lease": 10.0, "max_hold": 5.0}, "max_hold_ms must be"),
     ({"label": "a\nb"}, "label holds a control"),

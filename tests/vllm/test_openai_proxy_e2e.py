@@ -2,7 +2,8 @@
 
 The quick start of docs/vllm.md as a test: the proxy's answer (prefill on one server, decode on the other, KV pulled
 through the daemons) must carry exactly the tokens the prefill server gives when asked directly (a single server),
-for completions and chat, streamed or not, and the decode server must report that it pulled the KV.
+for completions and chat, streamed or not, and the decode server must report that it pulled the KV. A pull also moves
+the series an operator watches: the connector's vllm:kvbroker_* on vLLM's /metrics and the daemons' kvbroker_*.
 
 Runs in the vLLM venv (tests/vllm/run.sh); the main suite skips it when vLLM is not installed.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -110,10 +112,12 @@ def post_json(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 class Deployment:
-    def __init__(self, prefill: Server, decode: Server, proxy: PdProxy) -> None:
+    def __init__(self, prefill: Server, decode: Server, proxy: PdProxy, daemons: tuple[LocalDaemon, LocalDaemon]
+                 ) -> None:
         self.prefill, self.decode = prefill, decode
         host, port = proxy.address
         self.proxy_url = f"http://{host}:{port}"
+        self.p_daemon, self.d_daemon = daemons
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +126,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     model = workdir / "model"
     subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model)],
                    check=True, capture_output=True)
-    p_daemon = LocalDaemon(workdir, 1).start()
-    d_daemon = LocalDaemon(workdir, 2).start()
+    metrics = ["--metrics-listen", "127.0.0.1:0"]
+    p_daemon = LocalDaemon(workdir, 1, extra_args=metrics).start()
+    d_daemon = LocalDaemon(workdir, 2, extra_args=metrics).start()
     servers: list[Server] = []
     try:
         servers = [Server(model, p_daemon.target, workdir / "prefill.log"),
@@ -135,7 +140,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         prefill, decode = servers
         config = ProxyConfig((Upstream.parse("prefill", prefill.url),), (Upstream.parse("decode", decode.url),))
         with PdProxy(config, "127.0.0.1", 0) as proxy:
-            yield Deployment(prefill, decode, proxy)
+            yield Deployment(prefill, decode, proxy, (p_daemon, d_daemon))
     finally:
         for server in servers:
             server.stop()
@@ -177,3 +182,67 @@ def test_a_streamed_chat_through_the_proxy_has_the_single_server_text(deployment
     )
     assert text == single["choices"][0]["message"]["content"]
     assert text
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, raw = request(url, "GET", "/metrics", None)
+    assert status == 200, raw
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(raw.decode()) for s in family.samples}
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def daemon_metrics(daemon: LocalDaemon) -> Samples:
+    with daemon.client() as c:
+        return scrape(f"http://{c.get_cluster_info().metrics_address}")
+
+
+def test_a_pull_moves_the_connectors_series_on_vllms_metrics_and_the_daemons(deployment: Deployment) -> None:
+    """Issue 20 item 3, scraped for real: one request through the proxy moves the decode engine's vllm:kvbroker_*
+    series (labelled as vLLM labels its own: model_name, engine), the decode daemon's transfer series for the prefill
+    peer, and the prefill daemon's count of holds released. Deltas: the module's other tests pulled before."""
+    peer = str(deployment.p_daemon.cluster_id)
+    vllm_before, d_before = scrape(deployment.decode.url), daemon_metrics(deployment.d_daemon)
+    p_before = daemon_metrics(deployment.p_daemon)
+    body = {"model": MODEL_NAME, "prompt": prompt_of(70, 9), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    pulled = post_json(deployment.proxy_url, "/v1/completions", body)["kv_transfer_params"]["kvbroker_transfer_bytes"]
+    assert pulled > 0
+
+    def moved(name: str, samples: Samples, before: Samples, **labels: str) -> float:
+        return total(samples, name, **labels) - total(before, name, **labels)
+
+    # vLLM's front end gets the connector's stats with the engine's next scheduler stats: wait for them.
+    ours = {"model_name": MODEL_NAME, "engine": "0"}
+    def pull_counted() -> Samples | None:
+        now = scrape(deployment.decode.url)
+        return now if moved("vllm:kvbroker_pull_bytes_sum", now, vllm_before, **ours) >= pulled else None
+
+    vllm_after = wait_until(pull_counted, timeout=30, poll=0.5, what="the pull on the decode server's /metrics")
+    assert vllm_after is not None
+    assert moved("vllm:kvbroker_pulls_total", vllm_after, vllm_before, **ours) >= 1
+    assert moved("vllm:kvbroker_pull_seconds_count", vllm_after, vllm_before, **ours) >= 1
+    assert moved("vllm:kvbroker_recomputes_total", vllm_after, vllm_before) == 0  # every pull landed
+    assert ("vllm:kvbroker_recomputes_total", tuple(sorted({**ours, "reason": "hold_expired"}.items()))) in vllm_after
+    # Every connector series the dashboard charts is on vLLM's /metrics.
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    charted = {name for panel in dashboard["panels"] for t in panel.get("targets", [])
+               for name in re.findall(r"vllm:kvbroker_\w+", t["expr"])}
+    assert charted and charted <= {name for name, _ in vllm_after}, charted - {name for name, _ in vllm_after}
+
+    # The decode daemon: the pull, by peer and backend, in counts, bytes and latency.
+    d_after = daemon_metrics(deployment.d_daemon)
+    assert moved("kvbroker_transfers_total", d_after, d_before, peer=peer, outcome="DONE") >= 1
+    assert moved("kvbroker_transfer_bytes_total", d_after, d_before, peer=peer, outcome="DONE") >= pulled
+    assert moved("kvbroker_transfer_seconds_count", d_after, d_before, peer=peer, stage="total") >= 1
+    assert {dict(ls).get("backend") for n, ls in d_after if n == "kvbroker_transfers_total"} <= {"shm", "tcp"}
+    # The prefill daemon: the request's hold, released by the decode node once pulled.
+    wait_until(lambda: moved("kvbroker_grants_ended_total", daemon_metrics(deployment.p_daemon), p_before,
+                             outcome="released") >= 1, timeout=30, poll=0.5, what="the prefill hold released")

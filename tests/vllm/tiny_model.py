@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 3
@@ -22,7 +23,12 @@ PAGE_BYTES = NUM_KV_HEADS * BLOCK_SIZE * 2 * (HIDDEN_SIZE // NUM_HEADS) * 4
 """Bytes of one block of one layer in vLLM's CPU KV cache (K and V, float32)."""
 
 
-def build(path: Path) -> Path:
+# The heterogeneous P/D test's model: 2 KV heads, so that TP=2 splits them (one per rank).
+HETERO_SHAPE = {"num_layers": 2, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2}
+
+
+def build(path: Path, num_layers: int = NUM_LAYERS, hidden_size: int = HIDDEN_SIZE, num_heads: int = NUM_HEADS,
+          num_kv_heads: int = NUM_KV_HEADS, **extra: Any) -> Path:
     """Writes the checkpoint (config.json + safetensors) into `path` unless it is already there; returns `path`."""
     if (path / "config.json").exists():
         return path
@@ -30,12 +36,12 @@ def build(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
         # Wide weights make the logits far apart, so greedy tokens do not flip on rounding differences between a
         # one-pass prefill and a prefill that continues from transferred KV.
-        initializer_range=0.5, dtype="float32",
+        initializer_range=0.5, dtype="float32", **extra,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)

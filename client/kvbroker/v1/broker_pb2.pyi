@@ -823,12 +823,18 @@ class CreateGrantRequest(_message.Message):
     MAX_HOLD_MS_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
     EVENT_TOPICS_FIELD_NUMBER: _builtins.int
+    UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     lease_ms: _builtins.int
     """Lease: the grant lapses this long after its creation or last renewal (100..3600000 ms)."""
     max_hold_ms: _builtins.int
     """Renewals never keep the grant past this long after its creation (0: 24 h; at most 24 h)."""
     label: _builtins.str
     """Echoed in the GrantEvent (e.g. the request id); at most 128 printable UTF-8 bytes."""
+    units_per_block: _builtins.int
+    """Each granted block stands for this many consecutive blocks of the caches (granted block b: the caches' blocks
+    b * units_per_block .. b * units_per_block + units_per_block - 1), e.g. an engine block addressed in finer units
+    (0 or 1: the caches' own blocks; at most 65536). A pull by the grant names those blocks.
+    """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Local caches the grant covers (1..64; e.g. one per TP rank of an engine), in slot order."""
@@ -850,10 +856,11 @@ class CreateGrantRequest(_message.Message):
         max_hold_ms: _builtins.int = ...,
         label: _builtins.str = ...,
         event_topics: _abc.Iterable[_builtins.str] | None = ...,
+        units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "event_topics", b"event_topics", "label", b"label", "lease_ms", b"lease_ms", "max_hold_ms", b"max_hold_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "event_topics", b"event_topics", "label", b"label", "lease_ms", b"lease_ms", "max_hold_ms", b"max_hold_ms", "units_per_block", b"units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

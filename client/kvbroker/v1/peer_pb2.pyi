@@ -462,12 +462,15 @@ class RedeemGrantResponse(_message.Message):
     EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
+    UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed."""
     instance_epoch: _builtins.str
     """Responder's instance epoch."""
     mac: _builtins.bytes
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
+    units_per_block: _builtins.int
+    """Each granted block stands for this many consecutive blocks of the caches (0 or 1: the blocks themselves)."""
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted caches, in slot order."""
@@ -484,10 +487,11 @@ class RedeemGrantResponse(_message.Message):
         expires_in_ms: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
         mac: _builtins.bytes = ...,
+        units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -310,6 +310,9 @@ class LinkTable:
         self.recently_reclaimed: dict[int, str] = {}
         """The last reason each recently reclaimed cluster's link was removed for (bounded), so that a call on it
         says why the link is gone rather than only that it is not there."""
+        self.on_removed: list[Callable[[int], None]] = []
+        """Called with the cluster id of each outbound link removed (unlinked or reclaimed), on the event loop: the
+        metrics drop that peer's series."""
         self._closing: set[asyncio.Task[None]] = set()
         self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
                                     **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
@@ -369,6 +372,7 @@ class LinkTable:
         if len(self.recently_reclaimed) >= self.max_links:
             self.recently_reclaimed.pop(next(iter(self.recently_reclaimed)))
         self.recently_reclaimed[link.remote_cluster_id] = why
+        self._removed(link.remote_cluster_id)
         log.warning("link to cluster %d at %s removed (%s): %s", link.remote_cluster_id, link.remote_address,
                     reason, why)
         if link.heartbeat is asyncio.current_task():
@@ -472,6 +476,13 @@ class LinkTable:
         fail(LlmStatus.LLM_LINK_FAILED, f"no usable backend with cluster {link.remote_cluster_id}: we allow "
              f"{list(self.backends)}, it serves {served} ({'; '.join(reasons)})")
 
+    def _removed(self, cluster_id: int) -> None:
+        for hook in self.on_removed:
+            try:
+                hook(cluster_id)
+            except Exception:  # bookkeeping elsewhere must never keep a link in the table
+                log.exception("link removal hook failed for cluster %d", cluster_id)
+
     async def unlink(self, cluster_id: int, force: bool, timeout: float) -> None:
         link = self.links.get(cluster_id)
         if link is None:
@@ -489,6 +500,7 @@ class LinkTable:
                 fail(LlmStatus.LLM_UNLINK_FAILED, f"cannot tell cluster {cluster_id}: {err.details['peer_grpc_code']}; "
                      "use force to remove our side anyway")
         del self.links[cluster_id]
+        self._removed(cluster_id)
         await link.close()
         log.info("unlinked cluster %d%s", cluster_id, "" if notified else " (forced; peer not told)")
 

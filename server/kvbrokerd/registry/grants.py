@@ -40,6 +40,7 @@ MIN_LEASE_S = 0.1
 MAX_LEASE_S = 3600.0
 MAX_HOLD_S = 86400.0
 MAX_REDEEM_HOLD_S = 600.0
+MAX_UNITS_PER_BLOCK = 1 << 16
 SWEEP_INTERVAL_S = 0.1
 STALL_S = 0.25
 """A sweep this much later than planned means the daemon did not run in between (see sessions.py)."""
@@ -57,6 +58,8 @@ class Grant:
     cap: float  # time.monotonic(): renewals never move `expires` past it
     label: str
     event_topics: tuple[str, ...]
+    units_per_block: int = 1
+    """Each granted block stands for this many consecutive blocks of the caches."""
 
     def expires_in_ms(self) -> int:
         return max(0, min(0xFFFFFFFF, int((self.expires - time.monotonic()) * 1000)))
@@ -91,8 +94,12 @@ class GrantTable:
 
     # -- the holder's operations ---------------------------------------------------------------------------------
     def create(self, cache_ids: Sequence[int], blocks: Sequence[int], lease_ms: int, max_hold_ms: int, label: str,
-               event_topics: Sequence[str], num_blocks_of: Callable[[int], int]) -> tuple[Grant, bytes]:
+               event_topics: Sequence[str], num_blocks_of: Callable[[int], int], units_per_block: int = 1
+               ) -> tuple[Grant, bytes]:
         """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache)."""
+        units = units_per_block or 1
+        if not 1 <= units <= MAX_UNITS_PER_BLOCK:
+            param_invalid(f"units_per_block must be in [0, {MAX_UNITS_PER_BLOCK}], got {units_per_block}")
         self.sweep()
         if not 1 <= len(cache_ids) <= MAX_CACHES:
             param_invalid(f"a grant covers 1..{MAX_CACHES} caches, got {len(cache_ids)}")
@@ -104,8 +111,9 @@ class GrantTable:
         if len(block_set) != len(blocks):
             param_invalid("blocks repeat a block")
         for cache_id in cache_ids:
-            if max(block_set) >= (n := num_blocks_of(cache_id)):
-                param_invalid(f"block {max(block_set)} is out of range for cache {cache_id} ({n} blocks)")
+            if (max(block_set) + 1) * units > (n := num_blocks_of(cache_id)):
+                param_invalid(f"block {max(block_set)} (of {units} blocks each) is out of range for cache "
+                              f"{cache_id} ({n} blocks)")
         lease_s = lease_of(lease_ms)
         assert lease_s is not None
         hold_s = max_hold_ms / 1000 if max_hold_ms else MAX_HOLD_S
@@ -122,7 +130,7 @@ class GrantTable:
         grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
         now = time.monotonic()
         grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), tuple(int(b) for b in blocks),
-                      block_set, lease_s, now + lease_s, now + hold_s, label, tuple(event_topics))
+                      block_set, lease_s, now + lease_s, now + hold_s, label, tuple(event_topics), units)
         self._grants[grant_id] = grant
         return grant, secret
 

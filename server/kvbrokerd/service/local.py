@@ -380,7 +380,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         registry = self.node.registry
         grant, secret = self.node.grants.create(
             list(request.cache_ids), list(request.blocks), request.lease_ms, request.max_hold_ms, request.label,
-            list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0])
+            list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0],
+            request.units_per_block)
         return broker_pb2.CreateGrantResponse(grant=broker_pb2.GrantRef(grant_id=grant.grant_id, secret=secret),
                                               expires_in_ms=grant.expires_in_ms())
 

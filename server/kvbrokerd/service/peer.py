@@ -112,6 +112,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         grant = self.node.grants.redeem(request.grant_id, request.secret, request.hold_ms)
         return _sealed(peer_pb2.RedeemGrantResponse(
             cache_ids=grant.cache_ids, blocks=grant.blocks, expires_in_ms=grant.expires_in_ms(),
+            units_per_block=grant.units_per_block,
             instance_epoch=self.node.epoch), "RedeemGrant", link, request.proof)
 
     @llm_errors

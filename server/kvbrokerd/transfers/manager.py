@@ -220,18 +220,22 @@ class TransferManager:
         if req.remote_cache_id not in (0, cache_id):
             param_invalid(f"the grant covers cache {cache_id} in slot {claim.cache_slot}, not cache "
                           f"{req.remote_cache_id}")
-        blocks = [int(b) for b in granted.blocks]
+        blocks = np.array(list(granted.blocks), dtype=np.uint64)
+        units = max(1, int(granted.units_per_block))
         if len(req.src_blocks):
-            src = [int(b) for b in req.src_blocks]
-            outside = sorted(set(src) - set(blocks))
-            if outside:
-                param_invalid(f"the grant does not cover src blocks {outside[:8]}{'...' if len(outside) > 8 else ''}")
+            src = block_array(req.src_blocks, "src_blocks")
+            outside = src[~np.isin(src // np.uint64(units), blocks)]
+            if len(outside):
+                shown = [int(b) for b in outside[:8]]
+                param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
         else:
-            if claim.first_block + len(dst_blocks) > len(blocks):
-                param_invalid(f"the grant covers {len(blocks)} blocks; {len(dst_blocks)} from its block "
+            if claim.first_block + len(dst_blocks) > len(blocks) * units:
+                param_invalid(f"the grant covers {len(blocks) * units} blocks; {len(dst_blocks)} from its block "
                               f"{claim.first_block} on were asked for")
-            src = blocks[claim.first_block : claim.first_block + len(dst_blocks)]
-        return replace(req, remote_cache_id=cache_id, src_blocks=src, grant=None)
+            at = np.arange(claim.first_block, claim.first_block + len(dst_blocks), dtype=np.uint64)
+            src = blocks[at // np.uint64(units)] * np.uint64(units) + at % np.uint64(units)
+        src_blocks: Sequence[int] = src  # type: ignore[assignment]  # a uint64 array, as the planner takes it
+        return replace(req, remote_cache_id=cache_id, src_blocks=src_blocks, grant=None)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
         local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
@@ -468,7 +472,10 @@ class TransferManager:
 
     async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
                              ) -> tuple[TransferResult, list[str]]:
-        with self.track("batch", ",".join(sorted({str(r.remote_cluster_id) for _, r in groups})), timeout) as t:
+        peers = {str(r.remote_cluster_id) for _, r in groups}
+        # One peer label per transfer: a batch over several peers gets a shared one (not their list, which would make
+        # a new series for every combination).
+        with self.track("batch", peers.pop() if len(peers) == 1 else "several", timeout) as t:
             return await self._transfer_batch(groups, t)
 
     async def _transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], t: Tracked

@@ -41,12 +41,22 @@ What it does:
   moment the request arrives (however long it queues), pulls by it (the prefill daemon names the cache and blocks)
   and releases it after its pull; else it lapses `kvbroker_hold_lease_s` after the last renewal, and renewals never
   keep it past `kvbroker_release_timeout_s`. The grant's end comes from the prefill engine's own daemon.
-- Engines refuse each other's KV (and compute locally, with a log line saying why) unless model, dtype, block size,
-  head layout, layer count and TP size match (the cache's layout tag, also enforced by kvbrokerd).
-- Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report the request's pull:
+- CPU engines may differ in TP size (either way, where one divides the other; GQA replicas and MLA included) and,
+  with `kvbroker_token_units` on both, in block size (one dividing the other): each decode rank pulls its heads'
+  tokens from the prefill ranks holding them (one pull by the request's grant per prefill rank, naming units the
+  grant covers), as runs the daemon moves in place (`remap.py`). What
+  changes the meaning of the bytes (model, dtype, memory layout, head size, layers, KV heads) must match: otherwise
+  the KV is refused before any byte moves, with a log line naming the field, counted in the stats
+  (`num_refused`, `refused_<field>`), and the decode engine computes the prompt itself. GPU engines pull rank to
+  rank, block to block (kvbrokerd enforces equal layout tags).
+- Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report where the prompt's KV came
+  from: `kvbroker_prompt_tokens`, `kvbroker_tokens_pulled` (from the prefill side), `kvbroker_tokens_cached` (the
+  local prefix cache), `kvbroker_tokens_recomputed`, `kvbroker_refused` (why, when refused), and for a pull
   `kvbroker_transfer_ms`, `kvbroker_transfer_bytes`, `kvbroker_backend`; vLLM's KV connector stats ("KV Transfer
-  metrics" log line) sum pulls, failures, bytes and transfer times per interval; `kvbroker_log_transfers` adds an
-  INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over BACKEND (X GB/s)").
+  metrics" log line) sum pulls, failures, refusals (by field), bytes and transfer times per interval, and
+  recomputes and expired holds by reason; vLLM's `/metrics` has them as `vllm:kvbroker_*` series (`prom.py`);
+  `kvbroker_log_transfers` adds an INFO line per pull ("kvbroker pull: request R, N blocks, B bytes in T ms over
+  BACKEND (X GB/s)").
 - Loads are asynchronous (vLLM schedules a request once its whole pull has landed), so layer-by-layer loading would
   overlap nothing: the decode step after a pull computes one token. The pull itself runs as one transfer.
 
@@ -68,6 +78,8 @@ Settings (`kv_connector_extra_config`; all optional):
     kvbroker_idle_wait_s        on a step with nothing to compute, how long `get_finished` waits for a pull in flight
                                 to end, so vLLM learns of it at once instead of spinning (default 0.01; 0: off)
     kvbroker_log_transfers      log every pull at INFO (default false)
+    kvbroker_token_units        address the KV in 16-token units, to exchange KV with engines of another block
+                                size (set on both; default false: one head of one block per unit)
 
 Importing `kvbroker` does not import vLLM; this package imports it when `KvBrokerConnector` (or another of the names
 below) is first used, so its vLLM-free parts (`config`, `params`, `layout`, `scheduler`, `worker`) load without it.

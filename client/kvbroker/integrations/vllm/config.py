@@ -52,6 +52,11 @@ class ConnectorConfig:
     (`kvbroker_idle_wait_s`; 0 turns it off). Otherwise vLLM spins through empty steps holding the GIL: the pull
     thread gets it only once per switch interval (5 ms) each time it needs it, and the engine learns of the finished
     pull a step late. On an engine with nothing to compute, new requests and aborts wait at most this long."""
+    token_units: bool = False
+    """Address the KV cache in units of a few tokens instead of one head's block (`kvbroker_token_units`), so that a
+    prefill engine and a decode engine with different block sizes (one dividing the other) can exchange KV; set it
+    on both. Off by default: a pull then names one unit per 16 tokens of one dimension of one head, which costs
+    planning time on long prompts (BENCHMARKS.md)."""
     log_transfers: bool = False
     """Log every pull (request, blocks, bytes, time, backend) at INFO (`kvbroker_log_transfers`)."""
 

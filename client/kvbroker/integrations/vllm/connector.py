@@ -25,6 +25,7 @@ from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
 from kvbroker.integrations.vllm.params import PullSpec, WorkerEndpoint
+from kvbroker.integrations.vllm.prom import KvBrokerPromMetrics
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
 from kvbroker.integrations.vllm.worker import WorkerSide
 
@@ -84,7 +85,7 @@ class KvBrokerStats(KVConnectorStats):
         return stats_mod.summarize(self.data)
 
     def is_empty(self) -> bool:
-        return not self.data.get("num_pulls")
+        return stats_mod.is_empty(self.data)
 
 
 class KvBrokerConnector(KVConnectorBase_V1):
@@ -108,6 +109,7 @@ class KvBrokerConnector(KVConnectorBase_V1):
             if on_gpu:  # validated at start-up: a typo must not fall back to another mode
                 self._gpu_mode = gpu.mode_for(transfer_config.kv_buffer_device)
             layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
+                                      vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units,
                                       on_gpu=on_gpu)
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
@@ -168,9 +170,9 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return self.worker_side.take_load_errors()
 
     def get_kv_connector_stats(self) -> KvBrokerStats | None:
-        if self._worker is None:
-            return None  # vLLM also asks the scheduler side; only workers transfer
-        data = self._worker.transfers.take()
+        # Workers: their pulls and expired holds; the scheduler side: the requests it refused to pull.
+        log = self._worker.transfers if self._worker is not None else self.scheduler_side.stats
+        data = log.take()
         return None if data is None else KvBrokerStats(data=data)
 
     def build_connector_worker_meta(self) -> KvBrokerWorkerMetadata | None:
@@ -180,6 +182,11 @@ class KvBrokerConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvBrokerStats:
         return KvBrokerStats(data=data or stats_mod.empty())
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return KvBrokerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

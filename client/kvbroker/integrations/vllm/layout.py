@@ -15,15 +15,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 3
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
+# Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
+# size; equal on two engines whose block sizes are multiples of it, so that the daemon can move a prefill block's
+# tokens into a decode block of another size.
+MAX_CHUNK_TOKENS = 16
+# vLLM's CPU attention ("vec" kernels): each block is [num_kv_heads, K|V, ...] where a head's K is [head_size,
+# block_size] (dimension-major: the kernel reads one dimension of every token at once) and its V is [block_size,
+# head_size]; measured with vLLM's own cpu_attn_reshape_and_cache. Named in the tag because it decides what a byte
+# offset means.
+MEMORY_CPU = "cpu-vec:block.head.K[dim.token].V[token.dim]"
+# An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
+MEMORY_MLA = "mla:block.token.dim"
 
 _DTYPES = {
     "float16": DataType.FLOAT16, "bfloat16": DataType.BFLOAT16, "float32": DataType.FLOAT32,
@@ -32,6 +42,10 @@ _DTYPES = {
 }
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
+# Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "head", "layers", "total_kv_heads", "units")
+# Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
+MAPPED = ("tp", "block", "kv_heads", "page")
 
 
 class UnsupportedLayoutError(ValueError):
@@ -52,6 +66,14 @@ class KvLayout:
     """Bytes of one block of one layer."""
     model_id: str
     tp_size: int
+    total_kv_heads: int = 0
+    """KV heads of the model (0: `num_kv_heads * tp_size`); with tp_size > total, ranks hold replicas."""
+    memory: str = MEMORY_CPU
+    """How a block's bytes are arranged (MEMORY_CPU or MEMORY_MLA)."""
+    token_units: bool = False
+    """The daemon addresses the cache in units of `chunk_tokens` elements instead of one head's block (`desc`), so
+    that blocks of another size can be remapped token by token (`kvbroker_token_units`, on both engines). Costs a
+    longer block list per pull (one entry per unit, merged into runs by the daemon)."""
     physical: str = ""
     """GPU engines only: vLLM's resolved KV cache layout and the runs it gives (`gpu.physical_tag`); the bytes of a
     block are in that order, so both sides must share it."""
@@ -60,44 +82,109 @@ class KvLayout:
     def buffer_bytes(self) -> int:
         return self.page_bytes * self.num_blocks * self.num_layers
 
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
+
+    @property
+    def kv_parts(self) -> int:
+        """2 where a block holds K and V apart, 1 for MLA's single latent cache."""
+        return 1 if self.memory == MEMORY_MLA else 2
+
+    @property
+    def chunk_tokens(self) -> int:
+        chunk = MAX_CHUNK_TOKENS
+        while self.block_size % chunk:
+            chunk //= 2
+        return chunk
+
+    @property
+    def unit_elems(self) -> int:
+        """Elements of one transfer unit: `chunk_tokens` (token units), else one head's K and V of one block."""
+        return self.chunk_tokens if self.token_units else self.kv_parts * self.block_size * self.head_size
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.unit_elems * _DTYPES[self.dtype].itemsize
+
+    @property
+    def units_per_block(self) -> int:
+        return self.num_kv_heads * self.kv_parts * self.block_size * self.head_size // self.unit_elems
+
     def desc(self) -> CacheDesc:
+        """One tensor per layer whose "blocks" are transfer units, so that a pull can address one head (or a few
+        tokens of one dimension of one head): the memory is the bytes vLLM uses, only the daemon's unit of
+        addressing is finer. Consecutive units of both sides merge into one run, so a pull of whole blocks still
+        moves whole-block runs."""
         dtype = _DTYPES[self.dtype]
-        natural = (self.num_kv_heads, self.block_size, 2 * self.head_size)
-        page_shape = natural if math.prod(natural) * dtype.itemsize == self.page_bytes else (
-            self.page_bytes // dtype.itemsize,)
-        return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks, *page_shape), data_type=dtype,
-                         layout_tag=self.tag())
+        if self.units_per_block * self.unit_bytes != self.page_bytes:
+            raise UnsupportedLayoutError(
+                f"a block of one layer is {self.page_bytes} bytes, not {self.num_kv_heads} heads x {self.kv_parts} x "
+                f"{self.block_size} tokens x {self.head_size} x {dtype.itemsize} bytes (padded pages are not "
+                "supported)")
+        return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks * self.units_per_block, self.unit_elems),
+                         data_type=dtype, layout_tag=self.daemon_tag())
+
+    @property
+    def grant_units(self) -> int:
+        """How many of the daemon's blocks one engine block is (`CreateGrant`'s units_per_block): its transfer units
+        (a GPU engine's cache is addressed in whole blocks: `gpu.runs_desc`)."""
+        return 1 if self.physical else self.units_per_block
+
+    def fields(self) -> dict[str, str]:
+        return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
+                "head": str(self.head_size),
+                "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
+                "units": f"token{self.chunk_tokens}" if self.token_units else "head",
+                "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
+                "page": str(self.page_bytes)}
 
     def tag(self) -> str:
-        """Everything a peer's KV must share with ours to be usable here (not the block count)."""
-        fields = compat_fields(self)
-        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={v}" for k, v in fields.items())
+        """Everything a peer needs to know about our KV to map it (not the block count): travels in
+        `kv_transfer_params` and is compared field by field (`refusal`)."""
+        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={v}" for k, v in self.fields().items())
+
+    def daemon_tag(self) -> str:
+        """The daemon's check (it refuses pulls between caches whose tags differ): only what must be equal for a
+        unit of one cache to mean the same in the other. TP, block size and heads per rank are the plan's."""
+        fields = self.fields()
+        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in MUST_MATCH[1:])
 
 
 def compat_fields(layout: KvLayout) -> dict[str, str]:
-    return {"model": layout.model_id, "dtype": layout.dtype, "block": str(layout.block_size),
-            "kv_heads": str(layout.num_kv_heads), "head": str(layout.head_size), "layers": str(layout.num_layers),
-            "page": str(layout.page_bytes), "tp": str(layout.tp_size)} | (
-                {"phys": layout.physical} if layout.physical else {})
+    return layout.fields()
 
 
-def explain_mismatch(ours: str, theirs: str) -> str:
-    """A readable list of the fields in which two layout tags differ ("" when they are equal)."""
-    if ours == theirs:
-        return ""
-    a, b = _parse(ours), _parse(theirs)
-    diffs = [f"{k}: local {a.get(k, '?')} vs remote {b.get(k, '?')}" for k in sorted(a.keys() | b.keys())
-             if a.get(k) != b.get(k)]
-    return "; ".join(diffs) or f"local {ours!r} vs remote {theirs!r}"
-
-
-def _parse(tag: str) -> dict[str, str]:
+def parse_tag(tag: str) -> dict[str, str]:
     version, _, rest = tag.partition(" ")
     out = {"version": version}
     for item in rest.split():
         k, _, v = item.partition("=")
         out[k] = v
     return out
+
+
+def explain_mismatch(ours: str, theirs: str) -> str:
+    """A readable list of the fields in which two layout tags differ ("" when they are equal)."""
+    if ours == theirs:
+        return ""
+    a, b = parse_tag(ours), parse_tag(theirs)
+    diffs = [f"{k}: local {a.get(k, '?')} vs remote {b.get(k, '?')}" for k in sorted(a.keys() | b.keys())
+             if a.get(k) != b.get(k)]
+    return "; ".join(diffs) or f"local {ours!r} vs remote {theirs!r}"
+
+
+def layout_of_tag(tag: str) -> KvLayout:
+    """The layout a peer described in its tag (ValueError if a field is missing or malformed)."""
+    f = parse_tag(tag)
+    try:
+        return KvLayout(num_layers=int(f["layers"]), num_blocks=0, block_size=int(f["block"]),
+                        num_kv_heads=int(f["kv_heads"]), head_size=int(f["head"]), dtype=f["dtype"],
+                        page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
+                        total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
+                        token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"])
+    except KeyError as e:
+        raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
 
 
 def model_identity(hf_config: Any) -> str:
@@ -108,7 +195,8 @@ def model_identity(hf_config: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, on_gpu: bool = False) -> KvLayout:
+def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv_heads: int = 0,
+                     token_units: bool = False, on_gpu: bool = False) -> KvLayout:
     """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy. On a GPU
     engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here."""
     groups = kv_cache_config.kv_cache_groups
@@ -126,7 +214,9 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, on_gpu: 
         return KvLayout(num_layers=len(groups[0].layer_names), num_blocks=int(kv_cache_config.num_blocks),
                         block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
                         head_size=int(spec.head_size), dtype=dtype, page_bytes=int(spec.page_size_bytes),
-                        model_id=model_id, tp_size=tp_size)
+                        model_id=model_id, tp_size=tp_size,
+                        total_kv_heads=1 if "MLA" in type(spec).__name__ else total_kv_heads,
+                        memory=MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU)
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) != 1:
         raise UnsupportedLayoutError(f"{len(tensors)} KV backing allocations; one is supported")
@@ -144,6 +234,11 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, on_gpu: 
         raise UnsupportedLayoutError(
             f"a layer's KV region ({t.layer_stride} bytes) is not a multiple of {DAEMON_TENSOR_ALIGN} bytes, so the "
             "daemon cannot lay the layers out back to back; choose a block size whose page is a multiple of 4 KiB")
-    return KvLayout(num_layers=num_layers, num_blocks=num_blocks, block_size=int(spec.block_size),
-                    num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size), dtype=dtype, page_bytes=page,
-                    model_id=model_id, tp_size=tp_size)
+    memory = MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU
+    layout = KvLayout(num_layers=num_layers, num_blocks=num_blocks, block_size=int(spec.block_size),
+                      num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size), dtype=dtype,
+                      page_bytes=page, model_id=model_id, tp_size=tp_size,
+                      total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory,
+                      token_units=token_units)
+    layout.desc()  # refuses padded pages here, at start-up
+    return layout

@@ -64,13 +64,15 @@ class LoadOutcome:
 
     request_id: str
     blocks: tuple[int, ...]
-    """Every local block of its items, in order."""
+    """Every destination entry of its items (local blocks, or units of them), in order."""
     failed_blocks: frozenset[int]
-    """Local blocks that did not land (empty: everything landed)."""
+    """Destination entries that did not land (empty: everything landed)."""
     bytes_moved: int
     seconds: float
     """From the step's submit to the last item's completion."""
     backend: str
+    status: LlmStatus | None = None
+    """The status of its first item that failed (None: none did)."""
 
 
 @dataclass(eq=False)
@@ -82,6 +84,7 @@ class _Request:
     failed: set[int] = field(default_factory=set)
     moved: int = 0
     backends: set[str] = field(default_factory=set)
+    status: LlmStatus | None = None
 
 
 class StepLoads:
@@ -195,6 +198,7 @@ class StepLoads:
                 blocks = set(item.dst_blocks)
                 failed = (set(landed_partly) & blocks or blocks) if landed_partly else blocks
                 request.failed |= failed
+                request.status = request.status or err.status
                 log.warning("request %s: pull from cluster %d failed (%s: %s); recomputing %d of %d blocks",
                             item.request_id, item.cluster_id, err.status.name, err.message, len(failed), len(blocks))
             elif result is not None:
@@ -204,7 +208,8 @@ class StepLoads:
             if request.pending:
                 return
         self._on_done(LoadOutcome(request.request_id, tuple(request.blocks), frozenset(request.failed), request.moved,
-                                  time.monotonic() - request.started, ",".join(sorted(request.backends))))
+                                  time.monotonic() - request.started, ",".join(sorted(request.backends)),
+                                  request.status))
 
     def close(self) -> None:
         """Stops the thread and closes the session (pulls still in flight end as the daemon ends them, or fail)."""

@@ -8,13 +8,16 @@ Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "rem
                       "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 2, "kvbroker_cluster_id": ...,
                       "kvbroker_grant": "<id hex>.<secret hex>", "kvbroker_layout_tag": "..."}
 Decode request in:   the prefill output's params, unchanged.
+Decode output out:   {"kvbroker_prompt_tokens": ..., "kvbroker_tokens_pulled": ..., "kvbroker_tokens_cached": ...,
+                      "kvbroker_tokens_recomputed": ..., ["kvbroker_refused": "field: local .. vs remote .."]}, and
+                     {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
+                     when the request's KV was pulled.
 
 The params come back through the HTTP client, so nothing in them is trusted: the grant is a capability for this
 request's blocks only (the prefill daemon names the cache and blocks when the decode daemon redeems it), and the
 cluster id only selects one of the decode node's configured prefill daemons (`kvbroker_prefill_daemons`).
-`remote_block_ids`, `remote_host` and `remote_port` are informative (NixlConnector's keys); kvbroker never uses them.
-Decode output out:   {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
-                     when the request's KV was pulled.
+`remote_host` and `remote_port` are informative (NixlConnector's keys); kvbroker never uses them. `remote_block_ids`
+only say which of the grant's blocks hold which tokens (for a remap): the prefill daemon refuses any it did not grant.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ class PullSpec:
     """The grant's blocks from this index on land in `local_blocks` (the ones before are cached locally)."""
     refused: str = ""
     """Why the scheduler already knows this pull cannot run (then every local block is reported as failed)."""
+    start_token: int = 0
+    end_token: int = 0
+    """The prompt tokens [start_token, end_token) the pull covers: `local_blocks` hold them from our block
+    start_token // block_size on, `remote_blocks` from the prefill engine's (block sizes may differ). 0, 0: whole
+    blocks, `remote_blocks[i]` into `local_blocks[i]`."""
 
 
 def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: str, request_id: str,

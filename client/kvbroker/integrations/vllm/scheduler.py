@@ -18,7 +18,7 @@ from typing import Any
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks
-from kvbroker.integrations.vllm.layout import explain_mismatch
+from kvbroker.integrations.vllm.layout import KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
     BadTransferParams,
     PullSpec,
@@ -29,7 +29,8 @@ from kvbroker.integrations.vllm.params import (
     release_topic,
     wants_remote_prefill,
 )
-from kvbroker.integrations.vllm.stats import RequestTransfer
+from kvbroker.integrations.vllm.remap import Refusal, refusal
+from kvbroker.integrations.vllm.stats import RequestTransfer, TransferLog
 from kvbroker.status import LlmError
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
@@ -55,10 +56,16 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._pulling: set[str] = set()
         self._transfers: dict[str, RequestTransfer] = {}
+        self._reports: dict[str, dict[str, Any]] = {}
+        """Decode requests that asked for remote KV: what their output will say about where their prompt's KV came
+        from (completed with the workers' transfers)."""
+        self.layout: KvLayout | None = None
         # No I/O here: the channel opens on the first call (an engine that never grants nor pulls never makes one).
         self.client = client or Client(config.target, timeout=config.link_timeout_s, lease_ttl=None)
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self.grants = GrantKeeper(self.links)
+        self.stats = TransferLog()
+        """Requests this side decided to compute locally (refused KV), for vLLM's connector stats."""
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
@@ -69,6 +76,7 @@ class SchedulerSide:
                              "all ranks of an engine must share one daemon")
         self.endpoints = dict(endpoints)
         first = self.endpoints[min(self.endpoints)]
+        self.layout = layout_of_tag(first.layout_tag)
         log.info("kvbroker connector: engine %s, cluster %d, peer address %s, caches %s, layout %r", self.engine_id,
                  first.cluster_id, first.peer_address, [e.cache_id for e in self.endpoints.values()],
                  first.layout_tag)
@@ -110,29 +118,38 @@ class SchedulerSide:
         try:
             remote = parse_remote(params)
         except BadTransferParams:
+            self.stats.record_recompute("bad_params")
             return  # logged by num_new_matched_tokens; without addressing nobody can be told anything
-        refusal = self._refusal(remote)
-        if refusal:
+        refused = self._refusal(remote)
+        prompt = request.num_prompt_tokens
+        if refused:
+            self.stats.record_recompute(self._refusal_reason(refused))
+            self.stats.record_refused(refused.field)
             log.error("request %s: refusing KV of prefill engine %s, computing locally: %s", request.request_id,
-                      remote.engine_id, refusal)
+                      remote.engine_id, refused.message)
+            self._reports[request.request_id] = {"prompt": prompt, "cached": 0, "refused": refused.message}
             self._release(request.request_id, remote, "incompatible")
             return
+        # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's tokens.
+        num_local_hits = len(all_blocks) - len(new_blocks)
+        start = num_local_hits * self.block_size
+        self._reports[request.request_id] = {"prompt": prompt, "cached": min(start, prompt), "refused": ""}
         if num_external_tokens <= 0:
             self._release(request.request_id, remote, "cached locally")
             return
-        # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's blocks.
-        num_local_hits = len(all_blocks) - len(new_blocks)
-        num_remote = -(-min(remote.num_tokens, request.num_prompt_tokens) // self.block_size)
-        needed = num_remote - num_local_hits
-        local = tuple(new_blocks[:needed])
-        src = remote.block_ids[num_local_hits:num_remote]
-        refused = ""
-        if needed <= 0 or len(local) != needed or len(src) != needed:
-            refused = (f"block counts do not line up (remote {len(remote.block_ids)} blocks for {remote.num_tokens} "
-                       f"tokens, {num_local_hits} cached locally, {len(new_blocks)} allocated)")
+        assert self.layout is not None  # set with the endpoints, without which _refusal refuses
+        theirs = layout_of_tag(remote.layout_tag)
+        end = min(remote.num_tokens, prompt)
+        local = tuple(new_blocks[: -(-end // self.block_size) - num_local_hits])
+        src = remote.block_ids[start // theirs.block_size: -(-end // theirs.block_size)]
+        why = ""
+        if end <= start or not local or len(src) != -(-end // theirs.block_size) - start // theirs.block_size:
+            why = (f"block counts do not line up (remote {len(remote.block_ids)} blocks of {theirs.block_size} "
+                   f"tokens for {remote.num_tokens} tokens, {num_local_hits} blocks cached locally, "
+                   f"{len(new_blocks)} allocated)")
             local = tuple(new_blocks)
-        self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, refused=refused,
-                                         first_block=num_local_hits))
+        self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, first_block=num_local_hits,
+                                         refused=why, start_token=start, end_token=end))
         self._pulling.add(request.request_id)
 
     def on_pulls_ended(self, request_ids: set[str]) -> None:
@@ -153,17 +170,21 @@ class SchedulerSide:
             if req_id in self._pulling:  # not for requests that finished (aborted) while their pull ran
                 self._transfers[req_id] = transfer
 
-    def _refusal(self, remote: RemoteKv) -> str:
-        if not self.endpoints:
-            return "this engine's workers have not reported their kvbroker caches"
+    def _refusal(self, remote: RemoteKv) -> Refusal | None:
+        if self.layout is None:
+            return Refusal("engine", "this engine's workers have not reported their kvbroker caches")
         if why := self.links.refusal(remote.cluster_id):
-            return why
-        ours = self.endpoints[min(self.endpoints)].layout_tag
-        if remote.tp_size != len(self.endpoints):
-            return (f"tensor-parallel sizes differ (prefill {remote.tp_size}, decode {len(self.endpoints)}); "
-                    "kvbroker pulls rank to rank")
-        mismatch = explain_mismatch(ours, remote.layout_tag)
-        return f"incompatible KV layouts ({mismatch})" if mismatch else ""
+            return Refusal("cluster", why)
+        refused = refusal(self.layout, remote.layout_tag)
+        if refused is None and layout_of_tag(remote.layout_tag).tp_size != remote.tp_size:
+            return Refusal("tp", f"tp: the prefill engine's params say tp_size {remote.tp_size}, its layout tp "
+                                 f"{layout_of_tag(remote.layout_tag).tp_size}")
+        return refused
+
+    @staticmethod
+    def _refusal_reason(refused: Refusal) -> str:
+        """A refusal's recompute reason, as a metric label."""
+        return {"engine": "not_ready", "cluster": "untrusted"}.get(refused.field, "layout")
 
     # -- both sides ----------------------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool
@@ -171,6 +192,9 @@ class SchedulerSide:
         params = request.kv_transfer_params
         self._pulling.discard(request.request_id)
         transfer = self._transfers.pop(request.request_id, None)
+        report = self._reports.pop(request.request_id, None)
+        if report is not None:  # (an aborted request's output carries nothing: nobody reads it)
+            return False, self._decode_report(report, transfer) if finished_normally else None
         if transfer is not None:
             return False, transfer.params()
         if not params:
@@ -185,7 +209,7 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if not finished_normally or not block_ids or not self.endpoints:
+        if not finished_normally or not block_ids or self.layout is None:
             return False, None
         num_tokens = request.num_computed_tokens
         blocks = list(block_ids)[: -(-num_tokens // self.block_size)]
@@ -195,7 +219,8 @@ class SchedulerSide:
             grant = self.client.create_grant(
                 [self.endpoints[r].cache_id for r in ranks], blocks, self.config.hold_lease_s,
                 max_hold=self.config.release_timeout_s, label=request.request_id,
-                event_topics=[release_topic(self.engine_id, r) for r in ranks], timeout=self.config.link_timeout_s)
+                event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
+                timeout=self.config.link_timeout_s)
         except LlmError as e:
             log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
                       "compute them", request.request_id, e.status.name, e.message)
@@ -207,6 +232,19 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self.grants.stop()
         self.client.close()
+
+    @staticmethod
+    def _decode_report(report: dict[str, Any], transfer: RequestTransfer | None) -> dict[str, Any]:
+        """Where the prompt's KV came from: pulled from the prefill side, found in the local prefix cache, or
+        recomputed here (a refusal or a failed pull), so that nobody mistakes a silent fallback for a transfer."""
+        pulled = transfer.tokens if transfer is not None else 0
+        out = {**(transfer.params() if transfer is not None else {}),
+               "kvbroker_prompt_tokens": report["prompt"], "kvbroker_tokens_pulled": pulled,
+               "kvbroker_tokens_cached": report["cached"],
+               "kvbroker_tokens_recomputed": max(0, report["prompt"] - report["cached"] - pulled)}
+        if report["refused"]:
+            out["kvbroker_refused"] = report["refused"]
+        return out
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

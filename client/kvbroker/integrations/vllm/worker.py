@@ -24,7 +24,7 @@ from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.grants import PeerLinks
-from kvbroker.integrations.vllm.layout import KvLayout, explain_mismatch
+from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
@@ -33,7 +33,8 @@ from kvbroker.integrations.vllm.params import (
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.stats import TransferLog
+from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal
+from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
 from kvbroker.types import KvCacheExtParam
@@ -41,11 +42,20 @@ from kvbroker.types import KvCacheExtParam
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
 
-# One tensor per layer: the whole page of a block (K and V of every head) is one contiguous range.
+# One tensor per layer, addressed in units of a few tokens of one head (layout.KvLayout.desc).
 _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
 _RELEASED_KEPT_S = 600.0
 """A grant's end for a request this rank does not (yet) hold is kept this long (the daemon's notification age)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Loading:
+    """A request whose pulls are in flight: what its outcome is reported against."""
+
+    spec: PullSpec
+    sources: int
+    """Prefill ranks it reads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +85,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
         self.loads = StepLoads(self.client, self.links, self._loaded)
+        self._loading: dict[str, _Loading] = {}
         self._held: dict[str, float] = {}
         self._released: dict[str, tuple[float, str]] = {}
         self._stop = threading.Event()
@@ -106,6 +117,15 @@ class WorkerSide:
         if layers != expected:
             raise RuntimeError(f"vLLM's KV layers start at offsets {[p - base for p in layers]} of the buffer, "
                                f"expected {[p - base for p in expected]}")
+        # The tag says which byte is which token of which head: the attention backend's views must agree with it.
+        lay = self.layout
+        shape = ((lay.num_blocks, lay.block_size, lay.head_size) if lay.memory == MEMORY_MLA
+                 else (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_size))
+        for name, t in kv_caches.items():
+            if tuple(t.shape) != shape:
+                raise RuntimeError(f"vLLM's KV layer {name} has shape {tuple(t.shape)}, not the {shape} of memory "
+                                   f"layout {lay.memory} (this attention backend is not supported by "
+                                   "KvBrokerConnector)")
         self._serve()
 
     def register_gpu(self, kv_caches: dict[str, torch.Tensor], mode: str, vllm_layout: str | None,
@@ -136,14 +156,17 @@ class WorkerSide:
         items: list[PullItem] = []
         for spec in pulls:
             try:
-                item = self._item(spec)
+                mine = self._items(spec)
             except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
                 log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
-                item = None
-            if item is None:
+                self.transfers.record_recompute("error", pull_failed=True)
+                mine = None
+            if mine is None:
                 self._report(spec.request_id, frozenset(spec.local_blocks))
-            else:
-                items.append(item)
+                continue
+            with self._lock:
+                self._loading[spec.request_id] = _Loading(spec, len(mine))
+            items += mine
         self.loads.submit(items)  # the step's pulls, one message
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
@@ -164,6 +187,7 @@ class WorkerSide:
                     if ended != "released":
                         log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
                                     "KV blocks", req_id, ended)
+                        self.transfers.record_expired_hold(ended.replace(" ", "_"))
                     del self._held[req_id]
                     sending.add(req_id)
             # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
@@ -179,52 +203,89 @@ class WorkerSide:
 
     # -- decode: pulls --------------------------------------------------------------------------------------------
     def _report(self, request_id: str, failed: frozenset[int]) -> None:
+        if failed:  # reported too: the request's output says its tokens were recomputed, not pulled
+            self.transfers.record_failed(request_id)
         with self._lock:
             self._pulled.append(PullOutcome(request_id, failed))
             self._in_flight -= 1
             self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
 
-    def _item(self, spec: PullSpec) -> PullItem | None:
-        """The request's pull as one item of the step, or None when it cannot run (then it is recomputed)."""
+    def _items(self, spec: PullSpec) -> list[PullItem] | None:
+        """The request's pulls as items of the step (one per prefill rank read), or None when it cannot pull (then
+        it is recomputed)."""
         if spec.refused:
             log.error("request %s: not pulling from prefill engine %s: %s", spec.request_id, spec.remote.engine_id,
                       spec.refused)
+            self.transfers.record_recompute("block_mismatch")
             return None
         assert self.cache is not None
         remote = spec.remote
-        mismatch = explain_mismatch(self.layout.tag(), remote.layout_tag)
-        if mismatch:
-            log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, mismatch)
-            return None
-        if self.rank >= remote.tp_size:
-            log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
-                      remote.tp_size, self.rank)
+        dst = self.cache.cache_id
+        refused = refusal(self.layout, remote.layout_tag)
+        if refused is not None:
+            log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, refused.message)
+            self.transfers.record_recompute("layout")
             return None
         if why := self.links.refusal(remote.cluster_id):
             log.error("request %s: not pulling: %s", spec.request_id, why)
+            self.transfers.record_recompute("untrusted")
             return None
-        # The grant alone: the prefill daemon names the cache (this rank's) and the blocks.
-        return PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, self.cache.cache_id,
-                        tuple(spec.local_blocks), first_block=spec.first_block, ext_param=_ONE_TENSOR_PER_LAYER,
-                        timeout=self.config.pull_timeout_s)
+        timeout = self.config.pull_timeout_s
+        if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
+            if self.rank >= remote.tp_size:
+                log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
+                          remote.tp_size, self.rank)
+                self.transfers.record_recompute("layout")
+                return None
+            return [PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, dst,
+                             tuple(spec.local_blocks), first_block=spec.first_block,
+                             ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout)]
+        theirs = layout_of_tag(remote.layout_tag)
+        start, end = (spec.start_token, spec.end_token) if spec.end_token else (
+            0, len(spec.local_blocks) * self.layout.block_size)
+        try:
+            plan = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
+        except ValueError as e:
+            log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
+            self.transfers.record_recompute("block_mismatch")
+            return None
+        # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
+        return [PullItem(spec.request_id, remote.cluster_id, remote.grant, one.remote_rank, dst,
+                         tuple(one.dst_units.tolist()), src_blocks=tuple(one.src_units.tolist()),
+                         ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
-        """A request's pull ended (from loads.py's threads)."""
-        failed = outcome.failed_blocks
+        """A request's pulls ended (from loads.py's threads)."""
+        with self._lock:
+            loading = self._loading.pop(outcome.request_id, None)
+        if loading is None:  # pragma: no cover - every item submitted was registered first
+            return
+        spec = loading.spec
+        everything = frozenset(spec.local_blocks)
+        failed: frozenset[int] = frozenset()
         try:
-            if not failed:
+            if outcome.failed_blocks:  # the local units (or blocks) that did not land, as the blocks holding them
+                failed = blocks_of_units(self.layout, sorted(outcome.failed_blocks)) & everything or everything
+                self.transfers.record_recompute(reason_of(outcome.status) if outcome.status is not None else "error",
+                                                pull_failed=True)
+            else:
                 if self.gpu is not None:
-                    self.gpu.landed(outcome.blocks)  # host-staged: into VRAM first
-                self.transfers.record(outcome.request_id, outcome.bytes_moved, outcome.seconds, outcome.backend)
+                    self.gpu.landed(spec.local_blocks)  # host-staged: into VRAM before vLLM may schedule it
+                whole = len(spec.local_blocks) * self.layout.block_size
+                tokens = spec.end_token - spec.start_token if spec.end_token else whole
+                backend = ",".join(dict.fromkeys(outcome.backend.split(",")))
+                self.transfers.record(spec.request_id, outcome.bytes_moved, outcome.seconds, backend, tokens=tokens)
                 if self.config.log_transfers:
-                    log.info("kvbroker pull: request %s, %d bytes in %.2f ms over %s (%.2f GB/s)",
-                             outcome.request_id, outcome.bytes_moved, outcome.seconds * 1e3, outcome.backend,
-                             outcome.bytes_moved / max(outcome.seconds, 1e-9) / 1e9)
+                    log.info("kvbroker pull: request %s, %d blocks, %d bytes in %.2f ms over %s (%.2f GB/s) from %d "
+                             "prefill rank(s)", spec.request_id, len(spec.local_blocks), outcome.bytes_moved,
+                             outcome.seconds * 1e3, backend, outcome.bytes_moved / max(outcome.seconds, 1e-9) / 1e9,
+                             loading.sources)
         except Exception:
-            log.exception("request %s: finishing its pull crashed; recomputing its KV", outcome.request_id)
-            failed = frozenset(outcome.blocks)
-        self._report(outcome.request_id, failed)
+            log.exception("request %s: finishing its pull crashed; recomputing its KV", spec.request_id)
+            self.transfers.record_recompute("error", pull_failed=True)
+            failed = everything
+        self._report(spec.request_id, failed)
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:

@@ -1,0 +1,125 @@
+"""What a heterogeneous prefill/decode pull costs against a homogeneous pull of the same bytes.
+
+    PYTHONPATH=client:server python bench/vllm_hetero.py [--tokens 2048] [--layers 16] [--heads 8] [--rounds 30]
+
+Two local kvbrokerd daemons (shm backend), a prefill cache per prefill TP rank and one decode cache per case, laid
+out exactly as the vLLM connector lays them out (vLLM's CPU attention: [block, head, K|V, token, dim], fp16, head
+size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a decode worker does: one
+`Client.pull_granted_kv_blocks` per prefill rank read, by a grant of the request's blocks, naming the units of that
+rank's cache; it is timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number
+of bytes: for a decode rank that takes half the heads, the baseline is a homogeneous pull of half the tokens. The
+figure is the median of `--rounds` pulls, after one warm-up; `ratio` = heterogeneous / homogeneous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kvbroker import KvCacheExtParam
+from kvbroker._local import LocalDaemon
+from kvbroker.integrations.vllm.layout import KvLayout
+from kvbroker.integrations.vllm.remap import plan_pull
+from kvbroker.types import Grant
+
+HEAD = 128
+
+
+def layout(tp: int, block: int, blocks: int, layers: int, heads: int, token_units: bool = False) -> KvLayout:
+    per = heads // tp
+    return KvLayout(num_layers=layers, num_blocks=blocks, block_size=block, num_kv_heads=per, head_size=HEAD,
+                    dtype="float16", page_bytes=per * 2 * block * HEAD * 2, model_id="bench", tp_size=tp,
+                    total_kv_heads=heads, token_units=token_units)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args()
+    tokens, layers, heads = args.tokens, args.layers, args.heads
+    blocks = tokens // 32 + 2
+    # (name, prefill tp, prefill block, decode tp, decode block, decode rank, token units); each against a
+    # homogeneous pull (TP 1, blocks of 32, head units: the default) of the same bytes
+    cases = [("tp1 -> tp1, blocks 32 (homogeneous)", 1, 32, 1, 32, 0, False),
+             ("tp2 -> tp1 (gathers 2 ranks)", 2, 32, 1, 32, 0, False),
+             ("tp1 -> tp2 (rank 1 of 2: half the heads)", 1, 32, 2, 32, 1, False),
+             ("tp1 -> tp1, blocks 32, token units", 1, 32, 1, 32, 0, True),
+             ("blocks 32 -> 64, token units", 1, 32, 1, 64, 0, True),
+             ("blocks 64 -> 32, token units", 1, 64, 1, 32, 0, True),
+             ("tp2 blocks 64 -> tp1 blocks 32, token units", 2, 64, 1, 32, 0, True)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, LocalDaemon(Path(tmp), 61, backends=("shm",)) as p_daemon, \
+            LocalDaemon(Path(tmp), 62, backends=("shm",)) as d_daemon, p_daemon.client() as p, \
+            d_daemon.client(timeout=60) as d:
+        from kvbroker import ClusterInfo
+        d.link_clusters([ClusterInfo(p_daemon.cluster_id, p_daemon.peer_address)], timeout=10)
+
+        def timed(grant: Grant, dst: int, pulls: list[tuple[int, list[int], list[int]]]) -> float:
+            times = []
+            ext = KvCacheExtParam(tensor_num_per_layer=1)
+            for i in range(args.rounds + 1):
+                started = time.perf_counter()
+                for rank, src_units, dst_units in pulls:  # as the connector's worker does: one per prefill rank
+                    d.pull_granted_kv_blocks(p_daemon.cluster_id, grant, dst, dst_units, cache_slot=rank,
+                                             src_blocks=src_units, ext_param=ext)
+                if i:
+                    times.append(time.perf_counter() - started)
+            return statistics.median(times)
+
+        homogeneous: dict[int, float] = {}
+        for name, p_tp, p_block, d_tp, d_block, rank, fine in cases:
+            theirs = layout(p_tp, p_block, blocks, layers, heads, fine)
+            ours = layout(d_tp, d_block, blocks, layers, heads, fine)
+            src = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
+            dst = d.allocate_cache(ours.desc())
+            p_blocks = list(range(1, tokens // p_block + 1))
+            d_blocks = list(range(1, tokens // d_block + 1))
+            plan = plan_pull(ours, rank, theirs, d_blocks, p_blocks, 0, tokens)
+            nbytes = sum(len(u.dst_units) for u in plan) * ours.unit_bytes * layers
+            grant = p.create_grant([c.cache_id for c in src], p_blocks, 600.0,
+                                   units_per_block=theirs.grant_units)
+            seconds = timed(grant, dst.cache_id,
+                            [(u.remote_rank, u.src_units.tolist(), u.dst_units.tolist()) for u in plan])
+            p.release_grant(grant)
+            if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
+                same = layout(1, 32, blocks, layers, heads)
+                h_src, h_dst = p.allocate_cache(same.desc()), d.allocate_cache(same.desc())
+                n_tokens = nbytes // (same.page_bytes * layers) * 32
+                h_plan = plan_pull(same, 0, same, list(range(1, n_tokens // 32 + 1)),
+                                   list(range(1, n_tokens // 32 + 1)), 0, n_tokens)
+                h_grant = p.create_grant([h_src.cache_id], list(range(1, n_tokens // 32 + 1)), 600.0,
+                                         units_per_block=same.grant_units)
+                homogeneous[nbytes] = timed(h_grant, h_dst.cache_id,
+                                            [(0, u.src_units.tolist(), u.dst_units.tolist()) for u in h_plan])
+                p.release_grant(h_grant)
+                p.deallocate_cache(h_src.cache_id)
+                d.deallocate_cache(h_dst.cache_id)
+            rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "units_per_layer": sum(
+                len(u.dst_units) for u in plan), "runs_per_layer": sum(
+                _runs(u.src_units.tolist(), u.dst_units.tolist()) for u in plan), "ms": round(seconds * 1e3, 2),
+                "homogeneous_ms": round(homogeneous[nbytes] * 1e3, 2),
+                "ratio": round(seconds / homogeneous[nbytes], 2)})
+            print(json.dumps(rows[-1]), flush=True)
+            for c in src:
+                p.deallocate_cache(c.cache_id)
+            d.deallocate_cache(dst.cache_id)
+    print("| case | MiB | units / runs per layer | ms | homogeneous ms | ratio |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['case']} | {r['MiB']} | {r['units_per_layer']} / {r['runs_per_layer']} | {r['ms']} "
+              f"| {r['homogeneous_ms']} | {r['ratio']} |")
+
+
+def _runs(src: list[int], dst: list[int]) -> int:
+    return 1 + sum(1 for i in range(1, len(src)) if not (src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1))
+
+
+if __name__ == "__main__":
+    main()

