@@ -190,8 +190,8 @@ class TransferManager:
             param_invalid("dst_blocks is empty")
         self._registry.get(req.local_cache_id)
         link = self._links.get_ready(req.remote_cluster_id)
-        granted = await link.redeem_grant(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
-                                          deadline.remaining())
+        granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
+                                     deadline.remaining())  # a renewal's answer, or a RedeemGrant round trip
         if claim.cache_slot >= len(granted.cache_ids):
             param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
                           f"{claim.cache_slot}")
