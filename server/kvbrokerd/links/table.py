@@ -90,7 +90,7 @@ class Link:
     """Transfers running over the link now (an idle link is one with none)."""
     heartbeat: asyncio.Task[None] | None = None
     grants: GrantCache = field(default_factory=GrantCache)
-    """What the peer said about the grants we renewed or redeemed on it (grantcache.py)."""
+    """What the peer said about the grants we renewed on it (grantcache.py)."""
     grant_answers: Counter[str] = field(default_factory=Counter)
     """Pulls by grant answered from `grants` ("remembered") or by a RedeemGrant call ("redeemed"); the link table
     passes its own counter, so that the counts outlive the link."""
@@ -110,8 +110,8 @@ class Link:
 
     async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
                       ) -> peer_pb2.RedeemGrantResponse:
-        """What `redeem_grant` answers, without the round trip when a renewal (or an earlier redemption) told us
-        and the grant surely lives `hold_s` more: see grantcache.py for why that is safe."""
+        """What `redeem_grant` answers, without the round trip when a renewal told us and the grant surely lives
+        `hold_s` more: see grantcache.py for why that is safe."""
         known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None:
             return await self.redeem_grant(grant_id, secret, hold_s, timeout)
@@ -124,7 +124,6 @@ class Link:
         """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive for `hold_s`)."""
         assert self.stub is not None
         self.grant_answers["redeemed"] += 1
-        ticket, sent_at = self.grants.asking(grant_id, secret), time.monotonic()
         req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
             grant_id=grant_id, secret=secret, hold_ms=max(0, min(600_000, int(hold_s * 1000)))))
         try:
@@ -138,8 +137,7 @@ class Link:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
                  "to its previous incarnation")
-        self.grants.remember(ticket, grant_id, secret, tuple(answer.cache_ids), tuple(answer.blocks),
-                             answer.units_per_block, sent_at, answer.expires_in_ms)
+        # Not remembered: the peer promises its blocks to a link only in a renewal's answer (GrantTable.promise).
         return answer
 
     async def renew_grant(self, grant_id: bytes, secret: bytes, lease_ms: int, timeout: float) -> int:
