@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbroker import CacheDesc, Grant, KvCacheNotExistError
 from kvbroker._client import Client
 from kvbroker._local import LocalDaemon
+from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_lease
 from kvbroker.shm import Cache
 from kvbroker.types import LinkState
 from kvbroker.v1 import broker_pb2
@@ -170,6 +171,23 @@ def test_a_removed_cache_is_refused_by_the_data_plane(pd: Pd) -> None:
     assert wait_until(pd.events, what="the grant's end posted") == ["cache removed"]
     pd.refused_untouched(grant)  # from the remembered answer: the removed cache is refused, no byte lands
     assert pd.counts()[1] in (remembered + 1, remembered + 2)
+
+
+def test_the_connectors_first_renewal_lets_a_pull_scheduled_at_once_skip_the_redeem(pd: Pd) -> None:
+    """The GrantKeeper renews as soon as it watches a request, asking for a lease that outlasts a pull (the prefill
+    engine's own, 2 s here, would not): a pull right after finds the answer remembered."""
+    grant = pd.grant([2, 5], lease=2.0)
+    keeper = GrantKeeper(PeerLinks(pd.dc, {pd.p.cluster_id: pd.p.peer_address}, 5.0), renewal_lease(10.0))
+    try:
+        keeper.watch("req", pd.p.cluster_id, grant)
+        wait_until(lambda: keeper.renewals, what="the first renewal")
+        redeemed, remembered, asked = pd.counts()
+        pd.pull_checked(grant, [2, 5], [0, 1], timeout=10.0)
+        assert pd.counts() == (redeemed, remembered + 1, asked)
+        keeper.release("req", "pulled")
+        assert wait_until(pd.events, what="the grant released") == ["released"]
+    finally:
+        keeper.stop()
 
 
 def _free_port() -> int:

@@ -7,6 +7,9 @@ import time
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.grants import renewal_lease
+from kvbroker.integrations.vllm.scheduler import SchedulerSide
 from kvbroker.v1 import peer_pb2, types_pb2
 from kvbrokerd.links.grantcache import SAFETY_S, GrantCache
 from kvbrokerd.links.inbound import answer_ok, seal
@@ -83,3 +86,11 @@ def test_the_renewal_answers_new_fields_keep_an_older_callers_mac_check() -> Non
     seal(legacy, "RenewGrant", secret, lid, 8)
     parsed = peer_pb2.PeerRenewGrantResponse.FromString(legacy.SerializeToString())
     assert answer_ok(parsed, "RenewGrant", secret, lid, 8) and not parsed.cache_ids
+
+
+def test_the_decode_schedulers_renewals_ask_for_a_lease_that_outlasts_a_pull() -> None:
+    """1.5 x (pull deadline + 3 s): two thirds of it (what is left at worst before the next renewal) outlast a pull's
+    deadline plus the decode daemon's margins (2 s hold, 0.5 s safety)."""
+    side = SchedulerSide(ConnectorConfig(pull_timeout_s=10.0), "engine-d", 32)
+    assert side.grants.lease_s == renewal_lease(10.0) == 19.5
+    assert renewal_lease(10.0) * 2 / 3 - SAFETY_S > 10.0 + 2.0
