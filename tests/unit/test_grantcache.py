@@ -26,7 +26,7 @@ def test_a_remembered_grant_serves_only_its_secret_and_pulls_that_end_within_its
     cache = GrantCache()
     _remembered(cache)
     known = cache.lookup(GID, SECRET, 10.0)
-    assert known is not None and (known.cache_ids, known.blocks) == ((7,), (1, 2))
+    assert known is not None and (known.cache_ids, list(known.blocks)) == ((7,), [1, 2])
     assert cache.lookup(GID, b"x" * 32, 10.0) is None
     assert cache.lookup(GID, SECRET, 30.0 - SAFETY_S) is None  # would outlive what the peer stated
     cache.forget(GID, b"x" * 32)  # a stranger's failed call: the holder's answer stays
@@ -55,6 +55,12 @@ def test_a_short_or_empty_answer_is_not_remembered_and_the_cache_is_bounded() ->
     assert len(cache) == 3
     assert cache.lookup(bytes([0]) * 16, SECRET, 1.0) is None  # the least recently used went first
     assert cache.lookup(bytes([4]) * 16, SECRET, 1.0) is not None
+    cache.max_blocks = 5  # blocks are bounded too: 2 each here
+    _remembered(cache, gid=b"x" * 16)
+    assert len(cache) == 2 and cache.lookup(bytes([3]) * 16, SECRET, 1.0) is None
+    ticket = cache.asking(b"y" * 16, SECRET)
+    cache.remember(ticket, b"y" * 16, SECRET, (7,), range(6), 1, time.monotonic(), 30_000)  # larger than the bound
+    assert len(cache) == 2 and cache.lookup(b"y" * 16, SECRET, 1.0) is None
 
 
 def _old_renew_answer_class() -> type:

@@ -17,21 +17,26 @@ of a round trip, but only when it is safe to:
 
 An entry is dropped when its grant is released through us, when a renewal of it fails, when its lease is over, when
 the link goes or is re-made (a restarted peer has a new epoch and none of its old grants), and when the cache is
-full (least recently used first).
+full (MAX_ENTRIES grants or MAX_BLOCKS blocks; least recently used first).
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_ENTRIES = 4096
 """Remembered grants per link (a decode node's waiting requests on one prefill daemon; beyond: the least recently
 used is forgotten and its pull redeems)."""
+MAX_BLOCKS = 1 << 18
+"""Granted blocks remembered per link, over all its entries (8 bytes each: 2 MiB; beyond: the least recently used
+entries are forgotten; one answer larger than that is not remembered)."""
 SAFETY_S = 0.5
 """Taken off every remembered lease: the two daemons' clocks may run at slightly different rates, and a renewal's
 answer may have been delayed on its way."""
@@ -43,7 +48,7 @@ class Remembered:
 
     digest: bytes
     cache_ids: tuple[int, ...]
-    blocks: tuple[int, ...]
+    blocks: array.array[int]
     units_per_block: int
     good_until: float
     """time.monotonic() until which the grant surely lives (the stated lease from our send, less SAFETY_S)."""
@@ -59,6 +64,9 @@ class GrantCache:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, Remembered] = OrderedDict()
+        self._blocks = 0
+        """Blocks of all entries (bounded by `max_blocks`)."""
+        self.max_blocks = MAX_BLOCKS
         self._asking: dict[bytes, int] = {}
         """Grant id -> the ticket of the call now asking the peer about it (one per grant: a later call wins)."""
         self._tickets = itertools.count(1)
@@ -76,22 +84,22 @@ class GrantCache:
         ticket = self._asking[bytes(grant_id)] = next(self._tickets)
         return ticket
 
-    def remember(self, ticket: int, grant_id: bytes, secret: bytes, cache_ids: tuple[int, ...],
-                 blocks: tuple[int, ...], units_per_block: int, sent_at: float, expires_in_ms: int) -> None:
+    def remember(self, ticket: int, grant_id: bytes, secret: bytes, cache_ids: Sequence[int],
+                 blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int) -> None:
         """`ticket`: from `asking`, before the call was sent at `sent_at` (time.monotonic()); `expires_in_ms`: the
         lease the answer stated."""
         if self._asking.get(bytes(grant_id)) != ticket:
             return  # released, failed or asked again meanwhile
         del self._asking[bytes(grant_id)]
         good_until = sent_at + expires_in_ms / 1000 - SAFETY_S
-        if not cache_ids or not blocks or good_until <= time.monotonic():
-            self.forget(grant_id, secret)  # an older peer's answer (nothing to remember), or a lease too short
-            return
-        self._entries[bytes(grant_id)] = Remembered(_digest(bytes(secret)), cache_ids, blocks,
+        self._drop(bytes(grant_id))
+        if not cache_ids or not blocks or len(blocks) > self.max_blocks or good_until <= time.monotonic():
+            return  # an older peer's answer (nothing to remember), a huge grant, or a lease too short to use
+        self._entries[bytes(grant_id)] = Remembered(_digest(bytes(secret)), tuple(cache_ids), array.array("Q", blocks),
                                                     max(1, units_per_block), good_until)
-        self._entries.move_to_end(bytes(grant_id))
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._blocks += len(blocks)
+        while len(self._entries) > self.max_entries or self._blocks > self.max_blocks:
+            self._drop(next(iter(self._entries)))
 
     def lookup(self, grant_id: bytes, secret: bytes, need_s: float) -> Remembered | None:
         """The remembered grant if `secret` opens it and it surely lives `need_s` more seconds; else None (redeem)."""
@@ -100,7 +108,7 @@ class GrantCache:
             return None
         now = time.monotonic()
         if entry.good_until <= now:
-            del self._entries[bytes(grant_id)]
+            self._drop(bytes(grant_id))
             return None
         if not hmac.compare_digest(entry.digest, _digest(bytes(secret))) or entry.good_until - now <= need_s:
             return None
@@ -113,11 +121,17 @@ class GrantCache:
         self._asking.pop(bytes(grant_id), None)
         entry = self._entries.get(bytes(grant_id))
         if entry is not None and hmac.compare_digest(entry.digest, _digest(bytes(secret))):
-            del self._entries[bytes(grant_id)]
+            self._drop(bytes(grant_id))
 
     def clear(self) -> None:
         self._entries.clear()
         self._asking.clear()
+        self._blocks = 0
+
+    def _drop(self, grant_id: bytes) -> None:
+        entry = self._entries.pop(grant_id, None)
+        if entry is not None:
+            self._blocks -= len(entry.blocks)
 
 
 __all__ = ["MAX_ENTRIES", "SAFETY_S", "GrantCache", "Remembered"]

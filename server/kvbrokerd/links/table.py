@@ -154,7 +154,7 @@ class Link:
             raise peer_error(e, self.remote_cluster_id, "the grant") from None
         self.check_answer(resp, "RenewGrant", req)
         if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
-            self.grants.remember(ticket, grant_id, secret, tuple(resp.cache_ids), tuple(resp.blocks),
+            self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
                                  resp.units_per_block, sent_at, resp.expires_in_ms)
         return int(resp.expires_in_ms)
 
