@@ -18,7 +18,7 @@ GID, SECRET = b"g" * 16, b"s" * 32
 
 
 def _remembered(cache: GrantCache, gid: bytes = GID, secret: bytes = SECRET, lease_s: float = 30.0) -> None:
-    ticket = cache.asking(gid, secret)
+    ticket = cache.asking(gid)
     cache.remember(ticket, gid, secret, (7,), (1, 2), 1, time.monotonic(), int(lease_s * 1000))
 
 
@@ -37,7 +37,7 @@ def test_a_remembered_grant_serves_only_its_secret_and_pulls_that_end_within_its
 
 def test_an_answer_overtaken_by_a_release_is_not_remembered() -> None:
     cache = GrantCache()
-    ticket = cache.asking(GID, SECRET)
+    ticket = cache.asking(GID)
     cache.forget(GID, SECRET)  # released while the renewal was on its way back
     cache.remember(ticket, GID, SECRET, (7,), (1,), 1, time.monotonic(), 30_000)
     assert cache.lookup(GID, SECRET, 1.0) is None
@@ -47,7 +47,7 @@ def test_a_short_or_empty_answer_is_not_remembered_and_the_cache_is_bounded() ->
     cache = GrantCache(max_entries=3)
     _remembered(cache, lease_s=SAFETY_S / 2)
     assert len(cache) == 0
-    ticket = cache.asking(GID, SECRET)
+    ticket = cache.asking(GID)
     cache.remember(ticket, GID, SECRET, (), (), 0, time.monotonic(), 30_000)  # an older peer's answer
     assert len(cache) == 0
     for i in range(5):
@@ -58,7 +58,7 @@ def test_a_short_or_empty_answer_is_not_remembered_and_the_cache_is_bounded() ->
     cache.max_blocks = 5  # blocks are bounded too: 2 each here
     _remembered(cache, gid=b"x" * 16)
     assert len(cache) == 2 and cache.lookup(bytes([3]) * 16, SECRET, 1.0) is None
-    ticket = cache.asking(b"y" * 16, SECRET)
+    ticket = cache.asking(b"y" * 16)
     cache.remember(ticket, b"y" * 16, SECRET, (7,), range(6), 1, time.monotonic(), 30_000)  # larger than the bound
     assert len(cache) == 2 and cache.lookup(b"y" * 16, SECRET, 1.0) is None
 

@@ -74,11 +74,11 @@ class GrantCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def asking(self, grant_id: bytes, secret: bytes) -> int:
-        """Forgets the grant (see `forget`) and returns the ticket that `remember` needs: a release (or a failed
-        call) of the grant while the peer was being asked voids the ticket, so that a renewal answered just before a
-        release is never remembered after it (the two calls may overtake each other on the way back)."""
-        self.forget(grant_id, secret)
+    def asking(self, grant_id: bytes) -> int:
+        """The ticket that `remember` needs: a release (or a failed call) of the grant while the peer was being asked
+        voids it, so that a renewal answered just before a release is never remembered after it (the two calls may
+        overtake each other on the way back). What is remembered stays usable meanwhile: the peer never shortens
+        what it stated."""
         if len(self._asking) >= self.max_entries:  # calls that never came back (bounded all the same)
             self._asking.pop(next(iter(self._asking)))
         ticket = self._asking[bytes(grant_id)] = next(self._tickets)

@@ -146,7 +146,7 @@ class Link:
         assert self.stub is not None
         req = self.signed("RenewGrant", peer_pb2.PeerRenewGrantRequest(grant_id=grant_id, secret=secret,
                                                                        lease_ms=lease_ms))
-        ticket, sent_at = self.grants.asking(grant_id, secret), time.monotonic()
+        ticket, sent_at = self.grants.asking(grant_id), time.monotonic()
         try:
             resp = await self.stub.RenewGrant(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
