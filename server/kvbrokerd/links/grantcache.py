@@ -10,8 +10,9 @@ of a round trip, but only when it is safe to:
 - the lease the peer stated, counted from when we *sent* the renewal (the peer started counting later, so this is
   conservative) and less SAFETY_S, outlasts the pull's deadline plus the hold margin the redeem path asks for. The
   peer never shortens a lease (renew and redeem only extend it), so the grant is alive, and its blocks unfreed,
-  until after our pull has ended, unless it ends otherwise: released (through us: we forget it first; elsewhere:
-  see docs/THREAT_MODEL.md), or its cache removed (the data plane refuses a removed cache: shm checks the peer's
+  until after our pull has ended, unless it ends otherwise: released (through us: we forget it first; by anyone
+  else: the peer keeps the blocks until the lease it stated to us is over, `GrantTable.release`; docs/THREAT_MODEL.md
+  T21d), or its cache removed (the data plane refuses a removed cache: shm checks the peer's
   live-cache page before and after a copy, tcp looks the cache up in the peer's registry; cache ids are never
   reused).
 

@@ -177,8 +177,9 @@ class TransferManager:
 
     async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
         """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
-        names (never what the caller names): redeemed over the link, before any byte moves. The granting daemon
-        keeps the grant alive past our deadline, so the blocks cannot be freed under the pull."""
+        names (never what the caller names): redeemed over the link, before any byte moves (or as a renewal through
+        us described it, links/grantcache.py). The granting daemon keeps the grant alive past our deadline, so the
+        blocks cannot be freed under the pull."""
         claim = req.grant
         assert claim is not None
         if direction != Direction.PULL:
