@@ -259,7 +259,8 @@ class Daemon:
                 "caches": len(caches),
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
-                "sessions": len(node.sessions), "grants": len(node.grants), "grants_ended": dict(node.grants.ended)}
+                "sessions": len(node.sessions), "grants": len(node.grants), "grants_ended": dict(node.grants.ended),
+                "grants_redeemed": node.grants.redeemed, "grant_answers": dict(node.links.grant_answers)}
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:

@@ -5,7 +5,9 @@ transfer_seconds {op, backend, peer, stage=queue|wire|total}; and, read from the
 (the links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
 reason} (links removed without an unlink: outbound `broken`, `idle`, `room`; inbound `expired`, `silent`,
 `fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions, grants, grants_ended_total
-{outcome=released|lapsed|capped|cache_removed} (holds of this daemon's blocks that ended, and how).
+{outcome=released|lapsed|capped|cache_removed} (holds of this daemon's blocks that ended, and how),
+grants_redeemed_total (RedeemGrant calls answered) and grant_pulls_total {source=remembered|redeemed} (pulls by grant
+made, and whether a renewal's answer spared the RedeemGrant round trip).
 
 `peer` is the remote cluster id of the transfer (`local` for a copy within this daemon, `several` for a batch over
 more than one peer). Its cardinality is bounded: at most `max_peers` (MAX_PEER_LABELS) linked cluster ids get series
@@ -60,6 +62,15 @@ class _StateCollector(Collector):
         for outcome, count in sorted(state.get("grants_ended", {}).items()):
             ended.add_metric([outcome.replace(" ", "_")], count)
         yield ended
+        yield CounterMetricFamily("kvbroker_grants_redeemed", "Peer.RedeemGrant calls this daemon answered (a peer's "
+                                  "pull by grant that could not use a renewal's answer)",
+                                  value=state.get("grants_redeemed", 0))
+        answers = CounterMetricFamily("kvbroker_grant_pulls", "Pulls by grant this daemon made, by how it learned "
+                                      "the grant (remembered: from a renewal's answer; redeemed: a RedeemGrant call)",
+                                      labels=["source"])
+        for source, count in sorted(state.get("grant_answers", {}).items()):
+            answers.add_metric([source], count)
+        yield answers
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),

@@ -47,3 +47,14 @@ def test_scale_options_are_checked() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "kvbench.py"), "--only", "scale-peers",
                           "--scale-peers", "1,65"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "--scale-peers between 1 and 64" in out.stderr
+
+
+def test_grant_pull_bench_runs_and_counts_the_redeems_it_skips() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "grant_pull.py"), "--pulls", "3", "--blocks", "4",
+                          "--block-kib", "4", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert [r["backend"] for r in report] == ["shm", "tcp"]
+    for r in report:
+        assert [r[way]["redeems"] for way in ("plain", "grant", "renewed")] == [0, 3, 0], r
+        assert all(r[way]["p50_ms"] > 0 for way in ("plain", "grant", "renewed"))

@@ -537,19 +537,39 @@ class PeerRenewGrantResponse(_message.Message):
 
     EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
+    CACHE_IDS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed again."""
     mac: _builtins.bytes
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
+    units_per_block: _builtins.int
+    instance_epoch: _builtins.str
+    @_builtins.property
+    def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """What a RedeemGrant would answer (the granted caches in slot order, the blocks, units per block) and the
+        responder's epoch: the caller may remember them and pull within the lease without redeeming first. Added
+        without a protocol bump: an older caller keeps them as unknown fields (still covered by `mac`), and an answer of
+        an older responder has no cache_ids, which the caller takes as nothing to remember.
+        """
+
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         expires_in_ms: _builtins.int = ...,
         mac: _builtins.bytes = ...,
+        cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        units_per_block: _builtins.int = ...,
+        instance_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_ms", b"expires_in_ms", "mac", b"mac"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,6 +43,7 @@ from kvbrokerd.backends.base import (
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.links import linkauth
+from kvbrokerd.links.grantcache import GrantCache
 from kvbrokerd.links.inbound import (
     MAX_EPOCH_BYTES,
     PROTOCOL_VERSION,
@@ -88,6 +89,11 @@ class Link:
     busy: int = 0
     """Transfers running over the link now (an idle link is one with none)."""
     heartbeat: asyncio.Task[None] | None = None
+    grants: GrantCache = field(default_factory=GrantCache)
+    """What the peer said about the grants we renewed on it (grantcache.py)."""
+    grant_answers: Counter[str] = field(default_factory=Counter)
+    """Pulls by grant answered from `grants` ("remembered") or by a RedeemGrant call ("redeemed"); the link table
+    passes its own counter, so that the counts outlive the link."""
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def signed(self, method: str, request: Message) -> Message:
@@ -102,15 +108,28 @@ class Link:
             fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id}'s answer to {method} failed "
                  "authentication (a relay rewrote it?)")
 
+    async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+                      ) -> peer_pb2.RedeemGrantResponse:
+        """What `redeem_grant` answers, without the round trip when a renewal told us and the grant surely lives
+        `hold_s` more: see grantcache.py for why that is safe."""
+        known = self.grants.lookup(grant_id, secret, hold_s)
+        if known is None:
+            return await self.redeem_grant(grant_id, secret, hold_s, timeout)
+        self.grant_answers["remembered"] += 1
+        return peer_pb2.RedeemGrantResponse(cache_ids=known.cache_ids, blocks=known.blocks,
+                                            units_per_block=known.units_per_block, instance_epoch=self.remote_epoch)
+
     async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
                            ) -> peer_pb2.RedeemGrantResponse:
         """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive for `hold_s`)."""
         assert self.stub is not None
+        self.grant_answers["redeemed"] += 1
         req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
             grant_id=grant_id, secret=secret, hold_ms=max(0, min(600_000, int(hold_s * 1000)))))
         try:
             resp = await self.stub.RedeemGrant(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            self.grants.forget(grant_id, secret)
             raise peer_error(e, self.remote_cluster_id, "the grant") from None
         self.check_answer(resp, "RedeemGrant", req)
         answer: peer_pb2.RedeemGrantResponse = resp
@@ -118,22 +137,30 @@ class Link:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
                  "to its previous incarnation")
+        # Not remembered: the peer promises its blocks to a link only in a renewal's answer (GrantTable.promise).
         return answer
 
     async def renew_grant(self, grant_id: bytes, secret: bytes, lease_ms: int, timeout: float) -> int:
-        """Milliseconds until the grant lapses, as the daemon that made it says."""
+        """Milliseconds until the grant lapses, as the daemon that made it says; what the answer says the grant
+        covers is remembered for our pulls by it (a failed renewal forgets it)."""
         assert self.stub is not None
         req = self.signed("RenewGrant", peer_pb2.PeerRenewGrantRequest(grant_id=grant_id, secret=secret,
                                                                        lease_ms=lease_ms))
+        ticket, sent_at = self.grants.asking(grant_id), time.monotonic()
         try:
             resp = await self.stub.RenewGrant(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            self.grants.forget(grant_id, secret)
             raise peer_error(e, self.remote_cluster_id, "the grant") from None
         self.check_answer(resp, "RenewGrant", req)
+        if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
+            self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
+                                 resp.units_per_block, sent_at, resp.expires_in_ms)
         return int(resp.expires_in_ms)
 
     async def release_grant(self, grant_id: bytes, secret: bytes, timeout: float) -> None:
         assert self.stub is not None
+        self.grants.forget(grant_id, secret)  # first: a release that fails on its way may still have ended the grant
         req = self.signed("ReleaseGrant", peer_pb2.PeerReleaseGrantRequest(grant_id=grant_id, secret=secret))
         try:
             resp = await self.stub.ReleaseGrant(req, timeout=timeout)
@@ -236,6 +263,7 @@ class Link:
             self.broken_since = time.monotonic()
         self.state = LinkState.BROKEN
         self.reason = reason
+        self.grants.clear()  # whatever broke it, nothing the peer said before is used again
         self.final = final or self.final
 
     async def close(self) -> None:
@@ -248,6 +276,7 @@ class Link:
                 self.channel.forget(remote)
             self.channel.close()
         self.remote_caches.clear()
+        self.grants.clear()
         if self.grpc_channel is not None:
             await self.grpc_channel.close()
 
@@ -307,6 +336,8 @@ class LinkTable:
         self.idle_link_ttl_s = idle_link_ttl_s
         self.reclaimed: Counter[str] = Counter()
         """Outbound links removed by this table, by reason (`broken`, `idle`, `room`), for the metrics."""
+        self.grant_answers: Counter[str] = Counter()
+        """Pulls by grant over any link, by how they learned the grant ("remembered", "redeemed")."""
         self.recently_reclaimed: dict[int, str] = {}
         """The last reason each recently reclaimed cluster's link was removed for (bounded), so that a call on it
         says why the link is gone rather than only that it is not there."""
@@ -341,7 +372,7 @@ class LinkTable:
             fail(LlmStatus.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked ({existing.state.name})")
         if len(self.links) >= self.max_links:
             self._make_room()
-        link = self.links[cluster_id] = Link(cluster_id, address)
+        link = self.links[cluster_id] = Link(cluster_id, address, grant_answers=self.grant_answers)
         self.recently_reclaimed.pop(cluster_id, None)
         try:
             await self._handshake(link, timeout)
@@ -551,6 +582,7 @@ class LinkTable:
             link.channel.close()
         link.channel = None
         link.remote_caches.clear()
+        link.grants.clear()  # the restarted peer has none of the grants its previous incarnation made
         link.state, link.final = LinkState.LINKING, False
         link._seq = itertools.count(1)
         old_epoch = link.remote_epoch

@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 from kvbrokerd.limits import check_text
@@ -42,6 +42,9 @@ MAX_HOLD_S = 86400.0
 MAX_REDEEM_HOLD_S = 600.0
 MAX_UNITS_PER_BLOCK = 1 << 16
 SWEEP_INTERVAL_S = 0.1
+MAX_PROMISES = 16
+"""Links a grant's renewals may describe it to (one per decode daemon that renews it; beyond: renewals still renew,
+but describe nothing, so those peers redeem before they pull)."""
 STALL_S = 0.25
 """A sweep this much later than planned means the daemon did not run in between (see sessions.py)."""
 
@@ -60,6 +63,9 @@ class Grant:
     event_topics: tuple[str, ...]
     units_per_block: int = 1
     """Each granted block stands for this many consecutive blocks of the caches."""
+    promised: dict[object, float] = field(default_factory=dict)
+    """Peer link -> time.monotonic() until which a renewal's answer told that peer the grant lives (the peer may
+    pull until then without redeeming): a release by anyone else keeps the blocks until then (see `release`)."""
 
     def expires_in_ms(self) -> int:
         return max(0, min(0xFFFFFFFF, int((self.expires - time.monotonic()) * 1000)))
@@ -83,11 +89,15 @@ class GrantTable:
 
     def __init__(self, on_end: Callable[[Grant, str], None], *, max_grants: int = MAX_GRANTS) -> None:
         self._grants: dict[bytes, Grant] = {}
+        self._draining: dict[bytes, Grant] = {}
+        """Released grants whose blocks a peer was promised (`Grant.promised`): unusable, ended at `expires`."""
         self._on_end = on_end
         self.max_grants = max_grants
         self._sweeper: asyncio.Task[None] | None = None
         self.ended: dict[str, int] = {}
         """Grants ended so far, by outcome (for metrics and tests)."""
+        self.redeemed = 0
+        """Redemptions answered so far (a peer's pull that could not use a renewal's answer; for metrics and tests)."""
 
     def __len__(self) -> int:
         return len(self._grants)
@@ -125,7 +135,7 @@ class GrantTable:
         for topic in event_topics:
             if not 1 <= len(topic.encode()) <= MAX_TOPIC_BYTES:
                 param_invalid(f"an event topic must be 1..{MAX_TOPIC_BYTES} bytes")
-        if len(self._grants) >= self.max_grants:
+        if len(self._grants) + len(self._draining) >= self.max_grants:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"grant limit reached ({self.max_grants}); release grants first")
         grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
         now = time.monotonic()
@@ -156,26 +166,59 @@ class GrantTable:
         """The grant, kept alive at least `hold_ms` (within its cap): a pull that began in time never reads blocks
         that were freed under it."""
         grant = self.get(grant_id, secret)
+        self.redeemed += 1
         hold_s = min(hold_ms / 1000, MAX_REDEEM_HOLD_S)
         grant.expires = min(grant.cap, max(grant.expires, time.monotonic() + hold_s))
         return grant
 
-    def release(self, grant_id: bytes, secret: bytes) -> None:
-        self._end(self.get(grant_id, secret), "released")
+    def promise(self, grant: Grant, to: object) -> bool:
+        """Records that `to` (a peer's link) is told the grant lives until its current `expires`; False when the
+        grant has promised too many links already (then `to` must not be told)."""
+        now = time.monotonic()
+        for key in [k for k, until in grant.promised.items() if until <= now]:
+            del grant.promised[key]
+        if to not in grant.promised and len(grant.promised) >= MAX_PROMISES:
+            return False
+        grant.promised[to] = grant.expires
+        return True
+
+    def release(self, grant_id: bytes, secret: bytes, by: object = None) -> None:
+        """Ends the grant at once for every use; its blocks are freed (its event posted) at once too, unless a
+        renewal told another peer link than `by` (the link the release came over; None: a local client) that the
+        grant lives longer: that peer may pull without asking again, so the blocks stay until then."""
+        grant = self.get(grant_id, secret)
+        now = time.monotonic()
+        promised = max((until for key, until in grant.promised.items() if key is not by), default=now)
+        if promised <= now:
+            self._end(grant, "released")
+            return
+        del self._grants[grant.grant_id]
+        grant.expires = grant.cap = promised
+        self._draining[grant.grant_id] = grant
 
     # -- ends the holder did not ask for ------------------------------------------------------------------------
     def cache_removed(self, cache_id: int) -> None:
         for grant in [g for g in self._grants.values() if cache_id in g.cache_ids]:
             self._end(grant, "cache removed")
+        for grant in [g for g in self._draining.values() if cache_id in g.cache_ids]:
+            self._drained(grant)
 
     def sweep(self) -> None:
         now = time.monotonic()
         for grant in [g for g in self._grants.values() if g.expires <= now]:
             self._end(grant, "capped" if grant.expires >= grant.cap else "lapsed")
+        for grant in [g for g in self._draining.values() if g.expires <= now]:
+            self._drained(grant)
+
+    def _drained(self, grant: Grant) -> None:
+        """A released grant's last promise is over (or its cache gone): its blocks are freed now."""
+        if self._draining.pop(grant.grant_id, None) is not None:
+            self._grants[grant.grant_id] = grant
+            self._end(grant, "released")
 
     def forgive_stall(self, stalled_s: float) -> None:
         """The daemon did not run for `stalled_s`: no renewal could be heard, so that time does not count."""
-        for grant in self._grants.values():
+        for grant in [*self._grants.values(), *self._draining.values()]:
             grant.expires += stalled_s
             grant.cap += stalled_s
 

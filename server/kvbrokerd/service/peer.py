@@ -119,15 +119,22 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def RenewGrant(self, request: peer_pb2.PeerRenewGrantRequest, context: grpc.aio.ServicerContext
                          ) -> peer_pb2.PeerRenewGrantResponse:
         link = self.node.links.inbound.authorize("RenewGrant", request, request.proof)
-        grant = self.node.grants.renew(request.grant_id, request.secret, request.lease_ms)
-        return _sealed(peer_pb2.PeerRenewGrantResponse(expires_in_ms=grant.expires_in_ms()), "RenewGrant", link,
-                       request.proof)
+        table = self.node.grants
+        grant = table.renew(request.grant_id, request.secret, request.lease_ms)
+        answer = peer_pb2.PeerRenewGrantResponse(expires_in_ms=grant.expires_in_ms())
+        if table.promise(grant, link):
+            # What a redemption would say rides along: a caller that renews while its request waits can then pull
+            # without redeeming first (links/grantcache.py); the blocks stay ours until the lease stated here ends,
+            # whoever releases the grant (GrantTable.release).
+            answer.cache_ids[:], answer.blocks[:] = grant.cache_ids, grant.blocks
+            answer.units_per_block, answer.instance_epoch = grant.units_per_block, self.node.epoch
+        return _sealed(answer, "RenewGrant", link, request.proof)
 
     @llm_errors
     async def ReleaseGrant(self, request: peer_pb2.PeerReleaseGrantRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.PeerReleaseGrantResponse:
         link = self.node.links.inbound.authorize("ReleaseGrant", request, request.proof)
-        self.node.grants.release(request.grant_id, request.secret)
+        self.node.grants.release(request.grant_id, request.secret, by=link)
         return _sealed(peer_pb2.PeerReleaseGrantResponse(), "ReleaseGrant", link, request.proof)
 
 

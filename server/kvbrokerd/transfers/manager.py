@@ -198,8 +198,9 @@ class TransferManager:
 
     async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
         """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
-        names (never what the caller names): redeemed over the link, before any byte moves. The granting daemon
-        keeps the grant alive past our deadline, so the blocks cannot be freed under the pull."""
+        names (never what the caller names): redeemed over the link, before any byte moves (or as a renewal through
+        us described it, links/grantcache.py). The granting daemon keeps the grant alive past our deadline, so the
+        blocks cannot be freed under the pull."""
         claim = req.grant
         assert claim is not None
         if direction != Direction.PULL:
@@ -211,8 +212,8 @@ class TransferManager:
             param_invalid("dst_blocks is empty")
         self._registry.get(req.local_cache_id)
         link = self._links.get_ready(req.remote_cluster_id)
-        granted = await link.redeem_grant(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
-                                          deadline.remaining())
+        granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
+                                     deadline.remaining())  # a renewal's answer, or a RedeemGrant round trip
         if claim.cache_slot >= len(granted.cache_ids):
             param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
                           f"{claim.cache_slot}")

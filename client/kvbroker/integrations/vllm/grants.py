@@ -23,6 +23,17 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 MIN_RENEW_S = 0.05
 LINK_POLL_S = 0.05
+PULL_MARGIN_S = 3.0
+"""What the decode daemon wants a renewed grant to outlive a pull's deadline by before it pulls on the renewal's
+answer instead of redeeming the grant first (its hold margin, 2 s, its safety margin, 0.5 s, and slack)."""
+
+
+def renewal_lease(pull_timeout_s: float) -> float:
+    """The lease a decode node's renewals ask for: long enough that, at any point between two renewals (they come
+    when a third of it has passed, so two thirds of it are left at worst), the decode daemon can pull on the renewal's
+    answer without a `RedeemGrant` round trip (docs/vllm.md). It is also how long a dead decode node's grant keeps
+    the prefill blocks (within the grant's cap), as the prefill's own `kvbroker_hold_lease_s` does otherwise."""
+    return min(3600.0, max(0.1, 1.5 * (pull_timeout_s + PULL_MARGIN_S)))
 
 
 class UntrustedPrefill(LlmError):
@@ -101,8 +112,10 @@ class GrantKeeper:
     """Decode side: renews the grant of each request waiting for its KV, and releases grants, on its own thread
     (the engine's scheduler never waits for a prefill daemon)."""
 
-    def __init__(self, links: PeerLinks) -> None:
+    def __init__(self, links: PeerLinks, lease_s: float = 0.0) -> None:
+        """`lease_s`: the lease each renewal asks for (0: the grant's own; see `renewal_lease`)."""
         self.links = links
+        self.lease_s = lease_s
         self._held: dict[str, _Held] = {}
         self._releases: list[tuple[str, int, Grant, str]] = []
         self._cond = threading.Condition()
@@ -111,7 +124,8 @@ class GrantKeeper:
         self.renewals = 0
 
     def watch(self, request_id: str, cluster_id: int, grant: Grant) -> None:
-        """Renews the grant from now until `release` (a renewal right away learns the lease's length)."""
+        """Renews the grant from now until `release`: a renewal right away learns the lease's length, and leaves
+        the decode daemon the grant's description, so that a pull scheduled at once skips the redemption."""
         with self._cond:
             self._held[request_id] = _Held(cluster_id, grant, 0.0)
             self._start()
@@ -161,7 +175,8 @@ class GrantKeeper:
     def _renew(self, request_id: str, held: _Held) -> None:
         try:
             self.links.ensure(held.cluster_id)
-            left = self.links.client.renew_grant(held.grant, cluster_id=held.cluster_id, timeout=self.links.timeout_s)
+            left = self.links.client.renew_grant(held.grant, self.lease_s, cluster_id=held.cluster_id,
+                                                 timeout=self.links.timeout_s)
             self.renewals += 1
             # A third of what is left: two renewals may fail (a slow moment) before the grant lapses.
             held.renew_at = time.monotonic() + max(MIN_RENEW_S, left / 3)

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
-from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks
+from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_lease
 from kvbroker.integrations.vllm.layout import KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
     BadTransferParams,
@@ -63,7 +63,7 @@ class SchedulerSide:
         # No I/O here: the channel opens on the first call (an engine that never grants nor pulls never makes one).
         self.client = client or Client(config.target, timeout=config.link_timeout_s, lease_ttl=None)
         self.links = PeerLinks(self.client, config.trusted_prefill(), config.link_timeout_s)
-        self.grants = GrantKeeper(self.links)
+        self.grants = GrantKeeper(self.links, renewal_lease(config.pull_timeout_s))
         self.stats = TransferLog()
         """Requests this side decided to compute locally (refused KV), for vLLM's connector stats."""
 
