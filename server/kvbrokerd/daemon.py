@@ -260,7 +260,9 @@ class Daemon:
                 "registered_bytes": sum(e.desc.tensor_nbytes * e.desc.num_tensors for e in caches),
                 "transfers_in_flight": node.transfers.in_flight, "inflight_bytes": node.transfers.inflight_bytes,
                 "sessions": len(node.sessions), "grants": len(node.grants), "grants_ended": dict(node.grants.ended),
-                "grants_redeemed": node.grants.redeemed, "grant_answers": dict(node.links.grant_answers)}
+                "grants_redeemed": node.grants.redeemed, "grant_answers": dict(node.links.grant_answers),
+                "grant_renewals_in_flight": sum(len(link.renewing) for link in list(node.links.links.values())),
+                "grant_pulls_waiting": sum(link.waiting_on_renewals for link in list(node.links.links.values()))}
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._stopping:

@@ -75,7 +75,10 @@ class _StateCollector(Collector):
                           ("transfers_in_flight", "Transfers running now"),
                           ("inflight_bytes", "Bytes of the transfers running now"),
                           ("sessions", "Client sessions with a live lease"),
-                          ("grants", "Grants of held blocks with a live lease")):
+                          ("grants", "Grants of held blocks with a live lease"),
+                          ("grant_renewals_in_flight", "Renewals of peers' grants on their way (a pull by one of "
+                           "those grants waits for the answer instead of redeeming)"),
+                          ("grant_pulls_waiting", "Pulls by grant waiting for a renewal's answer now")):
             yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
 
 

@@ -5,9 +5,11 @@ kvbroker_grant_pulls_total {source} on the decode side): behaviour, never timing
 
 from __future__ import annotations
 
+import signal
 import socket
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,29 @@ def test_a_renewed_grants_pull_makes_no_redeem_call_until_released(pd: Pd) -> No
     assert pd.events() == ["released"]
     pd.refused_untouched(grant)
     assert pd.counts() == (redeemed, remembered + 2, asked + 1)
+
+
+def test_a_pull_during_the_grants_renewal_waits_for_its_answer_instead_of_redeeming(pd: Pd) -> None:
+    """A decode engine pulls a request as soon as it is scheduled, usually while the first renewal of its grant is
+    on its way: the pull takes that renewal's answer (the prefill daemon is stopped until both are waiting on it)."""
+    grant = pd.grant([6, 3])
+    redeemed, remembered, asked = pd.counts()
+    pd.p.signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            renewal = pool.submit(pd.renew, grant)
+            wait_until(lambda: _metric(pd.dc, "kvbroker_grant_renewals_in_flight") == 1, what="the renewal sent")
+            pull = pool.submit(pd.pull_checked, grant, [6, 3], [0, 1])
+            wait_until(lambda: _metric(pd.dc, "kvbroker_grant_pulls_waiting") == 1, what="the pull waiting")
+            pd.p.signal(signal.SIGCONT)
+            assert renewal.result(timeout=30) > 25.0
+            pull.result(timeout=30)
+    finally:
+        pd.p.signal(signal.SIGCONT)
+    assert pd.counts() == (redeemed, remembered + 1, asked)
+    assert _metric(pd.dc, "kvbroker_grant_renewals_in_flight") == _metric(pd.dc, "kvbroker_grant_pulls_waiting") == 0
+    pd.dc.release_grant(grant, cluster_id=pd.p.cluster_id)
+    assert pd.events() == ["released"]
 
 
 def test_a_pull_whose_deadline_outlasts_the_remembered_lease_redeems(pd: Pd) -> None:

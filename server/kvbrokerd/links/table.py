@@ -94,6 +94,10 @@ class Link:
     grant_answers: Counter[str] = field(default_factory=Counter)
     """Pulls by grant answered from `grants` ("remembered") or by a RedeemGrant call ("redeemed"); the link table
     passes its own counter, so that the counts outlive the link."""
+    renewing: dict[bytes, asyncio.Event] = field(default_factory=dict)
+    """Grants whose renewal is on its way to the peer: a pull by one waits for the answer instead of redeeming."""
+    waiting_on_renewals: int = 0
+    """Pulls waiting for a renewal's answer now."""
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def signed(self, method: str, request: Message) -> Message:
@@ -113,6 +117,18 @@ class Link:
         """What `redeem_grant` answers, without the round trip when a renewal told us and the grant surely lives
         `hold_s` more: see grantcache.py for why that is safe."""
         known = self.grants.lookup(grant_id, secret, hold_s)
+        if known is None and (renewal := self.renewing.get(grant_id)) is not None:
+            # A decode engine pulls a request as soon as it is scheduled, usually while the first renewal of its grant
+            # (sent when the request arrived) is still on its way: its answer is as good as a redeem's, and is coming.
+            started = time.monotonic()
+            self.waiting_on_renewals += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(renewal.wait(), timeout)
+            finally:
+                self.waiting_on_renewals -= 1
+            timeout = max(0.001, timeout - (time.monotonic() - started))
+            known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None:
             return await self.redeem_grant(grant_id, secret, hold_s, timeout)
         self.grant_answers["remembered"] += 1
@@ -147,16 +163,22 @@ class Link:
         req = self.signed("RenewGrant", peer_pb2.PeerRenewGrantRequest(grant_id=grant_id, secret=secret,
                                                                        lease_ms=lease_ms))
         ticket, sent_at = self.grants.asking(grant_id), time.monotonic()
+        renewal = self.renewing.setdefault(grant_id, asyncio.Event())
         try:
-            resp = await self.stub.RenewGrant(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            self.grants.forget(grant_id, secret)
-            raise peer_error(e, self.remote_cluster_id, "the grant") from None
-        self.check_answer(resp, "RenewGrant", req)
-        if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
-            self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
-                                 resp.units_per_block, sent_at, resp.expires_in_ms)
-        return int(resp.expires_in_ms)
+            try:
+                resp = await self.stub.RenewGrant(req, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                self.grants.forget(grant_id, secret)
+                raise peer_error(e, self.remote_cluster_id, "the grant") from None
+            self.check_answer(resp, "RenewGrant", req)
+            if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
+                self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
+                                     resp.units_per_block, sent_at, resp.expires_in_ms)
+            return int(resp.expires_in_ms)
+        finally:
+            if self.renewing.get(grant_id) is renewal:
+                del self.renewing[grant_id]
+            renewal.set()
 
     async def release_grant(self, grant_id: bytes, secret: bytes, timeout: float) -> None:
         assert self.stub is not None
