@@ -102,6 +102,7 @@ def test_prefill_params_round_trip_with_nixl_key_names() -> None:
     ({"kvbroker_cluster_id": None}, "malformed"),
     ({"kvbroker_cluster_id": True}, "malformed"),
     ({"remote_block_ids": [1, -2]}, "non-negative"),
+    ({"remote_block_ids": [1] * 65537}, "at most 65536"),
     ({"kvbroker_grant": "ab.cd"}, "malformed"),
     ({"kvbroker_grant": 5}, "malformed"),
     ({"tp_size": 0}, "no prefill rank"),

@@ -31,6 +31,9 @@ from kvbroker.types import Grant
 PROTOCOL_VERSION = 2
 """1: addressing (peer address, cache ids, block ids) from the params; 2: a grant, redeemed with the prefill daemon."""
 MAX_TOPIC_BYTES = 128
+MAX_BLOCK_IDS = 1 << 16
+"""A grant covers at most this many blocks, so params naming more come from no prefill engine: refused before they
+are read (they arrive through the HTTP client)."""
 
 
 class BadTransferParams(ValueError):
@@ -114,6 +117,9 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
         raise BadTransferParams(
             f"kv_transfer_params come from kvbroker protocol {params.get('kvbroker_protocol')!r}, this connector "
             f"speaks {PROTOCOL_VERSION} (is the prefill engine running KvBrokerConnector?)")
+    ids = params.get("remote_block_ids")
+    if isinstance(ids, list | tuple) and len(ids) > MAX_BLOCK_IDS:
+        raise BadTransferParams(f"remote_block_ids names {len(ids)} blocks; at most {MAX_BLOCK_IDS}")
     try:
         remote = RemoteKv(
             cluster_id=_int(params["kvbroker_cluster_id"]),
