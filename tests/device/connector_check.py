@@ -179,7 +179,7 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
             step("decode_registered")
             out["runs"] = decode.cache.desc.num_tensors if decode.cache else 0
             def remote_of(blocks: list[int], rid: str) -> RemoteKv:
-                return RemoteKv(cluster_id=info["cluster_id"], grant=grants[rid], block_ids=tuple(blocks),
+                return RemoteKv(cluster_id=info["cluster_id"], grant=grants[rid], block_ids=(tuple(blocks),),
                                 request_id=rid,
                                 engine_id="engine-p", layout_tag=info["layout_tag"],
                                 num_tokens=len(blocks) * BLOCK_TOKENS, tp_size=1)

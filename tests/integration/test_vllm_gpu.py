@@ -67,7 +67,7 @@ def _remote(p_daemon: LocalDaemon, prefill: WorkerSide, blocks: tuple[int, ...],
     assert prefill.cache is not None
     with p_daemon.client() as c:
         grant = c.create_grant([prefill.cache.cache_id], list(blocks), 60.0)
-    return RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=blocks, request_id=request_id,
+    return RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(blocks,), request_id=request_id,
                     engine_id="engine-p", layout_tag=prefill.layout.tag(), num_tokens=num_tokens, tp_size=1)
 
 

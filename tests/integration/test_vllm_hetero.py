@@ -141,7 +141,7 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
             _fill(cache, theirs, rank, p_blocks, num_tokens)
         grant = p.create_grant([c.cache_id for c in caches], p_blocks, 60.0,
                                units_per_block=theirs.grant_units)
-        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=tuple(p_blocks), request_id="p-req",
+        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(tuple(p_blocks),), request_id="p-req",
                           engine_id=engine, layout_tag=theirs.tag(), num_tokens=num_tokens, tp_size=p_tp)
         spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, first_block=1,
                         start_token=start, end_token=num_tokens)
@@ -194,7 +194,7 @@ def test_blocks_outside_the_grant_are_refused_and_nothing_lands(daemons: tuple[L
         cache = p.allocate_cache(theirs.desc())
         _fill(cache, theirs, 0, [5, 6], 64)
         grant = p.create_grant([cache.cache_id], [1, 2], 60.0, units_per_block=theirs.grant_units)
-        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(5, 6), request_id="p-req",
+        remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=((5, 6),), request_id="p-req",
                           engine_id="engine-p-outside", layout_tag=theirs.tag(), num_tokens=64, tp_size=1)
         worker, buffer = _decode_worker(d_daemon, p_daemon, ours, 0)
         try:

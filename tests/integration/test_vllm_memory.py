@@ -97,8 +97,9 @@ def _pull_spec(request_id: str, src: LocalDaemon, cache_id: int, src_blocks: lis
                ) -> PullSpec:
     with src.client() as c:
         grant = c.create_grant([cache_id], src_blocks, 60.0)
-    remote = RemoteKv(cluster_id=src.cluster_id, grant=grant, block_ids=tuple(src_blocks), request_id=f"p-{request_id}",
-                      engine_id="engine-p", layout_tag=LAYOUT.tag(), num_tokens=len(src_blocks) * 32, tp_size=1)
+    remote = RemoteKv(cluster_id=src.cluster_id, grant=grant, block_ids=(tuple(src_blocks),),
+                      request_id=f"p-{request_id}", engine_id="engine-p", layout_tag=LAYOUT.tag(),
+                      num_tokens=len(src_blocks) * 32, tp_size=1)
     return PullSpec(request_id, tuple(dst_blocks), tuple(src_blocks), remote)
 
 
@@ -125,7 +126,7 @@ def test_decode_worker_links_on_first_use_and_relinks_to_a_restarted_prefill_dae
                 with d_daemon.client() as d:
                     assert len(d.list_links()) == 1
             # A prefill daemon nobody can reach: every block is reported, so that vLLM recomputes them.
-            remote = RemoteKv(cluster_id=1, grant=Grant(bytes(16), bytes(32)), block_ids=(3, 5), request_id="p-gone",
+            remote = RemoteKv(cluster_id=1, grant=Grant(bytes(16), bytes(32)), block_ids=((3, 5),), request_id="p-gone",
                               engine_id="engine-p", layout_tag=LAYOUT.tag(), num_tokens=64, tp_size=1)
             worker.start([PullSpec("gone", (4, 6), (3, 5), remote)], {})
             assert _finish(worker, "gone") == {4, 6}

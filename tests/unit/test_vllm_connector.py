@@ -86,7 +86,7 @@ GRANT = Grant(bytes(range(16)), bytes(range(32)))
 
 
 def test_prefill_params_round_trip_with_nixl_key_names() -> None:
-    params = prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3, 4, 5], 70, GRANT)
+    params = prefill_output_params(ENDPOINTS, "engine-p", "req-1", [[3, 4, 5]], 70, GRANT)
     for key in ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                 "remote_request_id", "remote_host", "remote_port", "remote_num_tokens", "tp_size"):
         assert key in params
@@ -109,7 +109,7 @@ def test_prefill_params_round_trip_with_nixl_key_names() -> None:
     ({"remote_engine_id": "e" * 200}, "too long"),
 ])
 def test_unusable_params_are_refused(change: dict[str, Any], message: str) -> None:
-    params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [3], 10, GRANT), **change}
+    params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [[3]], 10, GRANT), **change}
     with pytest.raises(BadTransferParams, match=message):
         parse_remote(params)
     del params["remote_request_id"]
@@ -166,7 +166,7 @@ def test_layer_outermost_buffer_is_one_cache_with_a_tensor_per_layer() -> None:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    (_kv_config(groups=2), "2 KV cache groups"),
+    (_kv_config(groups=2), "1 KV tensor placements for 2 cache groups"),
     (_kv_config(layer_stride=16384, block_stride=3 * 16384), "not layer-outermost"),
     (_kv_config(num_blocks=3, page=1000), "multiple of 4096"),
 ])
@@ -221,7 +221,7 @@ def _releases(side: SchedulerSide) -> list[str]:
 
 def _remote_params(blocks: list[int], num_tokens: int, tag: str = TAG_A) -> dict[str, Any]:
     endpoints = {0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}
-    return prefill_output_params(endpoints, "engine-p", "p-req", blocks, num_tokens, GRANT)
+    return prefill_output_params(endpoints, "engine-p", "p-req", [blocks], num_tokens, GRANT)
 
 
 def test_prefill_side_grants_the_blocks_before_returning_params(tmp_path: Any) -> None:

@@ -35,6 +35,8 @@ class EngineSpec:
     """Above 1: vLLM's "mp" executor (one worker process per rank, each with its own KV cache and connector)."""
     block_size: int = BLOCK_SIZE
     prefix_caching: bool = True
+    hybrid_kv_cache: bool = True
+    """False: `--disable-hybrid-kv-cache-manager` (one KV cache group for every layer)."""
 
 
 def _build(spec: EngineSpec) -> Any:
@@ -53,7 +55,8 @@ def _build(spec: EngineSpec) -> Any:
                       max_model_len=spec.max_model_len, enforce_eager=True,
                       distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
                       kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv,
-                      enable_prefix_caching=spec.prefix_caching)
+                      enable_prefix_caching=spec.prefix_caching,
+                      disable_hybrid_kv_cache_manager=not spec.hybrid_kv_cache)
     return LLMEngine.from_engine_args(args)
 
 

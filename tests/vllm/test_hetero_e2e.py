@@ -10,8 +10,9 @@ model, dtype or memory layout, a TP ratio that does not divide) are made by chan
 tag, which is exactly what a decode engine would receive from such a prefill engine: each is refused before any
 byte moves, names its field, is counted, and the request is recomputed to the same tokens.
 
-A model with sliding-window and full-attention layers (three more engines, TP=1) moves as one KV cache group: vLLM
-turns its hybrid allocator off for a connector that does not declare `SupportsHMA`.
+A model with sliding-window and full-attention layers (five more engines, TP=1) moves as two KV cache groups (vLLM's
+hybrid allocator stays on: the connector declares `SupportsHMA`), the sliding-window group only within its window,
+between blocks of one size and of two; an engine with the hybrid allocator off is refused by field.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ LENGTHS = (45, 100, 128)
 # Log-probabilities of a decode that continues from pulled KV vs one engine's own prefill: the same math in a
 # different order (and, across TP sizes, a different reduction), so equal to float32 rounding, not bit for bit.
 LOGPROB_ATOL = 1e-3
+SLIDING_WINDOW = 32
 
 
 class Cluster:
@@ -168,18 +170,23 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
 
 @pytest.fixture(scope="module")
 def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A model with a sliding-window layer and a full-attention layer: a plain engine (vLLM's hybrid allocator on:
-    two KV cache groups) as the baseline, and a prefill and a decode engine with the connector."""
+    """A model with a sliding-window layer and a full-attention layer: a plain engine as the baseline (vLLM's hybrid
+    allocator on: two KV cache groups), and engines with the connector, which declares `SupportsHMA`: a prefill and
+    a decode engine with blocks of 32, a decode engine with blocks of 64 (all with two groups), and one with the
+    hybrid allocator off (one group)."""
     root = tmp_path_factory.mktemp("vllm-swa")
-    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=32,
+    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=SLIDING_WINDOW,
                       layer_types=["sliding_attention", "full_attention"]))
-    daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(2)]
-    trusted = f"{daemons[0].cluster_id}={daemons[0].peer_address}"
+    shapes = {"prefill": (32, True), "decode": (32, True), "decode64": (64, True), "flat": (32, False)}
+    daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(len(shapes))]
+    trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
     specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False)}
-    for name, daemon in zip(("prefill", "decode"), daemons, strict=True):
+    for (name, (block, hybrid)), daemon in zip(shapes.items(), daemons, strict=True):
         specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                        "kvbroker_token_units": True,
                                                         "kvbroker_prefill_daemons": trusted},
-                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False)
+                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False,
+                                 block_size=block, hybrid_kv_cache=hybrid)
     engines = {name: Engine(f"swa-{name}", spec).start() for name, spec in specs.items()}
     try:
         for engine in engines.values():
@@ -192,15 +199,43 @@ def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             assert daemon.stop() == 0, daemon.log_tail()
 
 
-def test_a_sliding_window_model_moves_as_one_group(sliding: Cluster) -> None:
-    """vLLM runs a connector that does not declare `SupportsHMA` with its hybrid allocator off: the sliding-window
-    and full-attention layers share one KV cache group (every block kept), which the connector moves whole; the
-    tokens are those of a plain engine that keeps the two groups apart. Prompts are longer than the window."""
-    prompts = sliding.prompts((45, 100))
+@pytest.mark.parametrize("decode", ["decode", "decode64"])
+def test_a_sliding_window_model_moves_every_group_and_only_the_window(sliding: Cluster, decode: str) -> None:
+    """vLLM keeps the two groups apart (its hybrid allocator stays on for a `SupportsHMA` connector): the
+    full-attention group moves every prompt token, the sliding-window group only the blocks still in its window
+    (the prefill engine dropped the others), and the tokens are those of a plain engine. Prompts are longer than
+    the window; the decode engine's blocks are of the prefill engine's size, then twice it."""
+    prompts = sliding.prompts((45, 100, 200))
     want = sliding.baseline(prompts)
-    got = sliding.decode("decode", prompts, sliding.prefill("prefill", prompts))
+    params = sliding.prefill("prefill", prompts)
+    for key, prompt in prompts.items():
+        swa, full = params[key]["remote_block_ids"]  # one list per group, as NixlConnector sends them
+        assert len(swa) == len(full) == -(-len(prompt) // 32) and not set(swa) & set(full) - {0}, params[key]
+    got = sliding.decode(decode, prompts, params)
     _same_generation(got, want)
     for key, prompt in prompts.items():
         report = got[key]["kv_transfer_params"]
-        assert report is not None and report["kvbroker_tokens_pulled"] == len(prompt), report
-    assert "Turning off hybrid kv cache manager" in Path(sliding.engines["decode"].spec.log_path).read_text()
+        assert report is not None and "kvbroker_refused" not in report, report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
+        # The full group's pages of every token, the window group's of its last blocks only: less than 2 groups'.
+        page = 2 * 2 * 32 * 64 * 4 // 32  # bytes per token of one layer: 2 KV heads x K,V x 64 x float32
+        full_bytes = len(prompt) * page
+        assert full_bytes < report["kvbroker_transfer_bytes"] < 2 * full_bytes or len(prompt) <= 64, report
+    log = Path(sliding.engines[decode].spec.log_path).read_text()
+    assert "Turning off hybrid kv cache manager" not in log
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("prefill", "flat"), ("flat", "decode")])
+def test_an_engine_without_the_hybrid_allocator_is_refused_by_field_groups(sliding: Cluster, prefill: str,
+                                                                           decode: str) -> None:
+    """One engine with vLLM's hybrid allocator off (`--disable-hybrid-kv-cache-manager`: one group holding every
+    layer's blocks) and one with it on lay the same model's KV out differently: refused before any byte moves,
+    named by field, and recomputed to the same tokens."""
+    prompts = sliding.prompts((100,))
+    want = sliding.baseline(prompts)
+    got = sliding.decode(decode, prompts, sliding.prefill(prefill, prompts))
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and report["kvbroker_refused"].startswith("groups: local "), report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
@@ -88,8 +89,11 @@ class KvBrokerStats(KVConnectorStats):
         return stats_mod.is_empty(self.data)
 
 
-class KvBrokerConnector(KVConnectorBase_V1):
-    """Disaggregated prefill/decode through the node's kvbrokerd (see the package docstring for the settings)."""
+class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
+    """Disaggregated prefill/decode through the node's kvbrokerd (see the package docstring for the settings).
+
+    Declares `SupportsHMA`: vLLM keeps its hybrid allocator on (a sliding-window group keeps only its window's
+    blocks) and hands the connector one block list per KV cache group, all of which move."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -214,9 +218,10 @@ class KvBrokerConnector(KVConnectorBase_V1):
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        all_blocks = blocks.get_block_ids()[0] if blocks.blocks else []
-        new_blocks = blocks.get_unhashed_block_ids() if blocks.blocks else []
-        self.scheduler_side.after_alloc(request, all_blocks, new_blocks, num_external_tokens)
+        groups = blocks.get_block_ids() if blocks.blocks else ([],)
+        # vLLM's list of the blocks not from the local prefix cache exists for one group only.
+        new_blocks = blocks.get_unhashed_block_ids() if blocks.blocks and len(groups) == 1 else groups[0]
+        self.scheduler_side.after_alloc(request, groups[0], new_blocks, num_external_tokens, groups=groups)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
         plan = self.scheduler_side.take_plan()
@@ -224,4 +229,14 @@ class KvBrokerConnector(KVConnectorBase_V1):
                                 idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids, request.status in _FINISHED_NORMALLY)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # The pull writes blocks of every group while the engine steps: vLLM must not zero them meanwhile. (A
+        # sliding-window group's blocks before its window are left as they are: its kernel never reads them.)
+        config = self._kv_cache_config
+        return tuple(config.transfer_group_ids) if config is not None else ()

@@ -7,6 +7,11 @@ vLLM places every layer of a KV cache group in one backing allocation: layer `l`
 per layer (`tensor_num_per_layer=1`) laid out back to back: the daemon allocates it, vLLM views it, nothing is
 copied. Other layouts are refused with a message instead of being transferred wrongly.
 
+A model with several KV cache groups (vLLM's hybrid allocator: sliding-window and full-attention layers) lays every
+group over the same bytes from offset 0, the i-th layer of each group on the i-th layer region, and gives each block
+id to one group at a time. The daemon's cache is then as many tensors as the largest group has layers, and a block
+of any group is moved by moving that block of every tensor (the slots a smaller group does not use are unused).
+
 The layout tag travels with the cache (kvbrokerd refuses pulls between caches whose tags differ) and in the
 prefill node's `kv_transfer_params` (the decode node compares before pulling, and says which field differs).
 """
@@ -15,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
 # Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
@@ -34,6 +40,8 @@ MAX_CHUNK_TOKENS = 16
 MEMORY_CPU = "cpu-vec:block.head.K[dim.token].V[token.dim]"
 # An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
 MEMORY_MLA = "mla:block.token.dim"
+FULL_ATTENTION = "full"
+MAX_GROUPS = 64
 
 _DTYPES = {
     "float16": DataType.FLOAT16, "bfloat16": DataType.BFLOAT16, "float32": DataType.FLOAT32,
@@ -43,9 +51,12 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "head", "layers", "total_kv_heads", "units")
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "head", "layers", "total_kv_heads", "units")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
 MAPPED = ("tp", "block", "kv_heads", "page")
+
+
+_GROUPS = re.compile(r"(full|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?(,(full|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?)*")
 
 
 class UnsupportedLayoutError(ValueError):
@@ -77,6 +88,16 @@ class KvLayout:
     physical: str = ""
     """GPU engines only: vLLM's resolved KV cache layout and the runs it gives (`gpu.physical_tag`); the bytes of a
     block are in that order, so both sides must share it."""
+    groups: str = FULL_ATTENTION
+    """vLLM's KV cache groups, in its order, comma-separated: `full` (full attention) or `swa<window>` (sliding
+    window of that many tokens), each with `:<layers>` when there are several. A request carries one block list per
+    group."""
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per group: its sliding window in tokens, None for full attention."""
+        return tuple(None if kind == FULL_ATTENTION else int(kind.removeprefix("swa"))
+                     for kind in (g.partition(":")[0] for g in self.groups.split(",")))
 
     @property
     def buffer_bytes(self) -> int:
@@ -135,7 +156,7 @@ class KvLayout:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
                 "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
-                "units": f"token{self.chunk_tokens}" if self.token_units else "head",
+                "units": f"token{self.chunk_tokens}" if self.token_units else "head", "groups": self.groups,
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes)}
 
@@ -178,13 +199,17 @@ def layout_of_tag(tag: str) -> KvLayout:
     """The layout a peer described in its tag (ValueError if a field is missing or malformed)."""
     f = parse_tag(tag)
     try:
-        return KvLayout(num_layers=int(f["layers"]), num_blocks=0, block_size=int(f["block"]),
+        layout = KvLayout(num_layers=int(f["layers"]), num_blocks=0, block_size=int(f["block"]),
                         num_kv_heads=int(f["kv_heads"]), head_size=int(f["head"]), dtype=f["dtype"],
                         page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
-                        token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"])
+                        token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
+                        groups=f["groups"])
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
+    if not _GROUPS.fullmatch(layout.groups) or len(layout.windows) > MAX_GROUPS:
+        raise ValueError(f"malformed groups {layout.groups[:80]!r}")
+    return layout
 
 
 def model_identity(hf_config: Any) -> str:
@@ -200,45 +225,83 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy. On a GPU
     engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedLayoutError(
-            f"{len(groups)} KV cache groups (hybrid or sliding-window models); only one attention group is supported")
-    spec = groups[0].kv_cache_spec
-    for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
-        if not hasattr(spec, attr):
-            raise UnsupportedLayoutError(f"KV cache spec {type(spec).__name__} is not a paged attention spec")
+    if not groups:
+        raise UnsupportedLayoutError("the model has no KV cache (attention-free models have nothing to transfer)")
+    if len(groups) > MAX_GROUPS:
+        raise UnsupportedLayoutError(f"{len(groups)} KV cache groups; at most {MAX_GROUPS} are supported")
+    if any(not getattr(g, "enable_kv_transfer", True) for g in groups):
+        raise UnsupportedLayoutError("a KV cache group is marked not transferable (draft-model replicas); not "
+                                     "supported by KvBrokerConnector")
+    spec = _attention_spec(groups[0])
+    kinds = [_group_kind(g, spec) for g in groups]
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
+    memory = MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU
     if on_gpu:
+        if len(groups) != 1:
+            raise UnsupportedLayoutError(
+                f"{len(groups)} KV cache groups ({', '.join(kinds)}): GPU engines move one group; start vLLM with "
+                "--disable-hybrid-kv-cache-manager")
         return KvLayout(num_layers=len(groups[0].layer_names), num_blocks=int(kv_cache_config.num_blocks),
                         block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
                         head_size=int(spec.head_size), dtype=dtype, page_bytes=int(spec.page_size_bytes),
                         model_id=model_id, tp_size=tp_size,
-                        total_kv_heads=1 if "MLA" in type(spec).__name__ else total_kv_heads,
-                        memory=MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU)
+                        total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory)
     tensors = kv_cache_config.kv_cache_tensors
-    if len(tensors) != 1:
-        raise UnsupportedLayoutError(f"{len(tensors)} KV backing allocations; one is supported")
-    t = tensors[0]
+    if len(tensors) != len(groups):
+        raise UnsupportedLayoutError(f"{len(tensors)} KV tensor placements for {len(groups)} cache groups; one per "
+                                     "group is supported")
     page = int(spec.page_size_bytes)
-    num_layers = len(t.layers)
-    num_blocks = int(kv_cache_config.num_blocks_of(t)) if hasattr(kv_cache_config, "num_blocks_of") else int(
+    num_layers = max(len(t.layers) for t in tensors)
+    first = tensors[0]
+    num_blocks = int(kv_cache_config.num_blocks_of(first)) if hasattr(kv_cache_config, "num_blocks_of") else int(
         kv_cache_config.num_blocks)
-    layer_outermost = t.offset == 0 and t.block_stride == page and t.layer_stride == page * num_blocks
-    if not layer_outermost or t.size != t.layer_stride * num_layers:
+    for t in tensors:
+        # Every group from byte 0 with the same strides: layer i of any group is the daemon's tensor i.
+        layer_outermost = t.offset == 0 and t.block_stride == page and t.layer_stride == page * num_blocks
+        if not layer_outermost or t.size != t.layer_stride * num_layers:
+            raise UnsupportedLayoutError(
+                f"KV buffer is not layer-outermost (offset {t.offset}, block stride {t.block_stride}, layer stride "
+                f"{t.layer_stride}, page {page}, {num_blocks} blocks, {num_layers} layers, size {t.size})")
+    if first.layer_stride % DAEMON_TENSOR_ALIGN:
         raise UnsupportedLayoutError(
-            f"KV buffer is not layer-outermost (offset {t.offset}, block stride {t.block_stride}, layer stride "
-            f"{t.layer_stride}, page {page}, {num_blocks} blocks, size {t.size})")
-    if t.layer_stride % DAEMON_TENSOR_ALIGN:
-        raise UnsupportedLayoutError(
-            f"a layer's KV region ({t.layer_stride} bytes) is not a multiple of {DAEMON_TENSOR_ALIGN} bytes, so the "
-            "daemon cannot lay the layers out back to back; choose a block size whose page is a multiple of 4 KiB")
-    memory = MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU
+            f"a layer's KV region ({first.layer_stride} bytes) is not a multiple of {DAEMON_TENSOR_ALIGN} bytes, so "
+            "the daemon cannot lay the layers out back to back; choose a block size whose page is a multiple of 4 KiB")
+    described = ",".join(f"{kind}:{len(t.layers)}" for kind, t in zip(kinds, tensors, strict=True))
     layout = KvLayout(num_layers=num_layers, num_blocks=num_blocks, block_size=int(spec.block_size),
                       num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size), dtype=dtype,
                       page_bytes=page, model_id=model_id, tp_size=tp_size,
                       total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory,
-                      token_units=token_units)
+                      token_units=token_units, groups=FULL_ATTENTION if len(groups) == 1 and kinds == [
+                          FULL_ATTENTION] else described)
     layout.desc()  # refuses padded pages here, at start-up
     return layout
+
+
+def _attention_spec(group: Any) -> Any:
+    spec = group.kv_cache_spec
+    for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
+        if not hasattr(spec, attr):
+            raise UnsupportedLayoutError(f"KV cache spec {type(spec).__name__} is not a paged attention spec (state "
+                                         "caches such as Mamba's are not supported)")
+    return spec
+
+
+def _group_kind(group: Any, first: Any) -> str:
+    """`full` or `swa<window>`; UnsupportedLayoutError for a group whose pages differ from the first group's in
+    anything but the window (their bytes would not line up on one cache)."""
+    spec = _attention_spec(group)
+    for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
+        if getattr(spec, attr) != getattr(first, attr):
+            raise UnsupportedLayoutError(f"KV cache groups differ in {attr} ({getattr(first, attr)} vs "
+                                         f"{getattr(spec, attr)}); only groups of one page shape are supported")
+    if type(spec).__name__ != type(first).__name__ and "MLA" in type(spec).__name__ + type(first).__name__:
+        raise UnsupportedLayoutError("MLA and non-MLA KV cache groups in one model are not supported")
+    if getattr(spec, "attention_chunk_size", None):
+        raise UnsupportedLayoutError(f"chunked local attention ({spec.attention_chunk_size} tokens) is not "
+                                     "supported")
+    # Only a sliding-window group frees blocks that leave its window; a full-attention spec may carry a window for
+    # the kernel (vLLM's hybrid allocator off) and keeps every block.
+    window = getattr(spec, "sliding_window", None) if "SlidingWindow" in type(spec).__name__ else None
+    return f"swa{int(window)}" if window else FULL_ATTENTION

@@ -3,7 +3,8 @@ from them. Key names are NixlConnector's where the meaning is the same, so P/D p
 kvbroker's own addressing is under `kvbroker_*` keys.
 
 Prefill request in:  {"do_remote_decode": True}
-Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [...],
+Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [...] (one list
+                      per KV cache group when the model has several, as NixlConnector sends them),
                       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
                       "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 2, "kvbroker_cluster_id": ...,
                       "kvbroker_grant": "<id hex>.<secret hex>", "kvbroker_layout_tag": "..."}
@@ -34,6 +35,9 @@ MAX_TOPIC_BYTES = 128
 MAX_BLOCK_IDS = 1 << 16
 """A grant covers at most this many blocks, so params naming more come from no prefill engine: refused before they
 are read (they arrive through the HTTP client)."""
+MAX_GROUPS = 64
+NULL_BLOCK = 0
+"""vLLM's placeholder block id: a sliding-window group's blocks that left the window (no KV behind them)."""
 
 
 class BadTransferParams(ValueError):
@@ -58,8 +62,9 @@ class RemoteKv:
     cluster_id: int
     grant: Grant
     """Its blocks, as the prefill daemon granted them (one cache per TP rank, in rank order)."""
-    block_ids: tuple[int, ...]
-    """As the params say (informative: the grant's blocks are what is pulled)."""
+    block_ids: tuple[tuple[int, ...], ...]
+    """Per KV cache group, as the params say: which granted block holds which tokens (the grant's blocks are what
+    may be pulled); NULL_BLOCK where a sliding-window group dropped a block."""
     request_id: str
     engine_id: str
     layout_tag: str
@@ -68,11 +73,23 @@ class RemoteKv:
 
 
 @dataclass(frozen=True, slots=True)
+class PullPart:
+    """The tokens [start_token, end_token) of one KV cache group: `local_blocks` hold them from our block
+    start_token // block_size on, `remote_blocks` from the prefill engine's (block sizes may differ)."""
+
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    start_token: int
+    end_token: int
+
+
+@dataclass(frozen=True, slots=True)
 class PullSpec:
     """One request's pull, from the scheduler to its workers: `remote_blocks[i]` lands in `local_blocks[i]`."""
 
     request_id: str
     local_blocks: tuple[int, ...]
+    """Every local block the pull writes (of every group: what a failure reports)."""
     remote_blocks: tuple[int, ...]
     remote: RemoteKv
     first_block: int = 0
@@ -84,16 +101,21 @@ class PullSpec:
     """The prompt tokens [start_token, end_token) the pull covers: `local_blocks` hold them from our block
     start_token // block_size on, `remote_blocks` from the prefill engine's (block sizes may differ). 0, 0: whole
     blocks, `remote_blocks[i]` into `local_blocks[i]`."""
+    parts: tuple[PullPart, ...] = ()
+    """With several KV cache groups, one part per group (each its own token range: a sliding window's is shorter);
+    empty: one part, the fields above."""
 
 
 def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: str, request_id: str,
-                          block_ids: Sequence[int], num_tokens: int, grant: Grant) -> dict[str, Any]:
+                          block_ids: Sequence[Sequence[int]], num_tokens: int, grant: Grant) -> dict[str, Any]:
+    """`block_ids`: per KV cache group (a flat list in the params when there is one group)."""
     first = endpoints[min(endpoints)]
     host, _, port = first.peer_address.rpartition(":")
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [int(b) for b in block_ids],
+        "remote_block_ids": ([int(b) for b in block_ids[0]] if len(block_ids) == 1
+                             else [[int(b) for b in group] for group in block_ids]),
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_host": host,
@@ -117,14 +139,11 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
         raise BadTransferParams(
             f"kv_transfer_params come from kvbroker protocol {params.get('kvbroker_protocol')!r}, this connector "
             f"speaks {PROTOCOL_VERSION} (is the prefill engine running KvBrokerConnector?)")
-    ids = params.get("remote_block_ids")
-    if isinstance(ids, list | tuple) and len(ids) > MAX_BLOCK_IDS:
-        raise BadTransferParams(f"remote_block_ids names {len(ids)} blocks; at most {MAX_BLOCK_IDS}")
     try:
         remote = RemoteKv(
             cluster_id=_int(params["kvbroker_cluster_id"]),
             grant=Grant.from_token(params["kvbroker_grant"]),
-            block_ids=tuple(_int(b) for b in params["remote_block_ids"]),
+            block_ids=_group_block_ids(params["remote_block_ids"]),
             request_id=str(params["remote_request_id"]),
             engine_id=str(params["remote_engine_id"]),
             layout_tag=str(params["kvbroker_layout_tag"]),
@@ -133,6 +152,8 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
         )
     except KeyError as e:
         raise BadTransferParams(f"kv_transfer_params lack {e.args[0]!r}") from None
+    except BadTransferParams:
+        raise
     except (TypeError, ValueError) as e:
         raise BadTransferParams(f"malformed kv_transfer_params: {e}") from None
     if not remote.tp_size:
@@ -140,6 +161,19 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
     if len(release_topic(remote.engine_id, remote.tp_size)) > MAX_TOPIC_BYTES:
         raise BadTransferParams(f"remote_engine_id is too long ({len(remote.engine_id)} characters)")
     return remote
+
+
+def _group_block_ids(ids: Any) -> tuple[tuple[int, ...], ...]:
+    """A flat list (one KV cache group) or a list of lists (one per group), bounded before it is read."""
+    if not isinstance(ids, list | tuple):
+        raise ValueError(f"remote_block_ids is not a list: {type(ids).__name__}")
+    groups = ids if ids and all(isinstance(g, list | tuple) for g in ids) else [ids]
+    if len(groups) > MAX_GROUPS:
+        raise BadTransferParams(f"remote_block_ids names {len(groups)} KV cache groups; at most {MAX_GROUPS}")
+    total = sum(len(g) for g in groups)
+    if total > MAX_BLOCK_IDS:
+        raise BadTransferParams(f"remote_block_ids names {total} blocks; at most {MAX_BLOCK_IDS}")
+    return tuple(tuple(_int(b) for b in group) for group in groups)
 
 
 def _int(value: Any) -> int:

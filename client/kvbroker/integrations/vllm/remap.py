@@ -117,11 +117,11 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
               remote_blocks: Sequence[int], start_token: int, end_token: int) -> list[UnitPull]:
     """Tokens [start_token, end_token) of a request: `local_blocks` hold them from block start_token // our block
     size on, `remote_blocks` from start_token // theirs on. ValueError if the lists do not cover them."""
-    if start_token % ours.block_size or end_token <= start_token:
-        raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our blocks")
     if not ours.token_units and ours.block_size != remote.block_size:
         raise ValueError("blocks of different sizes need token units on both engines")
     step = ours.chunk_tokens if ours.token_units else ours.block_size
+    if start_token % step or end_token <= start_token:
+        raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our units")
     tokens = np.arange(start_token // step, -(-end_token // step), dtype=np.int64) * step
     local_at = tokens // ours.block_size - start_token // ours.block_size
     remote_at = tokens // remote.block_size - start_token // remote.block_size

@@ -18,8 +18,10 @@ from typing import Any
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_lease
+from kvbroker.integrations.vllm.groups import GroupMismatch, group_parts
 from kvbroker.integrations.vllm.layout import KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
+    NULL_BLOCK,
     BadTransferParams,
     PullSpec,
     RemoteKv,
@@ -56,6 +58,8 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._pulling: set[str] = set()
         self._transfers: dict[str, RequestTransfer] = {}
+        self._local_tokens: dict[str, int] = {}
+        """Decode requests between num_new_matched_tokens and after_alloc: prompt tokens in the local prefix cache."""
         self._reports: dict[str, dict[str, Any]] = {}
         """Decode requests that asked for remote KV: what their output will say about where their prompt's KV came
         from (completed with the workers' transfers)."""
@@ -106,11 +110,15 @@ class SchedulerSide:
         if self._refusal(remote):
             return 0, False  # said once, in after_alloc, where the prefill node is also told to free its blocks
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        # Where the pull starts, for a model of several KV cache groups (their block lists say it less directly).
+        self._local_tokens[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, all_blocks: Sequence[int], new_blocks: Sequence[int],
-                    num_external_tokens: int) -> None:
-        """`all_blocks`: the request's block ids; `new_blocks`: those not filled from the local prefix cache."""
+                    num_external_tokens: int, groups: Sequence[Sequence[int]] = ()) -> None:
+        """`all_blocks`: the request's block ids; `new_blocks`: those not filled from the local prefix cache. With
+        several KV cache groups, `groups` holds every group's block ids (then the first two name group 0)."""
+        local_tokens = self._local_tokens.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return
@@ -132,7 +140,7 @@ class SchedulerSide:
             return
         # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's tokens.
         num_local_hits = len(all_blocks) - len(new_blocks)
-        start = num_local_hits * self.block_size
+        start = num_local_hits * self.block_size if local_tokens is None or not groups else local_tokens
         self._reports[request.request_id] = {"prompt": prompt, "cached": min(start, prompt), "refused": ""}
         if num_external_tokens <= 0:
             self._release(request.request_id, remote, "cached locally")
@@ -140,17 +148,38 @@ class SchedulerSide:
         assert self.layout is not None  # set with the endpoints, without which _refusal refuses
         theirs = layout_of_tag(remote.layout_tag)
         end = min(remote.num_tokens, prompt)
+        if len(self.layout.windows) > 1 or self.layout.windows[0] is not None:
+            self._plan.pulls.append(self._group_pull(request.request_id, remote, theirs, groups or (all_blocks,),
+                                                     start, end))
+            self._pulling.add(request.request_id)
+            return
         local = tuple(new_blocks[: -(-end // self.block_size) - num_local_hits])
-        src = remote.block_ids[start // theirs.block_size: -(-end // theirs.block_size)]
+        src = remote.block_ids[0][start // theirs.block_size: -(-end // theirs.block_size)]
         why = ""
-        if end <= start or not local or len(src) != -(-end // theirs.block_size) - start // theirs.block_size:
-            why = (f"block counts do not line up (remote {len(remote.block_ids)} blocks of {theirs.block_size} "
-                   f"tokens for {remote.num_tokens} tokens, {num_local_hits} blocks cached locally, "
-                   f"{len(new_blocks)} allocated)")
+        if (len(remote.block_ids) != 1 or end <= start or not local
+                or len(src) != -(-end // theirs.block_size) - start // theirs.block_size):
+            why = (f"block counts do not line up (remote {sum(map(len, remote.block_ids))} blocks of "
+                   f"{theirs.block_size} tokens in {len(remote.block_ids)} group(s) for {remote.num_tokens} tokens, "
+                   f"{num_local_hits} blocks cached locally, {len(new_blocks)} allocated)")
             local = tuple(new_blocks)
         self._plan.pulls.append(PullSpec(request.request_id, local, tuple(src), remote, first_block=num_local_hits,
                                          refused=why, start_token=start, end_token=end))
         self._pulling.add(request.request_id)
+
+    def _group_pull(self, request_id: str, remote: RemoteKv, theirs: KvLayout, local: Sequence[Sequence[int]],
+                    start: int, end: int) -> PullSpec:
+        """Several KV cache groups (or a sliding window): one part per group, each over the tokens it needs."""
+        assert self.layout is not None
+        try:
+            if end <= start:
+                raise GroupMismatch(f"no tokens to pull ([{start}, {end}))")
+            parts = group_parts(self.layout, theirs, local, remote.block_ids, start, end)
+        except GroupMismatch as e:
+            every = tuple(dict.fromkeys(b for group in local for b in group if b != NULL_BLOCK))
+            return PullSpec(request_id, every, (), remote, refused=f"block lists do not line up: {e}",
+                            start_token=start, end_token=end)
+        union = tuple(dict.fromkeys(b for part in parts for b in part.local_blocks))
+        return PullSpec(request_id, union, (), remote, start_token=start, end_token=end, parts=parts)
 
     def on_pulls_ended(self, request_ids: set[str]) -> None:
         """Every rank's pull of these requests ended (vLLM's finished_recving): their grants may go."""
@@ -187,10 +216,12 @@ class SchedulerSide:
         return {"engine": "not_ready", "cluster": "untrusted"}.get(refused.field, "layout")
 
     # -- both sides ----------------------------------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: Sequence[int], finished_normally: bool
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: Sequence[int] | Sequence[Sequence[int]],
+                         finished_normally: bool) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's blocks, one list per KV cache group (or one flat list: one group)."""
         params = request.kv_transfer_params
         self._pulling.discard(request.request_id)
+        self._local_tokens.pop(request.request_id, None)
         transfer = self._transfers.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
         if report is not None:  # (an aborted request's output carries nothing: nobody reads it)
@@ -209,10 +240,17 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if not finished_normally or not block_ids or self.layout is None:
-            return False, None
+        groups = _as_groups(block_ids)
         num_tokens = request.num_computed_tokens
-        blocks = list(block_ids)[: -(-num_tokens // self.block_size)]
+        groups = [list(group)[: -(-num_tokens // self.block_size)] for group in groups]
+        # Every group's blocks that hold KV (a sliding window's dropped ones do not), each once.
+        blocks = list(dict.fromkeys(b for group in groups for b in group if b != NULL_BLOCK))
+        if not finished_normally or not blocks or self.layout is None:
+            return False, None
+        if len(groups) != len(self.layout.windows):
+            log.error("request %s: %d block lists for %d KV cache groups; not granting its KV", request.request_id,
+                      len(groups), len(self.layout.windows))
+            return False, None
         ranks = sorted(self.endpoints)
         try:
             # Made before the params leave the engine: every renewal or redeem of it finds it.
@@ -226,7 +264,7 @@ class SchedulerSide:
                       "compute them", request.request_id, e.status.name, e.message)
             return False, None
         self._plan.holds[request.request_id] = self.config.hold_lease_s
-        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, blocks, num_tokens,
+        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, groups, num_tokens,
                                            grant)
 
     def shutdown(self) -> None:
@@ -249,3 +287,9 @@ class SchedulerSide:
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+
+def _as_groups(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    if block_ids and not isinstance(block_ids[0], int):
+        return list(block_ids)  # type: ignore[arg-type]  # a list per group
+    return [block_ids]  # type: ignore[list-item]  # one group's flat list

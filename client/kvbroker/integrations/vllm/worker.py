@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvbroker._client import Client
@@ -28,12 +29,13 @@ from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_ta
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
+    PullPart,
     PullSpec,
     WorkerEndpoint,
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.remap import blocks_of_units, plan_pull, refusal
+from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, plan_pull, refusal
 from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -62,6 +64,23 @@ class _Loading:
 class PullOutcome:
     request_id: str
     failed_blocks: frozenset[int]
+
+
+def _merged(plans: Iterable[list[UnitPull]]) -> list[UnitPull]:
+    """The pulls of several KV cache groups, one per prefill rank (the groups' blocks are distinct)."""
+    plans = list(plans)
+    if len(plans) == 1:
+        return plans[0]
+    by_rank: dict[int, list[UnitPull]] = {}
+    for plan in plans:
+        for one in plan:
+            by_rank.setdefault(one.remote_rank, []).append(one)
+    out = []
+    for rank, pulls in sorted(by_rank.items()):
+        src, dst = np.concatenate([p.src_units for p in pulls]), np.concatenate([p.dst_units for p in pulls])
+        order = np.argsort(dst, kind="stable")
+        out.append(UnitPull(rank, src[order], dst[order]))
+    return out
 
 
 class WorkerSide:
@@ -244,8 +263,10 @@ class WorkerSide:
         theirs = layout_of_tag(remote.layout_tag)
         start, end = (spec.start_token, spec.end_token) if spec.end_token else (
             0, len(spec.local_blocks) * self.layout.block_size)
+        parts = spec.parts or (PullPart(spec.local_blocks, spec.remote_blocks, start, end),)
         try:
-            plan = plan_pull(self.layout, self.rank, theirs, spec.local_blocks, spec.remote_blocks, start, end)
+            plan = _merged(plan_pull(self.layout, self.rank, theirs, part.local_blocks, part.remote_blocks,
+                                     part.start_token, part.end_token) for part in parts)
         except ValueError as e:
             log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
             self.transfers.record_recompute("block_mismatch")
