@@ -240,17 +240,18 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        groups = _as_groups(block_ids)
         num_tokens = request.num_computed_tokens
-        groups = [list(group)[: -(-num_tokens // self.block_size)] for group in groups]
-        # Every group's blocks that hold KV (a sliding window's dropped ones do not), each once.
-        blocks = list(dict.fromkeys(b for group in groups for b in group if b != NULL_BLOCK))
-        if not finished_normally or not blocks or self.layout is None:
+        groups = [list(group)[: -(-num_tokens // self.block_size)] for group in _as_groups(block_ids)]
+        if not finished_normally or not any(groups) or self.layout is None:
             return False, None
-        if len(groups) != len(self.layout.windows):
+        windows = self.layout.windows
+        if len(groups) != len(windows):
             log.error("request %s: %d block lists for %d KV cache groups; not granting its KV", request.request_id,
-                      len(groups), len(self.layout.windows))
+                      len(groups), len(windows))
             return False, None
+        # Every group's blocks that hold KV (a sliding window's dropped ones do not), each once.
+        blocks = list(dict.fromkeys(b for group, window in zip(groups, windows, strict=True) for b in group
+                                    if window is None or b != NULL_BLOCK))
         ranks = sorted(self.endpoints)
         try:
             # Made before the params leave the engine: every renewal or redeem of it finds it.
