@@ -34,6 +34,7 @@ from kvbroker.status import (
     ParamInvalidError,
 )
 from kvbroker.types import (
+    Blocks,
     CacheDesc,
     CacheIndex,
     CacheRecord,
@@ -132,18 +133,22 @@ def _blocks(blocks: Sequence[int]) -> list[int]:
     return [int(b) for b in blocks]
 
 
-def _pull_request(src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
-                  dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvBlocksRequest:
-    return broker_pb2.PullKvBlocksRequest(
+def _pull_request(src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Blocks,
+                  dst_blocks: Blocks, ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvBlocksRequest:
+    req = broker_pb2.PullKvBlocksRequest(
         src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
-        src_blocks=_blocks(src_blocks), dst_blocks=_blocks(dst_blocks), ext_param=cv.ext_param_to_pb(ext_param))
+        ext_param=cv.ext_param_to_pb(ext_param))
+    cv.set_block_pairs(req, src_blocks, dst_blocks)
+    return req
 
 
-def _push_request(src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                  dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvBlocksRequest:
-    return broker_pb2.PushKvBlocksRequest(
+def _push_request(src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Blocks,
+                  dst_blocks: Blocks, ext_param: KvCacheExtParam | None) -> broker_pb2.PushKvBlocksRequest:
+    req = broker_pb2.PushKvBlocksRequest(
         src_cache_id=_cache_id(src_cache), dst_cache_index=cv.cache_index_to_pb(dst_cache_index),
-        src_blocks=_blocks(src_blocks), dst_blocks=_blocks(dst_blocks), ext_param=cv.ext_param_to_pb(ext_param))
+        ext_param=cv.ext_param_to_pb(ext_param))
+    cv.set_block_pairs(req, src_blocks, dst_blocks)
+    return req
 
 
 def _batch_request(groups: Sequence[PullBlocks | PushBlocks]) -> broker_pb2.TransferKvBlocksBatchRequest:
@@ -625,8 +630,8 @@ class _Calls:
         return _Call("ReleaseGrant", req, _nothing, timeout)
 
     @_rpc()
-    def pull_granted_kv_blocks(self, cluster_id: int, grant: Grant, dst_cache: CacheRef, dst_blocks: Sequence[int],
-                               *, cache_slot: int = 0, first_block: int = 0, src_blocks: Sequence[int] = (),
+    def pull_granted_kv_blocks(self, cluster_id: int, grant: Grant, dst_cache: CacheRef, dst_blocks: Blocks,
+                               *, cache_slot: int = 0, first_block: int = 0, src_blocks: Blocks = (),
                                ext_param: KvCacheExtParam | None = None, timeout: float | None = None
                                ) -> _Call[TransferResult]:
         """PullKvBlocks of blocks that `cluster_id` granted: its daemon names the cache and the blocks.
@@ -700,8 +705,8 @@ class _Calls:
                      lambda resp: [cv.link_info_from_pb(link) for link in resp.links], timeout)
 
     @_rpc()
-    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Blocks,
+                       dst_blocks: Blocks, ext_param: KvCacheExtParam | None = None, *,
                        timeout: float | None = None) -> _Call[TransferResult]:
         """Pulls blocks of a linked cluster's cache into blocks of a local cache (LLM-DataDist PullKvBlocks).
 
@@ -759,8 +764,8 @@ class _Calls:
         return _Call("PullKvCache", req, cv.transfer_result_from_pb, timeout)
 
     @_rpc()
-    def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Blocks,
+                       dst_blocks: Blocks, ext_param: KvCacheExtParam | None = None, *,
                        timeout: float | None = None) -> _Call[TransferResult]:
         """Writes blocks of a local cache into blocks of a linked cluster's cache (LLM-DataDist PushKvBlocks).
 
@@ -933,8 +938,8 @@ class Client(_Calls):
         self,
         src_cache_index: CacheIndex,
         dst_cache: CacheRef,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
+        src_blocks: Blocks,
+        dst_blocks: Blocks,
         ext_param: KvCacheExtParam | None = None,
         *,
         timeout: float | None = None,
@@ -1090,8 +1095,8 @@ class AsyncClient(_Calls):
         return AsyncPullSession(call, self.default_timeout)
 
     async def pull_kv_blocks_stream(
-        self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Sequence[int],
-        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None,
+        self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Blocks,
+        dst_blocks: Blocks, ext_param: KvCacheExtParam | None = None, *, timeout: float | None = None,
     ) -> AsyncIterator[LayerLanded | TransferResult]:
         """Layer-wise `pull_kv_blocks`: yields each destination layer as it lands, then the result.
 

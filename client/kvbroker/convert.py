@@ -5,10 +5,12 @@ Shared with the daemon (`kvbrokerd`), so that both ends of the wire convert the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from kvbroker import blockruns
 from kvbroker.status import LlmStatus
 from kvbroker.types import (
     CacheDesc,
@@ -158,3 +160,38 @@ def runs_to_blocks(runs: Any) -> np.ndarray:
     firsts, counts = r[0::2], r[1::2].astype(np.int64)
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(firsts, counts) + offsets.astype(np.uint64)
+
+
+def set_block_pairs(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest,
+                    src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray) -> None:
+    """Long, mostly consecutive lists go as `block_runs`; others as the plain lists (the daemon checks them)."""
+    runs = blockruns.find(src_blocks, dst_blocks)
+    if runs is None:
+        req.src_blocks.extend(_ints(src_blocks))
+        req.dst_blocks.extend(_ints(dst_blocks))
+        return
+    out = req.block_runs
+    out.src_first.extend(runs.src_first.tolist())
+    out.dst_first.extend(runs.dst_first.tolist())
+    out.length.extend(runs.length.tolist())
+    if bool((runs.count != 1).any()):
+        out.count.extend(runs.count.tolist())
+        out.src_stride.extend(runs.src_stride.tolist())
+        out.dst_stride.extend(runs.dst_stride.tolist())
+
+
+def block_pairs_from_pb(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
+                        ) -> tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
+    """(src_blocks, dst_blocks) of a request in either form. RunsError: malformed runs, or both forms set."""
+    if not req.HasField("block_runs"):
+        return req.src_blocks, req.dst_blocks
+    if len(req.src_blocks) or len(req.dst_blocks):
+        raise blockruns.RunsError("set either block_runs or src_blocks and dst_blocks, not both")
+    r = req.block_runs
+    return blockruns.expand(blockruns.check(r.src_first, r.dst_first, r.length, r.count, r.src_stride, r.dst_stride))
+
+
+def _ints(blocks: Sequence[int] | np.ndarray) -> list[int]:
+    if isinstance(blocks, np.ndarray):
+        return blocks.tolist()  # type: ignore[no-any-return]
+    return [int(b) for b in blocks]

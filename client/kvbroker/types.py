@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbroker.status import LlmStatus
+
+Blocks = Sequence[int] | np.ndarray
+"""Block indices: a sequence of ints, or a numpy array of them (long lists then cost no Python int each)."""
 
 
 class DataType(enum.IntEnum):
@@ -296,9 +300,10 @@ class SessionPull:
 
     src_cache_index: CacheIndex
     dst_cache: int
-    dst_blocks: tuple[int, ...]
-    src_blocks: tuple[int, ...] = ()
-    """Source blocks; with a grant, empty means the grant's blocks from `first_block` on."""
+    dst_blocks: tuple[int, ...] | np.ndarray
+    src_blocks: tuple[int, ...] | np.ndarray = ()
+    """Source blocks; with a grant, empty means the grant's blocks from `first_block` on. Long lists may be numpy
+    arrays (they then go as runs, `kvbroker.blockruns`)."""
     ext_param: KvCacheExtParam | None = None
     grant: Grant | None = None
     cache_slot: int = 0

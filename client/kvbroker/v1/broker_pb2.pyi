@@ -710,6 +710,7 @@ class PullKvBlocksRequest(_message.Message):
     DST_BLOCKS_FIELD_NUMBER: _builtins.int
     EXT_PARAM_FIELD_NUMBER: _builtins.int
     GRANT_FIELD_NUMBER: _builtins.int
+    BLOCK_RUNS_FIELD_NUMBER: _builtins.int
     dst_cache_id: _builtins.int
     """Local destination cache id."""
     @_builtins.property
@@ -737,6 +738,12 @@ class PullKvBlocksRequest(_message.Message):
         too (LLM_PARAM_INVALID), before any byte moves. Not allowed in pushes.
         """
 
+    @_builtins.property
+    def block_runs(self) -> Global___BlockRuns:
+        """The (src, dst) block pairs as runs instead of src_blocks and dst_blocks (which must then both be empty, else
+        LLM_PARAM_INVALID): the same pairs, checked by the same rules, in far fewer bytes when the lists are long.
+        """
+
     def __init__(
         self,
         *,
@@ -746,14 +753,62 @@ class PullKvBlocksRequest(_message.Message):
         dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
         ext_param: _types_pb2.KvCacheExtParam | None = ...,
         grant: Global___GrantClaim | None = ...,
+        block_runs: Global___BlockRuns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ext_param", b"ext_param", "grant", b"grant", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block_runs", b"block_runs", "ext_param", b"ext_param", "grant", b"grant", "src_cache_index", b"src_cache_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "dst_cache_id", b"dst_cache_id", "ext_param", b"ext_param", "grant", b"grant", "src_blocks", b"src_blocks", "src_cache_index", b"src_cache_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_runs", b"block_runs", "dst_blocks", b"dst_blocks", "dst_cache_id", b"dst_cache_id", "ext_param", b"ext_param", "grant", b"grant", "src_blocks", b"src_blocks", "src_cache_index", b"src_cache_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullKvBlocksRequest: _TypeAlias = PullKvBlocksRequest  # noqa: Y015
+
+@_typing.final
+class BlockRuns(_message.Message):
+    """Block pairs as runs. Run i, repetition k (k in [0, count[i])) pairs the blocks src_first[i] + k * src_stride[i] + j
+    with dst_first[i] + k * dst_stride[i] + j for j in [0, length[i]). All arrays are as long as src_first, except that
+    count, src_stride and dst_stride may all be empty (every run once). The order of the pairs does not matter. The
+    daemon refuses (LLM_PARAM_INVALID), before it allocates anything for them: no runs, a length or count of 0, arrays
+    of different lengths, more than 2^20 pairs in all, and any block index past 2^63.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_FIRST_FIELD_NUMBER: _builtins.int
+    DST_FIRST_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    SRC_STRIDE_FIELD_NUMBER: _builtins.int
+    DST_STRIDE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def src_first(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_first(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def length(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def count(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def src_stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        src_first: _abc.Iterable[_builtins.int] | None = ...,
+        dst_first: _abc.Iterable[_builtins.int] | None = ...,
+        length: _abc.Iterable[_builtins.int] | None = ...,
+        count: _abc.Iterable[_builtins.int] | None = ...,
+        src_stride: _abc.Iterable[_builtins.int] | None = ...,
+        dst_stride: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "dst_first", b"dst_first", "dst_stride", b"dst_stride", "length", b"length", "src_first", b"src_first", "src_stride", b"src_stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRuns: _TypeAlias = BlockRuns  # noqa: Y015
 
 @_typing.final
 class GrantRef(_message.Message):
@@ -1154,6 +1209,7 @@ class PushKvBlocksRequest(_message.Message):
     SRC_BLOCKS_FIELD_NUMBER: _builtins.int
     DST_BLOCKS_FIELD_NUMBER: _builtins.int
     EXT_PARAM_FIELD_NUMBER: _builtins.int
+    BLOCK_RUNS_FIELD_NUMBER: _builtins.int
     src_cache_id: _builtins.int
     """Local source cache id."""
     @_builtins.property
@@ -1172,6 +1228,10 @@ class PushKvBlocksRequest(_message.Message):
     def ext_param(self) -> _types_pb2.KvCacheExtParam:
         """Layer selection; the two ranges must span the same number of layers."""
 
+    @_builtins.property
+    def block_runs(self) -> Global___BlockRuns:
+        """The pairs as runs instead of src_blocks and dst_blocks, as in PullKvBlocksRequest.block_runs."""
+
     def __init__(
         self,
         *,
@@ -1180,10 +1240,11 @@ class PushKvBlocksRequest(_message.Message):
         src_blocks: _abc.Iterable[_builtins.int] | None = ...,
         dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
         ext_param: _types_pb2.KvCacheExtParam | None = ...,
+        block_runs: Global___BlockRuns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block_runs", b"block_runs", "dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param", "src_blocks", b"src_blocks", "src_cache_id", b"src_cache_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_runs", b"block_runs", "dst_blocks", b"dst_blocks", "dst_cache_index", b"dst_cache_index", "ext_param", b"ext_param", "src_blocks", b"src_blocks", "src_cache_id", b"src_cache_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import grpc.aio
 
 import kvbrokerd
+from kvbroker import blockruns
+from kvbroker import convert as cv
 from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
 from kvbroker.status import LlmStatus
 from kvbroker.types import TransferResult
@@ -435,10 +437,11 @@ def _summary(cls: type[_Summary], result: TransferResult) -> _Summary:
 
 
 def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
+    src_blocks, dst_blocks = _block_pairs(request)
     idx = request.src_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
-                         src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+                         src_blocks=src_blocks, dst_blocks=dst_blocks,
                          layers=_layers(request.ext_param, request.HasField("ext_param")),
                          grant=_claim(request.grant) if request.HasField("grant") else None)
 
@@ -455,11 +458,22 @@ def _check_ref(ref: broker_pb2.GrantRef) -> None:
              "secret")
 
 
+def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
+                 ) -> tuple[Sequence[int], Sequence[int]]:
+    try:
+        src, dst = cv.block_pairs_from_pb(request)
+    except blockruns.RunsError as e:
+        fail(LlmStatus.LLM_PARAM_INVALID, str(e))
+    # uint64 arrays from runs, which the block checks take as they take repeated fields
+    return src, dst  # type: ignore[return-value]
+
+
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
+    src_blocks, dst_blocks = _block_pairs(request)
     idx = request.dst_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.src_cache_id,
-                         src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+                         src_blocks=src_blocks, dst_blocks=dst_blocks,
                          layers=_layers(request.ext_param, request.HasField("ext_param")))
 
 

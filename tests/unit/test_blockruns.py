@@ -1,0 +1,147 @@
+"""Block pairs as runs (`kvbroker.blockruns`): what the client finds expands to exactly its pairs, and the daemon's
+bounds refuse every malformed form before anything of its size is allocated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbroker import blockruns
+from kvbroker import convert as cv
+from kvbroker.v1 import broker_pb2
+from kvbrokerd.transfers.planner import MAX_BLOCKS_PER_REQUEST, Pieces
+
+TOP = blockruns.MAX_INDEX
+
+
+def _pairs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    return sorted(zip(np.asarray(src).tolist(), np.asarray(dst).tolist(), strict=True))
+
+
+def test_the_bound_is_the_daemons() -> None:
+    assert blockruns.MAX_PAIRS == MAX_BLOCKS_PER_REQUEST
+
+
+# A list built of pieces that are consecutive, strided or scattered, in any order: the shapes remap plans have.
+_piece = st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 9), st.integers(1, 12),
+                   st.integers(0, 64), st.integers(0, 64))
+
+
+@given(st.lists(_piece, min_size=1, max_size=12), st.booleans(), st.randoms(use_true_random=False))
+def test_found_runs_expand_to_exactly_the_pairs(pieces: list[tuple[int, ...]], shuffle: bool, rnd: object) -> None:
+    src: list[int] = []
+    dst: list[int] = []
+    for s0, d0, length, count, s_step, d_step in pieces:
+        for k in range(count):
+            src.extend(range(s0 + k * s_step, s0 + k * s_step + length))
+            dst.extend(range(d0 + k * d_step, d0 + k * d_step + length))
+    if shuffle:
+        order = list(range(len(src)))
+        rnd.shuffle(order)  # type: ignore[attr-defined]
+        src, dst = [src[i] for i in order], [dst[i] for i in order]
+    for given_as in (src, np.asarray(src, dtype=np.uint64)):
+        runs = blockruns.find(given_as, dst, min_pairs=1)
+        if runs is None:  # not worth it: the plain lists go
+            continue
+        checked = blockruns.check(runs.src_first, runs.dst_first, runs.length, runs.count, runs.src_stride,
+                                  runs.dst_stride)
+        got_src, got_dst = blockruns.expand(checked)
+        assert _pairs(got_src, got_dst) == _pairs(np.asarray(src), np.asarray(dst))
+        assert checked.num_pairs == len(src)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 62), st.integers(0, 1 << 62)), min_size=1, max_size=300))
+def test_a_request_carries_the_same_pairs_in_either_form(pairs: list[tuple[int, int]]) -> None:
+    src = np.array([p[0] for p in pairs] * 4 + list(range(2000)), dtype=np.uint64)
+    dst = np.array([p[1] for p in pairs] * 4 + list(range(5000, 7000)), dtype=np.uint64)
+    req = broker_pb2.PullKvBlocksRequest()
+    cv.set_block_pairs(req, src, dst)
+    wire = broker_pb2.PullKvBlocksRequest.FromString(req.SerializeToString())
+    got_src, got_dst = cv.block_pairs_from_pb(wire)
+    assert _pairs(np.asarray(got_src), np.asarray(got_dst)) == _pairs(src, dst)
+
+
+def test_long_consecutive_lists_go_as_a_few_numbers_and_short_ones_as_lists() -> None:
+    long = broker_pb2.PullKvBlocksRequest()
+    cv.set_block_pairs(long, np.arange(100, 131172), np.arange(4096, 135168))
+    assert long.HasField("block_runs") and not long.src_blocks and len(long.block_runs.length) == 1
+    assert long.ByteSize() < 64
+    short = broker_pb2.PullKvBlocksRequest()
+    cv.set_block_pairs(short, [1, 2, 3], (4, 5, 6))
+    assert not short.HasField("block_runs") and list(short.src_blocks) == [1, 2, 3]
+
+
+def test_strided_repetitions_are_found_in_either_order() -> None:
+    """A head's K moved between block sizes: pairs of units at one stride on one side, another on the other,
+    interleaved from two source blocks (destination order) or not (source order)."""
+    d = np.arange(4096, dtype=np.int64)
+    src = np.where((d % 4) < 2, 10_000 + (d // 4) * 2 + d % 2, 20_000 + (d // 4) * 2 + d % 4 - 2)
+    runs = blockruns.find(src, d)
+    assert runs is not None and len(runs.length) <= 4
+    assert _pairs(*blockruns.expand(runs)) == _pairs(src, d)
+
+
+_U64 = st.integers(0, (1 << 64) - 1)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"src_first": [], "dst_first": [], "length": []}, "no runs"),
+    ({"src_first": [1], "dst_first": [1, 2], "length": [1]}, "must be equal"),
+    ({"src_first": [1], "dst_first": [1], "length": [1], "count": [2]}, "all must be empty"),
+    ({"src_first": [1], "dst_first": [1], "length": [0]}, "length"),
+    ({"src_first": [1], "dst_first": [1], "length": [1], "count": [0], "src_stride": [1], "dst_stride": [1]},
+     "count"),
+    ({"src_first": [1], "dst_first": [1], "length": [1 << 20], "count": [1 << 20], "src_stride": [1 << 20],
+      "dst_stride": [1 << 20]}, "expand to"),
+    ({"src_first": [0, 0], "dst_first": [0, 1 << 20], "length": [1 << 20, 1]}, "expand to"),
+    ({"src_first": [TOP], "dst_first": [0], "length": [2]}, "past block"),
+    ({"src_first": [1 << 64 - 1], "dst_first": [0], "length": [1]}, "past block"),
+    ({"src_first": [0], "dst_first": [0], "length": [1], "count": [3], "src_stride": [1 << 62],
+      "dst_stride": [1]}, "past block"),
+    ({"src_first": [0], "dst_first": [TOP - 4], "length": [2], "count": [2], "src_stride": [4],
+      "dst_stride": [4]}, "past block"),
+])
+def test_malformed_runs_are_refused(fields: dict[str, list[int]], match: str) -> None:
+    with pytest.raises(blockruns.RunsError, match=match):
+        blockruns.check(**fields)
+
+
+@given(st.lists(st.tuples(_U64, _U64, _U64, _U64, _U64, _U64), min_size=1, max_size=8))
+def test_checked_runs_never_expand_past_the_bound_nor_wrap(runs: list[tuple[int, ...]]) -> None:
+    """Anything the check lets through expands to at most MAX_PAIRS pairs, every index the arithmetic says."""
+    cols = [list(c) for c in zip(*runs, strict=True)]
+    try:
+        checked = blockruns.check(*cols)
+    except blockruns.RunsError:
+        return
+    src, dst = blockruns.expand(checked)
+    assert len(src) == len(dst) == checked.num_pairs <= blockruns.MAX_PAIRS
+    want = [(f + k * s + j, g + k * t + j) for f, g, n, c, s, t in runs for k in range(c) for j in range(n)]
+    assert sorted(zip(src.tolist(), dst.tolist(), strict=True)) == sorted(want)
+
+
+def test_both_forms_in_one_request_are_refused() -> None:
+    req = broker_pb2.PullKvBlocksRequest(src_blocks=[1], dst_blocks=[2])
+    req.block_runs.src_first.append(1)
+    req.block_runs.dst_first.append(2)
+    req.block_runs.length.append(1)
+    with pytest.raises(blockruns.RunsError, match="not both"):
+        cv.block_pairs_from_pb(req)
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 9))
+def test_split_parts_are_the_runs_bytes_in_order(lengths: list[int], parts: int) -> None:
+    n = len(lengths)
+    pieces = Pieces(np.arange(n), np.zeros(n, dtype=np.uint32), np.arange(n, dtype=np.uint64) * np.uint64(1000),
+                    np.zeros(n, dtype=np.uint32), np.arange(n, dtype=np.uint64) * np.uint64(500),
+                    np.asarray(lengths, dtype=np.uint64))
+    out = pieces.split(parts)
+    assert len(out) <= parts and all(len(p) and bool((p.length > 0).all()) for p in out)
+    got = [(int(r), int(so) + i, int(do) + i) for p in out for r, so, do, ln in
+           zip(p.run, p.src_offset, p.dst_offset, p.length, strict=True) for i in range(int(ln))]
+    want = [(r, r * 1000 + i, r * 500 + i) for r, ln in enumerate(lengths) for i in range(ln)]
+    assert got == want
+    sizes = [int(p.length.sum()) for p in out]
+    assert max(sizes) - min(sizes) <= 1 or len(out) < parts
