@@ -142,3 +142,37 @@ def test_concurrent_writers_never_tear_a_block() -> None:
     for b in blocks:
         assert len(set(memory[b].tolist())) == 1, f"block {b} mixes writers: {set(memory[b].tolist())}"
     assert len({int(memory[b, 0]) for b in blocks}) == 1  # one claim covers all the blocks: one writer won all
+
+
+@given(st.lists(st.tuples(st.integers(0, TENSORS - 1), st.integers(0, BLOCKS * BLOCK - 1),
+                          st.integers(1, 4 * BLOCK)), min_size=1, max_size=40), st.integers(0, 40))
+def test_spans_cover_every_cell_the_runs_touch(runs: list[tuple[int, int, int]], long: int) -> None:
+    """Long runs (token units) are claimed as one range per tensor: never a cell less than `run_cells` (more only
+    where runs overlap, which a plan's never do: more waiting, never a missed overlap)."""
+    runs = sorted((t, off, min(n, BLOCKS * BLOCK - off)) for t, off, n in runs)
+    runs += [(TENSORS - 1, 0, BLOCKS * BLOCK)] * (long > 30)  # one tensor whole: a gapless range
+    t, off, n = (np.asarray(c, dtype=np.uint64) for c in zip(*runs, strict=True))
+    cells = set(run_cells(t, off, n, BLOCK, BLOCKS).tolist())
+    spans = blocklocks.run_spans(t, off, n, BLOCK, BLOCKS)
+    if spans is None:
+        return
+    covered = {c for lo, hi in zip(spans.lo, spans.hi, strict=True) for c in range(lo, hi)}
+    assert cells <= covered
+    assert len(covered) <= len(run_cells(t, off, n, BLOCK, BLOCKS))
+
+
+@pytest.mark.parametrize("slots", [7, 1 << 20])
+def test_span_claims_and_cell_claims_exclude_each_other(monkeypatch: pytest.MonkeyPatch, slots: int) -> None:
+    monkeypatch.setattr(blocklocks, "MAX_SLOTS", slots)
+    locks, cache = BlockLocks(), _Cache()
+    whole = blocklocks.Spans([BLOCKS + 3], [BLOCKS + 20])  # tensor 1, blocks 3..19
+    held = locks.claim(cache, TENSORS, BLOCKS, whole, time.monotonic(), "span")
+    with pytest.raises(LlmError):
+        locks.claim(cache, TENSORS, BLOCKS, _cells([19], range(1, 2)), time.monotonic() + 0.05, "inside")
+    with pytest.raises(LlmError):
+        locks.claim(cache, TENSORS, BLOCKS, blocklocks.Spans([BLOCKS + 19], [BLOCKS + 25]),
+                    time.monotonic() + 0.05, "overlapping span")
+    if slots > TENSORS * BLOCKS:  # unfolded: the neighbours are free
+        locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([20, 2], range(1, 2)), time.monotonic(), "next"))
+    locks.release(held)
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([19], range(1, 2)), time.monotonic(), "after"))

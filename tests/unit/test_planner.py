@@ -116,3 +116,12 @@ def test_cancel_wakes_what_waits_and_only_while_it_waits() -> None:
         assert progress.cancelled and woken == ["b"]  # "a" had stopped waiting
         with progress.on_cancel(lambda: woken.append("c")):  # already cancelled: woken at once
             assert woken == ["b", "c"]
+
+
+@pytest.mark.parametrize("num_blocks", [200, 1 << 16])  # counted (a list covering much of the cache) or sorted
+def test_a_duplicate_in_a_long_destination_list_is_refused(num_blocks: int) -> None:
+    desc = CacheDesc(num_tensors=1, shape=(num_blocks, 8))
+    dst = [*range(100), 57]
+    with pytest.raises(ParamInvalidError, match="duplicates"):
+        plan_blocks(desc, desc, arr(list(range(101))), arr(dst), LayerSelection())
+    assert plan_blocks(desc, desc, arr(list(range(101))), arr(list(range(101))), LayerSelection()).num_runs == 1

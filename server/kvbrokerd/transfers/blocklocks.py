@@ -33,6 +33,7 @@ from kvbrokerd.errors import LlmStatus, fail
 
 MAX_SLOTS = 1 << 20
 _FEW_RUNS = 16
+_FEW_CELLS = 256
 
 
 @dataclass(eq=False)
@@ -48,13 +49,51 @@ class Claim:
 
     cells: _CacheCells
     slots: np.ndarray
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Slot ranges [a, b) held besides `slots`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Cells [lo[i], hi[i]): a claim of long runs (token units: ~10^6 cells) as a few slices, not a cell array."""
+
+    lo: list[int]
+    hi: list[int]
+
+
+_MAX_SPANS = 1024
+
+
+def run_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_nbytes: int,
+              num_blocks: int) -> Spans | None:
+    """The cells of `run_cells` as one range per tensor, when each tensor's runs cover a gapless range (None
+    otherwise, and for few runs, where the cells are cheap). A range never misses a cell the runs touch."""
+    if len(tensor) <= _FEW_RUNS and int(length.sum()) <= _FEW_CELLS * block_nbytes:
+        return None
+    t = tensor.astype(np.int64)
+    steps = np.diff(t)
+    if bool((steps < 0).any()):  # plans keep each tensor's runs together; anything else takes the cells
+        return None
+    seg = np.concatenate(([0], np.flatnonzero(steps) + 1))
+    if len(seg) > _MAX_SPANS:
+        return None
+    bpb = np.int64(block_nbytes)
+    first = offset.astype(np.int64) // bpb
+    last = (offset.astype(np.int64) + length.astype(np.int64) - 1) // bpb
+    lo, hi = np.minimum.reduceat(first, seg), np.maximum.reduceat(last, seg) + 1
+    if bool((hi - lo != np.add.reduceat(last - first + 1, seg)).any()):  # gaps (or overlaps): not one range
+        return None
+    base = t[seg] * np.int64(num_blocks)
+    return Spans((base + lo).tolist(), (base + hi).tolist())
 
 
 def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_nbytes: int,
               num_blocks: int) -> np.ndarray:
     """Cells (tensor * num_blocks + block) that byte runs touch: run i covers bytes [offset, offset + length) of
     tensor `tensor[i]`. Runs must be non-empty (the planner and the data server check that first)."""
-    if len(tensor) <= _FEW_RUNS:  # plain ints beat a dozen numpy calls on tiny arrays (small pulls' latency)
+    if len(tensor) <= _FEW_RUNS and int(length.sum()) <= _FEW_CELLS * block_nbytes:
+        # plain ints beat a dozen numpy calls on tiny arrays (small pulls' latency); not on a few long runs of
+        # small blocks (token units), where the list would hold ~10^6 ints
         few: list[int] = []
         for t, off, n in zip(tensor.tolist(), offset.tolist(), length.tolist(), strict=True):
             first = t * num_blocks + off // block_nbytes
@@ -79,7 +118,7 @@ class BlockLocks:
         self._lock = threading.Lock()
         self._caches: weakref.WeakKeyDictionary[object, _CacheCells] = weakref.WeakKeyDictionary()
 
-    def _try(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
+    def _try(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray | Spans,
              wake: Callable[[], None] | None) -> Claim | None:
         """Claims `cells` if none is busy; otherwise registers `wake` (if any) for the next release (atomically,
         so that no release is missed) and returns None."""
@@ -89,7 +128,17 @@ class BlockLocks:
                 state = _CacheCells(np.zeros(max(1, min(num_tensors * num_blocks, MAX_SLOTS)), dtype=bool),
                                     num_blocks)
                 self._caches[key] = state
-            slots = cells % len(state.busy) if len(state.busy) < num_tensors * num_blocks else cells
+            folded = len(state.busy) < num_tensors * num_blocks
+            if isinstance(cells, Spans):
+                spans = _slot_spans(cells, len(state.busy) if folded else 0)
+                if any(state.busy[a:b].any() for a, b in spans):
+                    if wake is not None:
+                        state.waiters.append(wake)
+                    return None
+                for a, b in spans:
+                    state.busy[a:b] = True
+                return Claim(state, _NO_SLOTS, spans)
+            slots = cells % len(state.busy) if folded else cells
             if state.busy[slots].any():
                 if wake is not None:
                     state.waiters.append(wake)
@@ -101,11 +150,13 @@ class BlockLocks:
         state = claim.cells
         with self._lock:
             state.busy[claim.slots] = False
+            for a, b in claim.spans:
+                state.busy[a:b] = False
             waiters, state.waiters = state.waiters, []
         for wake in waiters:
             wake()
 
-    def claim(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray, deadline: float,
+    def claim(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray | Spans, deadline: float,
               what: str) -> Claim:
         """Blocks (a data-server thread) until `cells` are free, at most until `deadline` (time.monotonic)."""
         while True:
@@ -116,7 +167,7 @@ class BlockLocks:
             if not freed.wait(max(0.0, deadline - time.monotonic())):
                 _busy_past_deadline(what)
 
-    async def claim_async(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray,
+    async def claim_async(self, key: object, num_tensors: int, num_blocks: int, cells: np.ndarray | Spans,
                           deadline: float, what: str) -> Claim:
         """`claim` for the event loop: waits without blocking the loop."""
         held = self._try(key, num_tensors, num_blocks, cells, None)  # the common case: nobody else writes there
@@ -138,6 +189,24 @@ class BlockLocks:
                     await freed
             except TimeoutError:
                 _busy_past_deadline(what)
+
+
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def _slot_spans(cells: Spans, folded_to: int) -> list[tuple[int, int]]:
+    """Slot ranges of cell ranges; with `folded_to` slots, cell c is slot c % folded_to (a range wraps at most
+    once, or covers every slot)."""
+    if not folded_to:
+        return list(zip(cells.lo, cells.hi, strict=True))
+    out = []
+    for lo, hi in zip(cells.lo, cells.hi, strict=True):
+        if hi - lo >= folded_to:
+            return [(0, folded_to)]
+        a = lo % folded_to
+        b = a + (hi - lo)
+        out.extend([(a, b)] if b <= folded_to else [(a, folded_to), (0, b - folded_to)])
+    return out
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

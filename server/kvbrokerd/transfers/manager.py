@@ -393,8 +393,9 @@ class TransferManager:
         else:
             entry = self._registry.get(job.local_cache_id)
             key, desc = entry, entry.desc
-        cells = blocklocks.run_cells(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
-                                     desc.num_blocks)
+        cells = blocklocks.run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
+                                     desc.num_blocks) or blocklocks.run_cells(
+            plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
         return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
                                                    f"transfer {transfer_id}")
 

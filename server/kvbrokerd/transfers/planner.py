@@ -124,9 +124,12 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return src[starts], dst[starts], lengths
 
 
-def _has_duplicates(blocks: np.ndarray) -> bool:
+def _has_duplicates(blocks: np.ndarray, num_blocks: int) -> bool:
+    """Blocks must be < num_blocks."""
     if len(blocks) < 64:  # a sort costs more than a set for the common short lists
         return len(set(blocks.tolist())) != len(blocks)
+    if num_blocks <= 8 * len(blocks):  # a list covering much of the cache (token units): counting beats sorting
+        return bool(np.bincount(blocks.astype(np.int64)).max() > 1)
     ordered = np.sort(blocks)  # not np.unique: it costs ~50x more on 2^20 blocks
     return bool((ordered[1:] == ordered[:-1]).any())
 
@@ -171,7 +174,7 @@ def plan_blocks(
     if int(dst_blocks.max()) >= dst.num_blocks:
         param_invalid(f"dst block {int(dst_blocks.max())} is out of range: the destination cache has "
                       f"{dst.num_blocks} blocks")
-    if _has_duplicates(dst_blocks):
+    if _has_duplicates(dst_blocks, dst.num_blocks):
         param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
     if src.block_nbytes != dst.block_nbytes:
         param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
@@ -247,21 +250,36 @@ class Pieces:
     def split(self, parts: int) -> list[Pieces]:
         """`parts` lists of about equal bytes, in order; a run that straddles a boundary is cut there."""
         ends = np.cumsum(self.length, dtype=np.uint64)
-        starts = ends - self.length
         total = int(ends[-1])
-        cuts = np.unique((np.arange(1, parts, dtype=np.uint64) * np.uint64(total)) // np.uint64(parts))
-        cuts = cuts[(cuts > 0) & (cuts < total)]
-        # Both are sorted: insert the cuts that fall inside a run (np.union1d would sort all 2^20 starts again).
-        at = np.searchsorted(starts, cuts)
-        inside = cuts[starts[np.minimum(at, len(starts) - 1)] != cuts]
-        piece_starts = np.insert(starts, np.searchsorted(starts, inside), inside)
-        run = np.searchsorted(ends, piece_starts, side="right")
-        lengths = np.diff(np.append(piece_starts, np.uint64(total)))
-        pieces = Pieces(self.run[run], self.src_tensor[run], self.src_offset[run] + (piece_starts - starts[run]),
-                        self.dst_tensor[run], self.dst_offset[run] + (piece_starts - starts[run]), lengths)
-        bounds = np.searchsorted(piece_starts, cuts).tolist()
-        return [p for a, b in zip([0, *bounds], [*bounds, len(pieces)], strict=True)
-                if len(p := pieces.take(slice(a, b)))]
+        cuts = sorted({total * k // parts for k in range(1, parts)} - {0, total})
+        # Only the runs at the cuts change: each part is a slice of the arrays (no pass over every run but the
+        # cumulative sum; splits of 10^5 small runs used to cost more than their copy).
+        out: list[Pieces] = []
+        run, skip = 0, 0  # the next part starts `skip` bytes into run `run`
+        for cut in cuts:
+            at = int(np.searchsorted(ends, np.uint64(cut), side="right"))
+            head = cut - (int(ends[at]) - int(self.length[at]))  # bytes of run `at` before the cut
+            out.append(self._part(run, skip, at, head))
+            run, skip = at, head
+        out.append(self._part(run, skip, len(self), 0))
+        return [p for p in out if len(p)]
+
+    def _part(self, first: int, skip: int, last: int, head: int) -> Pieces:
+        """Runs [first, last) and the first `head` bytes of run `last`, less the first `skip` bytes of `first`."""
+        index = slice(first, last + 1 if head else last)
+        part = Pieces(self.run[index], self.src_tensor[index], self.src_offset[index].copy(),
+                      self.dst_tensor[index], self.dst_offset[index].copy(), self.length[index].copy())
+        if not len(part):
+            return part
+        if head:
+            part.length[-1] = head
+        if skip:
+            part.src_offset[0] += np.uint64(skip)
+            part.dst_offset[0] += np.uint64(skip)
+            part.length[0] -= np.uint64(skip)
+        if not part.length[0]:  # a cut at a run's start leaves nothing of it here
+            return part.take(slice(1, None))
+        return part
 
 
 class Progress:
