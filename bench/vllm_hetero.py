@@ -6,9 +6,10 @@ Two local kvbrokerd daemons (shm backend), a prefill cache per prefill TP rank a
 out exactly as the vLLM connector lays them out (vLLM's CPU attention: [block, head, K|V, token, dim], fp16, head
 size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a decode worker does: one
 `Client.pull_granted_kv_blocks` per prefill rank read, by a grant of the request's blocks, naming the units of that
-rank's cache; it is timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number
-of bytes: for a decode rank that takes half the heads, the baseline is a homogeneous pull of half the tokens. The
-figure is the median of `--rounds` pulls, after one warm-up; `ratio` = heterogeneous / homogeneous.
+rank's cache as the plan's numpy arrays (as the worker passes them; long lists then go as block runs); it is
+timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number of bytes: for a
+decode rank that takes half the heads, the baseline is a homogeneous pull of half the tokens. The figure is the
+median of `--rounds` pulls, after one warm-up; `ratio` = heterogeneous / homogeneous.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from kvbroker import KvCacheExtParam
 from kvbroker._local import LocalDaemon
@@ -61,7 +64,7 @@ def main() -> None:
         from kvbroker import ClusterInfo
         d.link_clusters([ClusterInfo(p_daemon.cluster_id, p_daemon.peer_address)], timeout=10)
 
-        def timed(grant: Grant, dst: int, pulls: list[tuple[int, list[int], list[int]]]) -> float:
+        def timed(grant: Grant, dst: int, pulls: list[tuple[int, np.ndarray, np.ndarray]]) -> float:
             times = []
             ext = KvCacheExtParam(tensor_num_per_layer=1)
             for i in range(args.rounds + 1):
@@ -86,7 +89,7 @@ def main() -> None:
             grant = p.create_grant([c.cache_id for c in src], p_blocks, 600.0,
                                    units_per_block=theirs.grant_units)
             seconds = timed(grant, dst.cache_id,
-                            [(u.remote_rank, u.src_units.tolist(), u.dst_units.tolist()) for u in plan])
+                            [(u.remote_rank, u.src_units, u.dst_units) for u in plan])
             p.release_grant(grant)
             if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
                 same = layout(1, 32, blocks, layers, heads)
@@ -97,7 +100,7 @@ def main() -> None:
                 h_grant = p.create_grant([h_src.cache_id], list(range(1, n_tokens // 32 + 1)), 600.0,
                                          units_per_block=same.grant_units)
                 homogeneous[nbytes] = timed(h_grant, h_dst.cache_id,
-                                            [(0, u.src_units.tolist(), u.dst_units.tolist()) for u in h_plan])
+                                            [(0, u.src_units, u.dst_units) for u in h_plan])
                 p.release_grant(h_grant)
                 p.deallocate_cache(h_src.cache_id)
                 d.deallocate_cache(h_dst.cache_id)

@@ -10,14 +10,15 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, Client, LlmStatus, ParamInvalidError, SessionPull
+from kvbroker import CacheDesc, CacheIndex, Client, Grant, KvCacheExtParam, LlmStatus, ParamInvalidError, SessionPull
 from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc
 from kvbroker._local import LocalDaemon
+from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.shm import Cache
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from tests.conftest import cluster_of
-from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
+from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot, wait_until
 
 BLOCKS = 6000
 DESC = CacheDesc(num_tensors=2, shape=(BLOCKS, 8))
@@ -182,3 +183,38 @@ def test_malformed_runs_in_a_session_fail_that_pull_only(env: Env) -> None:
         assert done.id == 1 and done.status == "LLM_PARAM_INVALID" and "expand to" in done.message, done
         replies.cancel()
     assert_bytes_equal(env.dst.tensors, before)
+
+
+class _Linked:
+    """The env's daemons are linked already."""
+
+    def ensure(self, cluster_id: int) -> None:
+        pass
+
+    def forget(self, cluster_id: int) -> None:
+        pass
+
+
+def test_connector_loads_of_arrays_land_and_a_failed_one_names_its_blocks(env: Env) -> None:
+    """The vLLM worker hands the plan's arrays to its step loads as they are: a good item lands its bytes, a failed
+    one reports every destination unit it named (which the worker maps to the blocks to recompute)."""
+    grant = env.pc.create_grant([env.src.cache_id], sorted(set(SRC.tolist())), 30.0)
+    before = env.fresh()
+    outcomes: dict[str, LoadOutcome] = {}
+    loads = StepLoads(env.dc, _Linked(), lambda o: outcomes.__setitem__(o.request_id, o))
+    try:
+        ext = KvCacheExtParam(tensor_num_per_layer=2)
+        loads.submit([
+            PullItem("good", env.p.cluster_id, grant, 0, env.dst.cache_id, DST, SRC, ext_param=ext, timeout=30),
+            PullItem("forged", env.p.cluster_id, Grant(grant.grant_id, bytes(32)), 0, env.dst.cache_id,
+                     DST + np.uint64(1), SRC, ext_param=ext, timeout=30)])
+        wait_until(lambda: len(outcomes) == 2, timeout=30, what="both outcomes")
+    finally:
+        loads.close()
+        env.pc.release_grant(grant)
+    good, forged = outcomes["good"], outcomes["forged"]
+    assert not good.failed_blocks and good.bytes_moved == len(SRC) * DESC.block_nbytes * 2
+    assert np.array_equal(good.blocks, DST)
+    assert forged.failed_blocks == frozenset((DST + np.uint64(1)).tolist())
+    assert forged.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+    assert_bytes_equal(env.dst.tensors, env.expected(before))

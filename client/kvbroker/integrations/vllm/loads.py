@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from kvbroker._client import Client
 from kvbroker._session import MAX_PULLS_PER_SUBMIT, PullSession
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
@@ -50,8 +52,9 @@ class PullItem:
     cache_slot: int
     """Which of the grant's caches (the source rank)."""
     dst_cache: int
-    dst_blocks: tuple[int, ...]
-    src_blocks: tuple[int, ...] = ()
+    dst_blocks: tuple[int, ...] | np.ndarray
+    """Long lists (token units: ~10^5) as numpy arrays, which go to the daemon as runs without a Python int each."""
+    src_blocks: tuple[int, ...] | np.ndarray = ()
     """Empty: the grant's blocks from `first_block` on."""
     first_block: int = 0
     ext_param: KvCacheExtParam | None = None
@@ -63,8 +66,9 @@ class LoadOutcome:
     """A request's loads, all items ended."""
 
     request_id: str
-    blocks: tuple[int, ...]
-    """Every destination entry of its items (local blocks, or units of them), in order."""
+    blocks: tuple[int, ...] | np.ndarray
+    """Every destination entry of its items (local blocks, or units of them), in order (an array when an item's
+    were)."""
     failed_blocks: frozenset[int]
     """Destination entries that did not land (empty: everything landed)."""
     bytes_moved: int
@@ -80,7 +84,8 @@ class _Request:
     request_id: str
     pending: int
     started: float
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[tuple[int, ...] | np.ndarray] = field(default_factory=list)
+    """Each item's destination entries, joined only when the request ends (off the engine's step)."""
     failed: set[int] = field(default_factory=set)
     moved: int = 0
     backends: set[str] = field(default_factory=set)
@@ -112,7 +117,7 @@ class StepLoads:
         for item in items:
             r = requests.setdefault(item.request_id, _Request(item.request_id, 0, now))
             r.pending += 1
-            r.blocks.extend(item.dst_blocks)
+            r.blocks.append(item.dst_blocks)
         self._steps.put((list(items), requests, 1))
 
     # -- this module's thread ----------------------------------------------------------------------------------------
@@ -195,7 +200,7 @@ class StepLoads:
         with self._lock:
             if err is not None:
                 landed_partly = err.failed_dst_blocks
-                blocks = set(item.dst_blocks)
+                blocks = set(np.asarray(item.dst_blocks, dtype=np.uint64).tolist())
                 failed = (set(landed_partly) & blocks or blocks) if landed_partly else blocks
                 request.failed |= failed
                 request.status = request.status or err.status
@@ -207,7 +212,7 @@ class StepLoads:
             request.pending -= 1
             if request.pending:
                 return
-        self._on_done(LoadOutcome(request.request_id, tuple(request.blocks), frozenset(request.failed), request.moved,
+        self._on_done(LoadOutcome(request.request_id, _joined(request.blocks), frozenset(request.failed), request.moved,
                                   time.monotonic() - request.started, ",".join(sorted(request.backends)),
                                   request.status))
 
@@ -225,6 +230,12 @@ def _worth_retrying(e: LlmError) -> bool:
     if isinstance(e, NotYetLinkError):
         return True  # the daemon dropped the link (peer restart): link again once
     return e.status == LlmStatus.LLM_LINK_FAILED and not e.failed_dst_blocks
+
+
+def _joined(chunks: list[tuple[int, ...] | np.ndarray]) -> tuple[int, ...] | np.ndarray:
+    if all(isinstance(c, tuple) for c in chunks):
+        return tuple(b for c in chunks for b in c)
+    return np.concatenate([np.asarray(c, dtype=np.uint64) for c in chunks])
 
 
 def _session_pull(item: PullItem) -> SessionPull:

@@ -273,7 +273,7 @@ class WorkerSide:
             return None
         # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
         return [PullItem(spec.request_id, remote.cluster_id, remote.grant, one.remote_rank, dst,
-                         tuple(one.dst_units.tolist()), src_blocks=tuple(one.src_units.tolist()),
+                         one.dst_units, src_blocks=one.src_units,
                          ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
