@@ -93,17 +93,24 @@ def check(src_first: Sequence[int] | np.ndarray, dst_first: Sequence[int] | np.n
 
 def expand(runs: Runs) -> tuple[np.ndarray, np.ndarray]:
     """The (src, dst) pairs of checked runs, as uint64 arrays, run by run, repetition by repetition."""
-    rep = runs.count.astype(np.int64)
-    seg_index = np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
-    seg_len = np.repeat(runs.length.astype(np.int64), rep)
-    seg_src = np.repeat(runs.src_first.astype(np.int64), rep) + seg_index * np.repeat(
-        runs.src_stride.astype(np.int64), rep)
-    seg_dst = np.repeat(runs.dst_first.astype(np.int64), rep) + seg_index * np.repeat(
-        runs.dst_stride.astype(np.int64), rep)
+    if bool((runs.count == 1).all()):  # no repetitions (the common, consecutive case): runs are the segments
+        seg_src, seg_dst = runs.src_first.view(np.int64), runs.dst_first.view(np.int64)
+        seg_len = runs.length.view(np.int64)
+    else:
+        rep = runs.count.view(np.int64)
+        seg_index = np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
+        seg_len = np.repeat(runs.length.view(np.int64), rep)
+        seg_src = np.repeat(runs.src_first.view(np.int64), rep) + seg_index * np.repeat(
+            runs.src_stride.view(np.int64), rep)
+        seg_dst = np.repeat(runs.dst_first.view(np.int64), rep) + seg_index * np.repeat(
+            runs.dst_stride.view(np.int64), rep)
+    if len(seg_len) == 1:
+        within = np.arange(int(seg_len[0]), dtype=np.int64)
+        return (within + seg_src[0]).view(np.uint64), (within + seg_dst[0]).view(np.uint64)
+    # checked: every index < 2^63, so the int64 views and sums are exact
     within = np.arange(int(seg_len.sum()), dtype=np.int64) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)
-    src = np.repeat(seg_src, seg_len) + within
-    dst = np.repeat(seg_dst, seg_len) + within
-    return src.astype(np.uint64), dst.astype(np.uint64)
+    return (np.repeat(seg_src, seg_len) + within).view(np.uint64), (np.repeat(seg_dst, seg_len) + within).view(
+        np.uint64)
 
 
 def find(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray, *,

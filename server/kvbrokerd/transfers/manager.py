@@ -225,7 +225,7 @@ class TransferManager:
         units = max(1, int(granted.units_per_block))
         if len(req.src_blocks):
             src = block_array(req.src_blocks, "src_blocks")
-            outside = src[~np.isin(src // np.uint64(units), blocks)]
+            outside = _not_granted(src, blocks, units)
             if len(outside):
                 shown = [int(b) for b in outside[:8]]
                 param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
@@ -519,6 +519,17 @@ class TransferManager:
         result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
                                 num_runs=sum(j.plan.num_runs for j in jobs))
         return result, [j.backend for j in jobs]
+
+
+def _not_granted(src: np.ndarray, blocks: np.ndarray, units: int) -> np.ndarray:
+    """The entries of `src` whose granted block (src // units) is not one of `blocks`."""
+    owner = src // np.uint64(units)
+    top = int(blocks.max()) + 1 if len(blocks) else 0
+    if top > 4 * len(src) + (1 << 16):  # a table would cost more than the list: search instead
+        return src[~np.isin(owner, blocks)]
+    granted = np.zeros(top + 1, dtype=bool)  # slot `top`: every owner past the grant's last block
+    granted[blocks] = True
+    return src[~granted[np.minimum(owner, np.uint64(top))]]
 
 
 def _channel_of(link: Link) -> PeerChannel:
