@@ -126,13 +126,14 @@ def find(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.
         return None  # the plain lists carry the daemon's own refusal
     if max(int(src.max()), int(dst.max())) > MAX_INDEX:
         return None
-    s, d = src.astype(np.int64), dst.astype(np.int64)
+    s, d = src.view(np.int64), dst.view(np.int64)  # every index <= MAX_INDEX: the views are exact
     breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.append(starts, n))
     first_s, first_d = s[starts], d[starts]
     best = _strided(first_s, first_d, lengths)
-    if len(starts) > 1:  # dst-ordered runs may interleave two sources; in source order they may repeat instead
+    good_enough = best is not None and len(best.length) * 64 <= n
+    if len(starts) > 1 and not good_enough:  # dst-ordered runs may interleave two sources; by source they repeat
         order = np.argsort(first_s, kind="stable")
         by_src = _strided(first_s[order], first_d[order], lengths[order])
         if by_src is not None and (best is None or len(by_src.length) < len(best.length)):
