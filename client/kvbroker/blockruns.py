@@ -91,19 +91,24 @@ def check(src_first: Sequence[int] | np.ndarray, dst_first: Sequence[int] | np.n
     return Runs(src, dst, size, times, s_step, d_step)
 
 
-def expand(runs: Runs) -> tuple[np.ndarray, np.ndarray]:
+Segments = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(src starts, dst starts, lengths) as int64 arrays: the runs with every repetition written out."""
+
+
+def segments(runs: Runs) -> Segments:
+    """The consecutive stretches of checked runs (at most as many as their pairs)."""
+    if bool((runs.count == 1).all()):  # no repetitions (the common, consecutive case): the runs themselves
+        return runs.src_first.view(np.int64), runs.dst_first.view(np.int64), runs.length.view(np.int64)
+    rep = runs.count.view(np.int64)
+    index = np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
+    return (np.repeat(runs.src_first.view(np.int64), rep) + index * np.repeat(runs.src_stride.view(np.int64), rep),
+            np.repeat(runs.dst_first.view(np.int64), rep) + index * np.repeat(runs.dst_stride.view(np.int64), rep),
+            np.repeat(runs.length.view(np.int64), rep))
+
+
+def expand(runs: Runs | Segments) -> tuple[np.ndarray, np.ndarray]:
     """The (src, dst) pairs of checked runs, as uint64 arrays, run by run, repetition by repetition."""
-    if bool((runs.count == 1).all()):  # no repetitions (the common, consecutive case): runs are the segments
-        seg_src, seg_dst = runs.src_first.view(np.int64), runs.dst_first.view(np.int64)
-        seg_len = runs.length.view(np.int64)
-    else:
-        rep = runs.count.view(np.int64)
-        seg_index = np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
-        seg_len = np.repeat(runs.length.view(np.int64), rep)
-        seg_src = np.repeat(runs.src_first.view(np.int64), rep) + seg_index * np.repeat(
-            runs.src_stride.view(np.int64), rep)
-        seg_dst = np.repeat(runs.dst_first.view(np.int64), rep) + seg_index * np.repeat(
-            runs.dst_stride.view(np.int64), rep)
+    seg_src, seg_dst, seg_len = segments(runs) if isinstance(runs, Runs) else runs
     if len(seg_len) == 1:
         within = np.arange(int(seg_len[0]), dtype=np.int64)
         return (within + seg_src[0]).view(np.uint64), (within + seg_dst[0]).view(np.uint64)

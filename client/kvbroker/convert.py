@@ -180,15 +180,22 @@ def set_block_pairs(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlock
         out.dst_stride.extend(runs.dst_stride.tolist())
 
 
-def block_pairs_from_pb(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
-                        ) -> tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
-    """(src_blocks, dst_blocks) of a request in either form. RunsError: malformed runs, or both forms set."""
+def block_runs_from_pb(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
+                       ) -> blockruns.Runs | None:
+    """A request's checked `block_runs` (None: it has none). RunsError: malformed runs, or both forms set."""
     if not req.HasField("block_runs"):
-        return req.src_blocks, req.dst_blocks
+        return None
     if len(req.src_blocks) or len(req.dst_blocks):
         raise blockruns.RunsError("set either block_runs or src_blocks and dst_blocks, not both")
     r = req.block_runs
-    return blockruns.expand(blockruns.check(r.src_first, r.dst_first, r.length, r.count, r.src_stride, r.dst_stride))
+    return blockruns.check(r.src_first, r.dst_first, r.length, r.count, r.src_stride, r.dst_stride)
+
+
+def block_pairs_from_pb(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
+                        ) -> tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
+    """(src_blocks, dst_blocks) of a request in either form. RunsError: malformed runs, or both forms set."""
+    runs = block_runs_from_pb(req)
+    return (req.src_blocks, req.dst_blocks) if runs is None else blockruns.expand(runs)
 
 
 def _ints(blocks: Sequence[int] | np.ndarray) -> list[int]:

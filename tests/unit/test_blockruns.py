@@ -145,3 +145,17 @@ def test_split_parts_are_the_runs_bytes_in_order(lengths: list[int], parts: int)
     assert got == want
     sizes = [int(p.length.sum()) for p in out]
     assert max(sizes) - min(sizes) <= 1 or len(out) < parts
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 9)), min_size=1, max_size=5),
+       st.sets(st.integers(0, 20), max_size=20), st.integers(1, 4))
+def test_a_grant_covers_stretches_exactly_when_it_covers_their_blocks(stretches: list[tuple[int, int]],
+                                                                     granted: set[int], units: int) -> None:
+    from kvbrokerd.transfers.manager import _not_granted, _stretches_granted
+
+    starts = np.asarray([s for s, _ in stretches], dtype=np.int64)
+    lengths = np.asarray([n for _, n in stretches], dtype=np.int64)
+    blocks = np.asarray(sorted(granted), dtype=np.uint64)
+    src = np.asarray([s + j for s, n in stretches for j in range(n)], dtype=np.uint64)
+    by_block = not len(_not_granted(src, blocks, units)) if len(blocks) else False
+    assert _stretches_granted((starts, starts, lengths), blocks, units) == by_block

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
-from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks, plan_segments
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -125,3 +127,28 @@ def test_a_duplicate_in_a_long_destination_list_is_refused(num_blocks: int) -> N
     with pytest.raises(ParamInvalidError, match="duplicates"):
         plan_blocks(desc, desc, arr(list(range(101))), arr(dst), LayerSelection())
     assert plan_blocks(desc, desc, arr(list(range(101))), arr(list(range(101))), LayerSelection()).num_runs == 1
+
+
+_stretch = st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(1, 12))
+
+
+@given(st.lists(_stretch, min_size=1, max_size=6), st.integers(40, 60))
+def test_a_plan_from_stretches_is_the_plan_of_their_blocks(stretches: list[tuple[int, int, int]],
+                                                            num_blocks: int) -> None:
+    """Pairs that came as runs are checked and planned per stretch: the same plan, or the same refusal, as their
+    blocks listed one by one."""
+    desc = CacheDesc(num_tensors=2, shape=(num_blocks, 8))
+    seg = tuple(np.asarray(c, dtype=np.int64) for c in zip(*stretches, strict=True))
+    src = arr([s + j for s, _, n in stretches for j in range(n)])
+    dst = arr([d + j for _, d, n in stretches for j in range(n)])
+    try:
+        want = plan_blocks(desc, desc, src, dst, LayerSelection())
+    except ParamInvalidError as e:
+        with pytest.raises(ParamInvalidError) as info:
+            plan_segments(desc, desc, seg, dst, LayerSelection())  # type: ignore[arg-type]
+        assert info.value.message == e.message
+        return
+    got = plan_segments(desc, desc, seg, dst, LayerSelection())  # type: ignore[arg-type]
+    assert got is not None
+    for column in ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks"):
+        assert np.array_equal(getattr(got, column), getattr(want, column)), column

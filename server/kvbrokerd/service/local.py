@@ -437,13 +437,13 @@ def _summary(cls: type[_Summary], result: TransferResult) -> _Summary:
 
 
 def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks = _block_pairs(request)
+    src_blocks, dst_blocks, segments = _block_pairs(request)
     idx = request.src_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
                          src_blocks=src_blocks, dst_blocks=dst_blocks,
                          layers=_layers(request.ext_param, request.HasField("ext_param")),
-                         grant=_claim(request.grant) if request.HasField("grant") else None)
+                         grant=_claim(request.grant) if request.HasField("grant") else None, segments=segments)
 
 
 def _claim(msg: broker_pb2.GrantClaim) -> GrantClaim:
@@ -459,22 +459,27 @@ def _check_ref(ref: broker_pb2.GrantRef) -> None:
 
 
 def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
-                 ) -> tuple[Sequence[int], Sequence[int]]:
+                 ) -> tuple[Sequence[int], Sequence[int], blockruns.Segments | None]:
+    """The lists, and for runs also their stretches (which spare the planner a pass per block)."""
     try:
-        src, dst = cv.block_pairs_from_pb(request)
+        runs = cv.block_runs_from_pb(request)
     except blockruns.RunsError as e:
         fail(LlmStatus.LLM_PARAM_INVALID, str(e))
-    # uint64 arrays from runs, which the block checks take as they take repeated fields
-    return src, dst  # type: ignore[return-value]
+    if runs is None:
+        return request.src_blocks, request.dst_blocks, None
+    segments = blockruns.segments(runs)
+    src, dst = blockruns.expand(segments)
+    # uint64 arrays, which the block checks take as they take repeated fields
+    return src, dst, segments  # type: ignore[return-value]
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks = _block_pairs(request)
+    src_blocks, dst_blocks, segments = _block_pairs(request)
     idx = request.dst_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.src_cache_id,
                          src_blocks=src_blocks, dst_blocks=dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")))
+                         layers=_layers(request.ext_param, request.HasField("ext_param")), segments=segments)
 
 
 def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:

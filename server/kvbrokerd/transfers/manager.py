@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvbroker import blockruns
 from kvbroker.types import CacheDesc, TransferResult
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
@@ -37,6 +38,7 @@ from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
 from kvbrokerd.transfers import blocklocks
 from kvbrokerd.transfers.planner import (
+    MAX_PLAN_SEGMENTS,
     LayerSelection,
     Plan,
     Progress,
@@ -45,6 +47,7 @@ from kvbrokerd.transfers.planner import (
     layer_plans,
     plan_blocks,
     plan_cache,
+    plan_segments,
 )
 from kvbrokerd.transfers.reports import GroupReport, TransferReport
 from kvbrokerd.transfers.tracking import Deadline, Tracked
@@ -78,6 +81,8 @@ class BlocksRequest:
     layers: LayerSelection
     grant: GrantClaim | None = None
     """Pull granted blocks (see `TransferManager._redeem`)."""
+    segments: blockruns.Segments | None = None
+    """The same pairs as consecutive stretches, when they came as runs: checked per stretch, not per block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +165,7 @@ class TransferManager:
         local, link, remote = await self.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
                                                    req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers)
+        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments)
         return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
 
     async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline
@@ -184,8 +189,12 @@ class TransferManager:
         return await self._remote(direction, cluster_id, cache_id, local_cache_id, deadline)
 
     async def plan(self, src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                   layers: LayerSelection) -> Plan:
-        """`plan_blocks`, off the event loop when the lists are long."""
+                   layers: LayerSelection, segments: blockruns.Segments | None = None) -> Plan:
+        """`plan_blocks`, off the event loop when the lists are long (from a few stretches: on it)."""
+        if segments is not None:
+            planned = plan_segments(src, dst, segments, dst_blocks, layers)
+            if planned is not None:
+                return planned
         if len(src_blocks) < PLAN_ON_LOOP_MAX_BLOCKS:
             return plan_blocks(src, dst, src_blocks, dst_blocks, layers)
         # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
@@ -225,7 +234,8 @@ class TransferManager:
         units = max(1, int(granted.units_per_block))
         if len(req.src_blocks):
             src = block_array(req.src_blocks, "src_blocks")
-            outside = _not_granted(src, blocks, units)
+            covered = req.segments is not None and _stretches_granted(req.segments, blocks, units)
+            outside = src[:0] if covered else _not_granted(src, blocks, units)
             if len(outside):
                 shown = [int(b) for b in outside[:8]]
                 param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
@@ -519,6 +529,19 @@ class TransferManager:
         result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
                                 num_runs=sum(j.plan.num_runs for j in jobs))
         return result, [j.backend for j in jobs]
+
+
+def _stretches_granted(segments: blockruns.Segments, blocks: np.ndarray, units: int) -> bool:
+    """Whether the grant covers every source block of a few stretches (False: too many to tell cheaply, or not
+    covered; the caller then looks block by block, and names the blocks)."""
+    starts, _, lengths = segments
+    if len(starts) > MAX_PLAN_SEGMENTS or not len(blocks):
+        return False
+    owned = np.unique(blocks.astype(np.int64))
+    lo, hi = starts // units, (starts + lengths - 1) // units
+    # granted blocks in [lo, hi]: all of them must be, i.e. as many as the range is wide
+    inside = np.searchsorted(owned, hi, side="right") - np.searchsorted(owned, lo, side="left")
+    return bool((inside == hi - lo + 1).all())
 
 
 def _not_granted(src: np.ndarray, blocks: np.ndarray, units: int) -> np.ndarray:

@@ -183,6 +183,36 @@ def plan_blocks(
                  dst.block_nbytes)
 
 
+MAX_PLAN_SEGMENTS = 4096
+"""Pairs that came as at most this many stretches are checked and planned per stretch (sorting more would cost
+what the per-block checks cost)."""
+
+
+def plan_segments(src: CacheDesc, dst: CacheDesc, segments: tuple[np.ndarray, np.ndarray, np.ndarray],
+                  dst_blocks: np.ndarray, layers: LayerSelection) -> Plan | None:
+    """`plan_blocks` of the pairs of a few stretches (int64 src starts, dst starts, lengths; `dst_blocks` their
+    destination blocks): the same checks and messages, per stretch. None when there are too many stretches."""
+    seg_src, seg_dst, seg_len = segments
+    if not 0 < len(seg_len) <= MAX_PLAN_SEGMENTS:
+        return None
+    src_max, dst_max = int((seg_src + seg_len - 1).max()), int((seg_dst + seg_len - 1).max())
+    if src_max >= src.num_blocks:
+        param_invalid(f"src block {src_max} is out of range: the source cache has {src.num_blocks} blocks")
+    if dst_max >= dst.num_blocks:
+        param_invalid(f"dst block {dst_max} is out of range: the destination cache has {dst.num_blocks} blocks")
+    order = np.argsort(seg_dst, kind="stable")
+    if bool((seg_dst[order][1:] < (seg_dst + seg_len)[order][:-1]).any()):  # stretches overlap in dst
+        param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
+    if src.block_nbytes != dst.block_nbytes:
+        param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
+    # stretches that continue each other on both sides are one run, as coalesce merges consecutive pairs
+    joined = (seg_src[1:] == seg_src[:-1] + seg_len[:-1]) & (seg_dst[1:] == seg_dst[:-1] + seg_len[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    run_len = np.add.reduceat(seg_len, starts).astype(np.uint64)
+    return _plan(src, dst, layers, seg_src[starts].astype(np.uint64), seg_dst[starts].astype(np.uint64),
+                 run_len * np.uint64(dst.block_nbytes), dst_blocks, dst.block_nbytes)
+
+
 def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, size: int,
                layers: LayerSelection) -> Plan:
     """A whole-cache / per-batch transfer (PullKvCache, PushKvCache): `size` bytes per tensor (-1 = the whole batch

@@ -180,8 +180,9 @@ async def _plan_group(manager: TransferManager, members: list[_Member]) -> list[
     for chunk in _chunks(members, local.desc.block_nbytes * local.desc.num_tensors, _max_bytes(manager)):
         src = np.concatenate([m.src for m in chunk]) if len(chunk) > 1 else chunk[0].src
         dst = np.concatenate([m.dst for m in chunk]) if len(chunk) > 1 else chunk[0].dst
+        alone = chunk[0].request.segments if len(chunk) == 1 and chunk[0].request is not None else None
         try:
-            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers)
+            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers, alone)
         except LlmError as e:
             if len(chunk) == 1:
                 chunk[0].fail(e)
@@ -200,7 +201,7 @@ async def _plan_alone(manager: TransferManager, members: list[_Member], local: C
     for m in members:
         assert m.request is not None
         try:
-            m.plan = await manager.plan(remote.desc, local.desc, m.src, m.dst, m.request.layers)
+            m.plan = await manager.plan(remote.desc, local.desc, m.src, m.dst, m.request.layers, m.request.segments)
             planned.append(m)
         except LlmError as e:
             m.fail(e)
