@@ -10,8 +10,19 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, Client, Grant, KvCacheExtParam, LlmStatus, ParamInvalidError, SessionPull
+from kvbroker import (
+    CacheDesc,
+    CacheIndex,
+    Client,
+    Grant,
+    KvCacheExtParam,
+    LlmStatus,
+    ParamInvalidError,
+    PullBlocks,
+    SessionPull,
+)
 from kvbroker import convert as cv
+from kvbroker._client import _batch_request
 from kvbroker._errors import error_from_rpc
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
@@ -218,3 +229,11 @@ def test_connector_loads_of_arrays_land_and_a_failed_one_names_its_blocks(env: E
     assert forged.failed_blocks == frozenset((DST + np.uint64(1)).tolist())
     assert forged.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
     assert_bytes_equal(env.dst.tensors, env.expected(before))
+
+
+def test_a_batch_group_of_long_lists_goes_as_runs_and_lands_the_same_bytes(env: Env) -> None:
+    group = PullBlocks(env.index(), env.dst.cache_id, tuple(SRC.tolist()), tuple(DST.tolist()))
+    before = env.fresh()
+    env.dc.transfer_kv_blocks_batch([group])
+    assert_bytes_equal(env.dst.tensors, env.expected(before))
+    assert _batch_request([group]).groups[0].pull.HasField("block_runs")
