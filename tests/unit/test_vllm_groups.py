@@ -26,6 +26,7 @@ from kvbroker.integrations.vllm.params import (
 from kvbroker.integrations.vllm.remap import refusal
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
 from kvbroker.types import Grant
+from tests.unit.test_vllm_connector import FakeRequest
 
 PAGE = 16384
 GRANT = Grant(bytes(range(16)), bytes(range(32)))
@@ -187,14 +188,6 @@ def test_every_token_a_window_needs_is_in_its_part(end: int, hit_blocks: int, ou
 
 
 # -- scheduler ---------------------------------------------------------------------------------------------------
-@dataclass
-class FakeRequest:
-    request_id: str
-    num_prompt_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None
-    num_computed_tokens: int = 0
-
-
 def test_prefill_grants_every_groups_kept_blocks_and_decode_pulls_a_part_per_group(tmp_path: Any) -> None:
     from kvbroker import CacheDesc
     from kvbroker._local import LocalDaemon
@@ -218,6 +211,10 @@ def test_prefill_grants_every_groups_kept_blocks_and_decode_pulls_a_part_per_gro
         assert delay and params is not None
         assert params["remote_block_ids"] == [[0, 0, 0, 0, 21, 22, 23], [1, 2, 3, 4, 5, 6, 7]]
         assert granted == [[21, 22, 23, 1, 2, 3, 4, 5, 6, 7]]  # no null block, each block once
+        # Block lists for another number of groups than the engine has: nothing granted, nothing held.
+        other = FakeRequest("p-2", 200, {"do_remote_decode": True}, num_computed_tokens=200)
+        assert prefill.request_finished(other, ([1, 2, 3, 4, 5, 6, 7],), True) == (False, None)
+        assert len(granted) == 1 and list(prefill.take_plan().holds) == ["p-req"]
         assert 50 < c.renew_grant(Grant.from_token(params["kvbroker_grant"])) <= 60
         prefill.shutdown()
 

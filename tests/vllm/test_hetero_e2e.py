@@ -116,6 +116,14 @@ def _same_generation(got: dict[str, dict[str, Any]], want: dict[str, dict[str, A
         np.testing.assert_allclose(got[key]["logprobs"], out["logprobs"], atol=LOGPROB_ATOL, err_msg=key)
 
 
+def _every_prompt_token_pulled(got: dict[str, dict[str, Any]], prompts: dict[str, list[int]]) -> None:
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and "kvbroker_refused" not in report, report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
+        assert report["kvbroker_transfer_bytes"] > 0 and report["kvbroker_backend"] == "shm", report
+
+
 @pytest.mark.parametrize(("prefill", "decode"), [
     pytest.param("tp1", "tp2", id="tp1-to-tp2"),
     pytest.param("tp2", "tp1", id="tp2-to-tp1"),
@@ -129,11 +137,7 @@ def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
     params = cluster.prefill(prefill, prompts)
     got = cluster.decode(decode, prompts, params)
     _same_generation(got, want)
-    for key, prompt in prompts.items():
-        report = got[key]["kv_transfer_params"]
-        assert report is not None and "kvbroker_refused" not in report, report
-        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
-        assert report["kvbroker_transfer_bytes"] > 0 and report["kvbroker_backend"] == "shm", report
+    _every_prompt_token_pulled(got, prompts)
 
 
 @pytest.mark.parametrize(("field", "old", "new", "message"), [
@@ -214,10 +218,9 @@ def test_a_sliding_window_model_moves_every_group_and_only_the_window(sliding: C
         assert len(swa) == len(full) == -(-len(prompt) // 32) and not set(swa) & set(full) - {0}, params[key]
     got = sliding.decode(decode, prompts, params)
     _same_generation(got, want)
+    _every_prompt_token_pulled(got, prompts)
     for key, prompt in prompts.items():
         report = got[key]["kv_transfer_params"]
-        assert report is not None and "kvbroker_refused" not in report, report
-        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt), 0), report
         # The full group's pages of every token, the window group's of its last blocks only: less than 2 groups'.
         page = 2 * 2 * 32 * 64 * 4 // 32  # bytes per token of one layer: 2 KV heads x K,V x 64 x float32
         full_bytes = len(prompt) * page
