@@ -48,7 +48,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
-class MambaSpec:
+class UnknownSpec:
     block_size: int = 32
     page_size_bytes: int = PAGE
     dtype: str = "torch.float32"
@@ -85,7 +85,7 @@ def test_groups_over_one_buffer_are_one_cache_of_the_largest_groups_layers() -> 
 
 @pytest.mark.parametrize(("config", "on_gpu", "message"), [
     (_config([SlidingWindowSpec(), FullAttentionSpec()], [1, 1]), True, "--disable-hybrid-kv-cache-manager"),
-    (_config([FullAttentionSpec(), MambaSpec()], [1, 1]), False, "MambaSpec is not a paged attention spec"),
+    (_config([FullAttentionSpec(), UnknownSpec()], [1, 1]), False, "UnknownSpec is not a paged attention spec"),
     (_config([FullAttentionSpec(), FullAttentionSpec(head_size=128)], [1, 1]), False, "differ in head_size"),
     (_config([SlidingWindowSpec(), FullAttentionSpec()], [1, 1], offset=PAGE), False, "not layer-outermost"),
     (SimpleNamespace(kv_cache_groups=[], kv_cache_tensors=[], num_blocks=1), False, "no KV cache"),

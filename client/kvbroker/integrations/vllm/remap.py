@@ -66,6 +66,10 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
             if local != other:
                 return Refusal(name, f"{name}: local {local} vs remote {other} (GPU engines pull rank to rank, "
                                      "block to block)")
+    if ours.has_state and ours.tp_size != remote.tp_size:
+        # A rank's Mamba state is its slice of the heads and of the conv channels, interleaved per projection.
+        return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (Mamba state moves between equal "
+                             "TP sizes only)")
     small, large = sorted((ours.tp_size, remote.tp_size))
     if small < 1 or large % small:
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
@@ -145,6 +149,17 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
         order = np.argsort(dst_all, kind="stable")  # by destination: consecutive pairs merge into one run
         out.append(UnitPull(source, src_all[order].astype(np.uint64), dst_all[order].astype(np.uint64)))
     return out
+
+
+def plan_state(ours: KvLayout, rank: int, remote: KvLayout, local_block: int, remote_block: int) -> list[UnitPull]:
+    """A Mamba layer's running state, whole: the units at the start of `remote_block` that hold it, into
+    `local_block`, from the prefill rank of our rank (`refusal` saw equal TP sizes)."""
+    if ours.unit_bytes != remote.unit_bytes or ours.state_bytes != remote.state_bytes:
+        raise ValueError(f"Mamba state of {remote.state_bytes} bytes in units of {remote.unit_bytes} does not map "
+                         f"onto {ours.state_bytes} bytes in units of {ours.unit_bytes}")
+    units = np.arange(ours.state_units, dtype=np.uint64)
+    return [UnitPull(rank, np.uint64(remote_block * remote.units_per_block) + units,
+                     np.uint64(local_block * ours.units_per_block) + units)]
 
 
 def _token_units(layout: KvLayout, pages: np.ndarray, head: int, offsets: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_lease
 from kvbroker.integrations.vllm.groups import GroupMismatch, group_parts
-from kvbroker.integrations.vllm.layout import KvLayout, layout_of_tag
+from kvbroker.integrations.vllm.layout import FULL_ATTENTION, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
     NULL_BLOCK,
     BadTransferParams,
@@ -87,8 +87,11 @@ class SchedulerSide:
 
     # -- decode side ---------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        """A request arrived: from now until its pull ends, its grant is renewed (however long it waits)."""
+        """A request arrived: from now until its pull ends, its grant is renewed (however long it waits). A prefill
+        request of a model with Mamba state stops one token short (`_stop_one_short`)."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.layout is not None and self.layout.has_state:
+            _stop_one_short(request)
         if not wants_remote_prefill(params):
             return
         try:
@@ -107,7 +110,7 @@ class SchedulerSide:
         except BadTransferParams as e:
             log.error("request %s: remote KV ignored, computing locally: %s", request.request_id, e)
             return 0, False
-        if self._refusal(remote):
+        if self._refusal(remote) or self._state_refusal(remote, request.num_prompt_tokens):
             return 0, False  # said once, in after_alloc, where the prefill node is also told to free its blocks
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         # Where the pull starts, for a model of several KV cache groups (their block lists say it less directly).
@@ -128,8 +131,8 @@ class SchedulerSide:
         except BadTransferParams:
             self.stats.record_recompute("bad_params")
             return  # logged by num_new_matched_tokens; without addressing nobody can be told anything
-        refused = self._refusal(remote)
         prompt = request.num_prompt_tokens
+        refused = self._refusal(remote) or self._state_refusal(remote, prompt)
         if refused:
             self.stats.record_recompute(self._refusal_reason(refused))
             self.stats.record_refused(refused.field)
@@ -210,6 +213,15 @@ class SchedulerSide:
                                  f"{layout_of_tag(remote.layout_tag).tp_size}")
         return refused
 
+    def _state_refusal(self, remote: RemoteKv, prompt: int) -> Refusal | None:
+        """A Mamba state is after every token the prefill engine computed: it must be exactly the prompt less the
+        last token, which this engine then computes (once more would apply it to the state twice)."""
+        if self.layout is None or not self.layout.has_state or remote.num_tokens == prompt - 1:
+            return None
+        return Refusal("state", f"state: the prefill engine's Mamba state is after {remote.num_tokens} tokens of "
+                                f"this {prompt}-token prompt, not {prompt - 1} (its engine must stop one token "
+                                "short)")
+
     @staticmethod
     def _refusal_reason(refused: Refusal) -> str:
         """A refusal's recompute reason, as a metric label."""
@@ -244,14 +256,14 @@ class SchedulerSide:
         groups = [list(group)[: -(-num_tokens // self.block_size)] for group in _as_groups(block_ids)]
         if not finished_normally or not any(groups) or self.layout is None:
             return False, None
-        windows = self.layout.windows
-        if len(groups) != len(windows):
+        kinds = self.layout.kinds
+        if len(groups) != len(kinds):
             log.error("request %s: %d block lists for %d KV cache groups; not granting its KV", request.request_id,
-                      len(groups), len(windows))
+                      len(groups), len(kinds))
             return False, None
-        # Every group's blocks that hold KV (a sliding window's dropped ones do not), each once.
-        blocks = list(dict.fromkeys(b for group, window in zip(groups, windows, strict=True) for b in group
-                                    if window is None or b != NULL_BLOCK))
+        # Every group's blocks that hold KV or state (a sliding window's dropped ones do not), each once.
+        blocks = list(dict.fromkeys(b for group, kind in zip(groups, kinds, strict=True) for b in group
+                                    if kind == FULL_ATTENTION or b != NULL_BLOCK))
         ranks = sorted(self.endpoints)
         try:
             # Made before the params leave the engine: every renewal or redeem of it finds it.
@@ -288,6 +300,20 @@ class SchedulerSide:
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+
+def _stop_one_short(request: Any) -> None:
+    """Drops a prefill request's last prompt token, as NixlConnector does for Mamba models: the prefill engine's
+    state is then after N - 1 tokens, and the decode engine, which always computes the last prompt token itself,
+    derives the state after N from it. Once per request (a preempted one is scheduled again)."""
+    params = request.kv_transfer_params
+    if params.get("kvbroker_one_short") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-1:]
+    del request._all_token_ids[-1:]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["kvbroker_one_short"] = True
 
 
 def _as_groups(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[Sequence[int]]:

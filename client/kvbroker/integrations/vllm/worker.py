@@ -35,7 +35,7 @@ from kvbroker.integrations.vllm.params import (
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, plan_pull, refusal
+from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, plan_pull, plan_state, refusal
 from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -140,7 +140,11 @@ class WorkerSide:
         lay = self.layout
         shape = ((lay.num_blocks, lay.block_size, lay.head_size) if lay.memory == MEMORY_MLA
                  else (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_size))
+        # A Mamba layer's state, as vLLM hands it over: its bytes from the start of each block.
+        state = (lay.num_blocks, 1, 1, lay.state_bytes) if lay.has_state else None
         for name, t in kv_caches.items():
+            if tuple(t.shape) == state and t.element_size() == 1 and t.stride(0) == lay.page_bytes:
+                continue
             if tuple(t.shape) != shape:
                 raise RuntimeError(f"vLLM's KV layer {name} has shape {tuple(t.shape)}, not the {shape} of memory "
                                    f"layout {lay.memory} (this attention backend is not supported by "
@@ -265,7 +269,9 @@ class WorkerSide:
             0, len(spec.local_blocks) * self.layout.block_size)
         parts = spec.parts or (PullPart(spec.local_blocks, spec.remote_blocks, start, end),)
         try:
-            plan = _merged(plan_pull(self.layout, self.rank, theirs, part.local_blocks, part.remote_blocks,
+            plan = _merged(plan_state(self.layout, self.rank, theirs, part.local_blocks[0], part.remote_blocks[0])
+                           if part.state else
+                           plan_pull(self.layout, self.rank, theirs, part.local_blocks, part.remote_blocks,
                                      part.start_token, part.end_token) for part in parts)
         except ValueError as e:
             log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
