@@ -68,9 +68,11 @@ def test_a_mamba_state_the_connector_cannot_move_is_refused_at_start_up(spec: Ma
         layout_from_vllm(_config([spec, FullAttentionSpec()], [2, 2]), "m1", tp_size=1)
 
 
-def test_a_model_of_mamba_layers_only_is_refused_at_start_up() -> None:
+def test_a_model_of_mamba_layers_only_or_on_a_gpu_is_refused_at_start_up() -> None:
     with pytest.raises(UnsupportedLayoutError, match="no attention layers"):
         layout_from_vllm(_config([MambaSpec()], [2]), "m1", tp_size=1)
+    with pytest.raises(UnsupportedLayoutError, match="Mamba state on GPU engines is not supported"):
+        layout_from_vllm(_config([MambaSpec(), FullAttentionSpec()], [2, 2]), "m1", tp_size=1, on_gpu=True)
 
 
 @pytest.mark.parametrize(("old", "new", "message"), [

@@ -297,6 +297,9 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
     memory = MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU
     if on_gpu:
+        if MAMBA in kinds:  # (vLLM needs its hybrid allocator for these: turning it off is no way out)
+            raise UnsupportedLayoutError("Mamba state on GPU engines is not supported by KvBrokerConnector yet (CPU "
+                                         "engines move it)")
         if len(groups) != 1:
             raise UnsupportedLayoutError(
                 f"{len(groups)} KV cache groups ({', '.join(kinds)}): GPU engines move one group; start vLLM with "
