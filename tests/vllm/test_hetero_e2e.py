@@ -20,6 +20,7 @@ start-up with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -175,26 +176,21 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
     assert f"computing locally: {message}" in log
 
 
-@pytest.fixture(scope="module")
-def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A model with a sliding-window layer and a full-attention layer: a plain engine as the baseline (vLLM's hybrid
-    allocator on: two KV cache groups), and engines with the connector, which declares `SupportsHMA`: a prefill and
-    a decode engine with blocks of 32, a decode engine with blocks of 64 (all with two groups), and one with the
-    hybrid allocator off (one group)."""
-    root = tmp_path_factory.mktemp("vllm-swa")
-    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=SLIDING_WINDOW,
-                      layer_types=["sliding_attention", "full_attention"]))
-    shapes = {"prefill": (32, True), "decode": (32, True), "decode64": (64, True), "flat": (32, False)}
-    daemons = [LocalDaemon(root, 45 + i, backends=("shm",)).start() for i in range(len(shapes))]
+@contextlib.contextmanager
+def _connected_engines(root: Path, prefix: str, first_cluster: int, baseline: EngineSpec,
+                       shapes: dict[str, dict[str, Any]]) -> Iterator[Cluster]:
+    """A plain baseline engine ("tp1") and one engine per shape, each with the connector, its own daemon and every
+    other daemon trusted, all with token units and no prefix cache."""
+    daemons = [LocalDaemon(root, first_cluster + i, backends=("shm",)).start() for i in range(len(shapes))]
     trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
-    specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False)}
-    for (name, (block, hybrid)), daemon in zip(shapes.items(), daemons, strict=True):
-        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
-                                                        "kvbroker_token_units": True,
-                                                        "kvbroker_prefill_daemons": trusted},
+    specs = {"tp1": baseline}
+    for (name, shape), daemon in zip(shapes.items(), daemons, strict=True):
+        specs[name] = EngineSpec(baseline.model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
+                                                                 "kvbroker_token_units": True,
+                                                                 "kvbroker_prefill_daemons": trusted},
                                  log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False,
-                                 block_size=block, hybrid_kv_cache=hybrid)
-    engines = {name: Engine(f"swa-{name}", spec).start() for name, spec in specs.items()}
+                                 **shape)
+    engines = {name: Engine(f"{prefix}-{name}", spec).start() for name, spec in specs.items()}
     try:
         for engine in engines.values():
             engine.wait_ready()
@@ -204,6 +200,22 @@ def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             engine.close()
         for daemon in daemons:
             assert daemon.stop() == 0, daemon.log_tail()
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A model with a sliding-window layer and a full-attention layer: a plain engine as the baseline (vLLM's hybrid
+    allocator on: two KV cache groups), and engines with the connector, which declares `SupportsHMA`: a prefill and
+    a decode engine with blocks of 32, a decode engine with blocks of 64 (all with two groups), and one with the
+    hybrid allocator off (one group)."""
+    root = tmp_path_factory.mktemp("vllm-swa")
+    model = str(build(root / "tiny-llama-swa", **HETERO_SHAPE, sliding_window=SLIDING_WINDOW,
+                      layer_types=["sliding_attention", "full_attention"]))
+    shapes = {"prefill": {"block_size": 32}, "decode": {"block_size": 32}, "decode64": {"block_size": 64},
+              "flat": {"block_size": 32, "hybrid_kv_cache": False}}
+    with _connected_engines(root, "swa", 45, EngineSpec(model, log_path=str(root / "baseline.log"),
+                                                        prefix_caching=False), shapes) as engines:
+        yield engines
 
 
 @pytest.mark.parametrize("decode", ["decode", "decode64"])
@@ -255,26 +267,10 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     of 64 tokens (the smallest whose page holds the state), and a decode engine with blocks of 128."""
     root = tmp_path_factory.mktemp("vllm-mamba")
     model = str(build_hybrid(root / "tiny-granite-hybrid"))
-    shapes = {"prefill": 64, "decode": 64, "decode128": 128}
-    daemons = [LocalDaemon(root, 50 + i, backends=("shm",)).start() for i in range(len(shapes))]
-    trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
-    specs = {"tp1": EngineSpec(model, log_path=str(root / "baseline.log"), prefix_caching=False, block_size=64)}
-    for (name, block), daemon in zip(shapes.items(), daemons, strict=True):
-        specs[name] = EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
-                                                        "kvbroker_token_units": True,
-                                                        "kvbroker_prefill_daemons": trusted},
-                                 log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False,
-                                 block_size=block)
-    engines = {name: Engine(f"mamba-{name}", spec).start() for name, spec in specs.items()}
-    try:
-        for engine in engines.values():
-            engine.wait_ready()
-        yield Cluster(engines, daemons)
-    finally:
-        for engine in engines.values():
-            engine.close()
-        for daemon in daemons:
-            assert daemon.stop() == 0, daemon.log_tail()
+    shapes = {"prefill": {"block_size": 64}, "decode": {"block_size": 64}, "decode128": {"block_size": 128}}
+    with _connected_engines(root, "mamba", 50, EngineSpec(model, log_path=str(root / "baseline.log"),
+                                                          prefix_caching=False, block_size=64), shapes) as engines:
+        yield engines
 
 
 @pytest.mark.parametrize("decode", ["decode", "decode128"])
