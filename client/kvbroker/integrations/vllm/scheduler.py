@@ -200,7 +200,9 @@ class SchedulerSide:
         """The workers' finished pulls: reported in the request's output (`kv_transfer_params`) when it finishes."""
         for req_id, transfer in transfers.items():
             if req_id in self._pulling:  # not for requests that finished (aborted) while their pull ran
-                self._transfers[req_id] = transfer
+                # TP ranks whose pulls end in different steps report in different steps
+                earlier = self._transfers.get(req_id)
+                self._transfers[req_id] = transfer if earlier is None else earlier.combine(transfer)
 
     def _refusal(self, remote: RemoteKv) -> Refusal | None:
         if self.layout is None:
