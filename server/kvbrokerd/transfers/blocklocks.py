@@ -89,6 +89,29 @@ def run_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_
     return Spans((base + lo).tolist(), (base + hi).tolist())
 
 
+def strided_spans(tensor: np.ndarray, offset: np.ndarray, extent: np.ndarray, block_nbytes: int,
+                  num_blocks: int) -> Spans:
+    """The cells of a strided plan's entries (`extent`: bytes from an entry's first destination byte to past its
+    last) as their bounding ranges, merged: one pass per entry, never per repetition.
+
+    A bounding range also holds the cells between an entry's repetitions. A block-size remap's entries interleave
+    only with entries of the same pull (the two source blocks that fill one destination block's rows), which share
+    its claim; pulls from two TP ranks write different heads, i.e. different ranges of a block. Two pulls whose
+    entries do interleave (halves of the same destination rows pulled apart and at once) wait for each other as
+    writes to one block do: never a deadlock (a transfer holds one claim), and never a mixed block."""
+    start = offset.view(np.int64) if offset.dtype == np.uint64 else offset.astype(np.int64)
+    size = extent.view(np.int64) if extent.dtype == np.uint64 else extent.astype(np.int64)
+    base = tensor.astype(np.int64) * np.int64(num_blocks)
+    lo = base + start // block_nbytes
+    hi = base + (start + size - 1) // block_nbytes + 1
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    new = np.flatnonzero(np.concatenate(([True], lo[1:] > reach[:-1])))  # not touching what came before
+    ends = np.append(new[1:], len(lo)) - 1
+    return Spans(lo[new].tolist(), reach[ends].tolist())
+
+
 def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_nbytes: int,
               num_blocks: int) -> np.ndarray:
     """Cells (tensor * num_blocks + block) that byte runs touch: run i covers bytes [offset, offset + length) of

@@ -36,7 +36,7 @@ from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers import blocklocks
+from kvbrokerd.transfers import blocklocks, strided
 from kvbrokerd.transfers.planner import (
     MAX_PLAN_SEGMENTS,
     LayerSelection,
@@ -83,6 +83,8 @@ class BlocksRequest:
     """Pull granted blocks (see `TransferManager._redeem`)."""
     segments: blockruns.Segments | None = None
     """The same pairs as consecutive stretches, when they came as runs: checked per stretch, not per block."""
+    runs: blockruns.Runs | None = None
+    """The runs themselves, when they came as runs: a few strided ones are checked and planned per run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +167,7 @@ class TransferManager:
         local, link, remote = await self.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
                                                    req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments)
+        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments, req.runs)
         return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
 
     async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline
@@ -189,8 +191,12 @@ class TransferManager:
         return await self._remote(direction, cluster_id, cache_id, local_cache_id, deadline)
 
     async def plan(self, src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                   layers: LayerSelection, segments: blockruns.Segments | None = None) -> Plan:
-        """`plan_blocks`, off the event loop when the lists are long (from a few stretches: on it)."""
+                   layers: LayerSelection, segments: blockruns.Segments | None = None,
+                   runs: blockruns.Runs | None = None) -> Plan:
+        """`plan_blocks`, off the event loop when the lists are long (from a few stretches or strided runs: on
+        it)."""
+        if runs is not None and strided.worth_it(runs):
+            return strided.plan_runs(src, dst, runs, dst_blocks, layers)
         if segments is not None:
             planned = plan_segments(src, dst, segments, dst_blocks, layers)
             if planned is not None:
@@ -234,7 +240,9 @@ class TransferManager:
         units = max(1, int(granted.units_per_block))
         if len(req.src_blocks):
             src = block_array(req.src_blocks, "src_blocks")
-            covered = req.segments is not None and _stretches_granted(req.segments, blocks, units)
+            covered = (strided.runs_granted(req.runs, blocks, units) if req.runs is not None and
+                       strided.worth_it(req.runs) else req.segments is not None and
+                       _stretches_granted(req.segments, blocks, units))
             outside = src[:0] if covered else _not_granted(src, blocks, units)
             if len(outside):
                 shown = [int(b) for b in outside[:8]]
@@ -293,6 +301,8 @@ class TransferManager:
     async def _run_plan(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None) -> int:
         plan = job.plan if plan is None else plan
         channel = job.channel
+        if not channel.copies_strided:
+            plan = plan.plain()
         on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)
         inline = job.direction == Direction.PULL and channel.runs_inline(plan)
         if on_loop or inline:
@@ -403,8 +413,9 @@ class TransferManager:
         else:
             entry = self._registry.get(job.local_cache_id)
             key, desc = entry, entry.desc
-        cells = blocklocks.run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
-                                     desc.num_blocks) or blocklocks.run_cells(
+        cells = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.dst_extent, plan.block_nbytes,
+                                         desc.num_blocks) if plan.strided else blocklocks.run_spans(
+            plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks) or blocklocks.run_cells(
             plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
         return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
                                                    f"transfer {transfer_id}")
@@ -437,7 +448,7 @@ class TransferManager:
         t.started(job.backend)
         t.moved = await self.run(job, t.deadline, t.id)
         log.debug("%s: %d bytes in %d runs", job.direction.value, t.moved, job.plan.num_runs)
-        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_runs)
+        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_copies)
 
     # -- the operations ----------------------------------------------------------------------------------------------
     async def transfer_blocks(self, direction: Direction, req: BlocksRequest, timeout: float | None
@@ -480,7 +491,7 @@ class TransferManager:
                 completed.append(layer)
                 yield layer, sub.total_bytes
             yield TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id,
-                                 num_runs=job.plan.num_runs)
+                                 num_runs=job.plan.num_copies)
 
     async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
                              ) -> tuple[TransferResult, list[str]]:
@@ -527,7 +538,7 @@ class TransferManager:
             raise err
         t.moved = sum(o for o in outcomes if isinstance(o, int))
         result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
-                                num_runs=sum(j.plan.num_runs for j in jobs))
+                                num_runs=sum(j.plan.num_copies for j in jobs))
         return result, [j.backend for j in jobs]
 
 

@@ -177,6 +177,7 @@ class _Opened:
 
 class ShmChannel(PeerChannel):
     name = NAME
+    copies_strided = True  # memcopy copies strided pieces (as plain runs where it cannot copy fault-safely)
 
     def __init__(self, control: PeerControl, executor: concurrent.futures.Executor, shm_dir: Path,
                  copy_threads: int = 2) -> None:
