@@ -89,27 +89,35 @@ def run_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_
     return Spans((base + lo).tolist(), (base + hi).tolist())
 
 
-def strided_spans(tensor: np.ndarray, offset: np.ndarray, extent: np.ndarray, block_nbytes: int,
-                  num_blocks: int) -> Spans:
-    """The cells of a strided plan's entries (`extent`: bytes from an entry's first destination byte to past its
-    last) as their bounding ranges, merged: one pass per entry, never per repetition.
+def strided_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, count: np.ndarray, stride: np.ndarray,
+                  block_nbytes: int, num_blocks: int) -> Spans | None:
+    """The cells of a strided plan's entries (repetition k of entry i: `length[i]` bytes at offset[i] + k *
+    stride[i]) as ranges, one pass per entry, never per repetition: the entries' bounding ranges, merged, when they
+    leave no cell between them unclaimed (None otherwise: the caller claims the cells themselves).
 
-    A bounding range also holds the cells between an entry's repetitions. A block-size remap's entries interleave
-    only with entries of the same pull (the two source blocks that fill one destination block's rows), which share
-    its claim; pulls from two TP ranks write different heads, i.e. different ranges of a block. Two pulls whose
-    entries do interleave (halves of the same destination rows pulled apart and at once) wait for each other as
-    writes to one block do: never a deadlock (a transfer holds one claim), and never a mixed block."""
-    start = offset.view(np.int64) if offset.dtype == np.uint64 else offset.astype(np.int64)
-    size = extent.view(np.int64) if extent.dtype == np.uint64 else extent.astype(np.int64)
+    A range must never hold a cell that no entry writes: two pulls from two TP ranks into different heads of the same
+    blocks write interleaved cells, and must not wait for each other. A block-size remap's entries each leave gaps
+    (a source block fills every other half row of a destination block), but the same pull's other entries fill them:
+    their union is gapless, and claiming it is exact."""
+    if not len(length):
+        return Spans([], [])
+    start, size, times, step = (a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64)
+                                for a in (offset, length, count, stride))
+    if bool(((start | size | step) % block_nbytes != 0).any()):  # not whole blocks: cells are not counted so
+        return None
     base = tensor.astype(np.int64) * np.int64(num_blocks)
     lo = base + start // block_nbytes
-    hi = base + (start + size - 1) // block_nbytes + 1
+    hi = lo + ((times - 1) * step + size) // block_nbytes
+    cells = times * (size // block_nbytes)  # no two entries share a cell: the planner refused duplicates
     order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
+    lo, hi, cells = lo[order], hi[order], cells[order]
     reach = np.maximum.accumulate(hi)
     new = np.flatnonzero(np.concatenate(([True], lo[1:] > reach[:-1])))  # not touching what came before
     ends = np.append(new[1:], len(lo)) - 1
-    return Spans(lo[new].tolist(), reach[ends].tolist())
+    span_lo, span_hi = lo[new], reach[ends]
+    if bool((np.add.reduceat(cells, new) != span_hi - span_lo).any()):  # a cell in a range that nobody writes
+        return None
+    return Spans(span_lo.tolist(), span_hi.tolist())
 
 
 def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_nbytes: int,

@@ -413,10 +413,15 @@ class TransferManager:
         else:
             entry = self._registry.get(job.local_cache_id)
             key, desc = entry, entry.desc
-        cells = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.dst_extent, plan.block_nbytes,
-                                         desc.num_blocks) if plan.strided else blocklocks.run_spans(
-            plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks) or blocklocks.run_cells(
-            plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
+        cells: blocklocks.Spans | np.ndarray | None = None
+        if plan.count is not None and plan.dst_stride is not None:
+            cells = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count,
+                                             plan.dst_stride, plan.block_nbytes, desc.num_blocks)
+            plan = plan.plain() if cells is None else plan  # entries with gaps between them: their cells, exactly
+        if cells is None:
+            cells = blocklocks.run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
+                                         desc.num_blocks) or blocklocks.run_cells(
+                plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
         return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
                                                    f"transfer {transfer_id}")
 
