@@ -19,7 +19,15 @@ from kvbrokerd.backends.common import memcopy
 from kvbrokerd.errors import LlmError
 from kvbrokerd.registry.endpoint import Endpoint
 from kvbrokerd.transfers import blocklocks, strided
-from kvbrokerd.transfers.planner import LayerSelection, Pieces, Plan, Progress, layer_plans, plan_blocks
+from kvbrokerd.transfers.planner import (
+    LayerSelection,
+    Pieces,
+    Plan,
+    Progress,
+    concatenated,
+    layer_plans,
+    plan_blocks,
+)
 
 BLOCKS = 96
 DESC = CacheDesc(num_tensors=3, shape=(BLOCKS, 24), data_type=DataType.UINT8)
@@ -225,3 +233,16 @@ def test_a_grant_judged_by_bounding_ranges_never_covers_an_ungranted_block(
     if strided.runs_granted(runs, blocks, units):
         src, _ = blockruns.expand(runs)
         assert set((src // np.uint64(units)).tolist()) <= set(granted)
+
+
+def test_a_plan_of_runs_writes_its_destination_blocks_out_only_when_asked() -> None:
+    runs = _runs([(0, 1, 2, 20, 3, 4), (70, 3, 2, 20, 1, 4), (60, 85, 5, 1, 0, 0)])
+    _, dst = blockruns.expand(runs)
+    lazy = strided.plan_runs(DESC, DESC, runs, None, LayerSelection())
+    assert lazy.dst_runs is runs and not len(lazy.dst_blocks) and lazy.num_dst_blocks == len(dst)
+    assert np.array_equal(lazy.destination_blocks(), dst)
+    assert np.array_equal(lazy.plain().destination_blocks(), dst)
+    assert all(np.array_equal(sub.destination_blocks(), dst) for _, sub in layer_plans(lazy, 1))
+    both = concatenated([lazy, _strided_plan()])  # a merged group: written out
+    assert not both.strided and both.dst_runs is None and np.array_equal(both.dst_blocks, np.concatenate([dst, dst]))
+    assert both.total_bytes == 2 * lazy.total_bytes

@@ -26,6 +26,7 @@ from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining, to_rpc_status
 from kvbrokerd.service.pullsession import MAX_PULL_SESSIONS, PullSession
+from kvbrokerd.transfers import strided
 from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 
@@ -469,10 +470,9 @@ def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBloc
         fail(LlmStatus.LLM_PARAM_INVALID, str(e))
     if runs is None:
         return request.src_blocks, request.dst_blocks, None, None
-    segments = blockruns.segments(runs)
-    src, dst = blockruns.expand(segments)
-    # uint64 arrays, which the block checks take as they take repeated fields
-    return src, dst, segments, runs  # type: ignore[return-value]
+    # the lists stay unwritten (the manager writes them out where it needs them); a few strided runs need no
+    # stretches either
+    return (), (), None if strided.worth_it(runs) else blockruns.segments(runs), runs
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:

@@ -29,7 +29,7 @@ from kvbrokerd.links.table import Link
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.registry.caches import CacheEntry
 from kvbrokerd.transfers.manager import BlocksRequest, Direction, Job, TransferManager
-from kvbrokerd.transfers.planner import Plan
+from kvbrokerd.transfers.planner import Plan, concatenated
 from kvbrokerd.transfers.reports import TransferReport
 from kvbrokerd.transfers.tracking import Deadline, Tracked
 
@@ -37,7 +37,6 @@ MAX_GROUP_BYTES = 1 << 30
 """At most this many bytes (and at most half of max_inflight_bytes) run as one job: a larger one would hold its
 destination claims and its share of the in-flight limit for longer than the pulls that make it up would."""
 
-_PLAN_COLUMNS = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
 
 Outcome = tuple[TransferResult, str]
 """A pull's result and the id of the job that moved its bytes (shared by the pulls that ran together)."""
@@ -256,10 +255,7 @@ def merged_plan(plans: Sequence[Plan]) -> Plan:
     """The plans' runs one after the other."""
     if len(plans) == 1:
         return plans[0]
-    if any(p.strided for p in plans):  # rare (a batch of strided pulls): their runs written out
-        plans = [p.plain() for p in plans]
-    return Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in _PLAN_COLUMNS},
-                block_nbytes=plans[0].block_nbytes)
+    return concatenated(plans)  # (strided plans, rare in a merged group, are written out)
 
 
 async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -> None:
@@ -272,7 +268,7 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
         await _run_one(manager, job, first)
         return
     # Bytes of a pull: its blocks times the bytes each moves (the same in every run of one plan's selection).
-    per_block = job.plan.total_bytes // max(1, len(job.plan.dst_blocks))
+    per_block = job.plan.total_bytes // max(1, job.plan.num_dst_blocks)
     try:
         await manager.run(job, _earliest(members), transfer_id)
     except LlmError as e:
@@ -280,7 +276,7 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
             m.fail(_member_error(e, m, per_block))
         return
     for m in members:
-        runs = job.plan.num_copies * len(m.dst) // max(1, len(job.plan.dst_blocks)) if m.plan is None \
+        runs = job.plan.num_copies * len(m.dst) // max(1, job.plan.num_dst_blocks) if m.plan is None \
             else m.plan.num_copies
         m.succeed(TransferResult(bytes_moved=per_block * len(m.dst), backend=job.backend, transfer_id=m.tracked.id,
                                  num_runs=max(1, runs)), transfer_id)

@@ -28,10 +28,11 @@ def worth_it(runs: blockruns.Runs | None) -> bool:
     return runs is not None and 0 < len(runs.length) <= MAX_STRIDED_RUNS and bool((runs.count > 1).any())
 
 
-def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: np.ndarray,
+def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: np.ndarray | None,
               layers: LayerSelection) -> Plan:
     """`plan_blocks` of checked runs (`worth_it`), without writing their repetitions out: the same checks, in the
-    same order, with the same messages. `dst_blocks` are the pairs' destination blocks (for failure reports)."""
+    same order, with the same messages. `dst_blocks`: the pairs' destination blocks if written out already (for
+    failure reports); None: the plan keeps the runs (`Plan.dst_runs`) instead."""
     s_first, d_first, size, times, s_step, d_step = (
         a.view(np.int64) for a in (runs.src_first, runs.dst_first, runs.length, runs.count, runs.src_stride,
                                    runs.dst_stride))
@@ -56,16 +57,20 @@ def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: 
     src_stride = np.where(count > 1, runs.src_stride, 0).astype(np.uint64) * unit
     dst_stride = np.where(count > 1, runs.dst_stride, 0).astype(np.uint64) * unit
     columns = (runs.src_first * unit, runs.dst_first * unit, runs.length * unit, count, src_stride, dst_stride)
+    blocks, keep = (_NONE, runs) if dst_blocks is None else (dst_blocks, None)
     if tensors == 1:
         so, do, ln, ct, ss, ds = columns
         return Plan(src_tensor=ones.astype(np.uint32) * np.uint32(s0), src_offset=so,
-                    dst_tensor=ones.astype(np.uint32) * np.uint32(d0), dst_offset=do, length=ln, dst_blocks=dst_blocks,
-                    block_nbytes=dst.block_nbytes, count=ct, src_stride=ss, dst_stride=ds)
+                    dst_tensor=ones.astype(np.uint32) * np.uint32(d0), dst_offset=do, length=ln, dst_blocks=blocks,
+                    block_nbytes=dst.block_nbytes, count=ct, src_stride=ss, dst_stride=ds, dst_runs=keep)
     so, do, ln, ct, ss, ds = (np.tile(c, tensors) for c in columns)
     tensor_idx = np.arange(tensors, dtype=np.uint32)
     return Plan(src_tensor=np.repeat(tensor_idx + s0, n), src_offset=so, dst_tensor=np.repeat(tensor_idx + d0, n),
-                dst_offset=do, length=ln, dst_blocks=dst_blocks, block_nbytes=dst.block_nbytes, count=ct,
-                src_stride=ss, dst_stride=ds)
+                dst_offset=do, length=ln, dst_blocks=blocks, block_nbytes=dst.block_nbytes, count=ct,
+                src_stride=ss, dst_stride=ds, dst_runs=keep)
+
+
+_NONE = np.zeros(0, dtype=np.uint64)
 
 
 def dst_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray) -> bool:
