@@ -164,7 +164,7 @@ class BlockLocks:
             folded = len(state.busy) < num_tensors * num_blocks
             if isinstance(cells, Spans):
                 spans = _slot_spans(cells, len(state.busy) if folded else 0)
-                if any(state.busy[a:b].any() for a, b in spans):
+                if _any_busy(state.busy, spans):
                     if wake is not None:
                         state.waiters.append(wake)
                     return None
@@ -240,6 +240,17 @@ def _slot_spans(cells: Spans, folded_to: int) -> list[tuple[int, int]]:
         b = a + (hi - lo)
         out.extend([(a, b)] if b <= folded_to else [(a, folded_to), (0, b - folded_to)])
     return out
+
+
+def _any_busy(busy: np.ndarray, spans: list[tuple[int, int]]) -> bool:
+    """Whether a cell of the slot ranges is busy: one numpy call for many ordered ranges (a TP rank's share of a
+    pull is a range per block and tensor: a loop over 256 of them cost ~0.3 ms), else a loop."""
+    if len(spans) > 8:
+        bounds = np.asarray(spans, dtype=np.int64).reshape(-1)
+        if bool((bounds[1:] >= bounds[:-1]).all()):  # ordered and apart: [lo0, hi0, lo1, hi1, ...] splits busy
+            cut = bounds[:-1] if bounds[-1] == len(busy) else bounds  # the last range then runs to the end
+            return bool(np.logical_or.reduceat(busy, cut)[0::2].any())
+    return any(busy[a:b].any() for a, b in spans)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
