@@ -583,3 +583,41 @@ def test_copy_strided_says_which_entry_and_repetition_faulted(shm_dir: Path, sid
     assert got["run"] == 1 and got["repeat"] == 16 and got["side"] == side, got
     assert got["signal"] == signal.SIGBUS, got
     assert got["landed"], "a repetition reported as landed holds other bytes than the source's"
+
+
+STRIDED_PLAN_FAULT = """
+import concurrent.futures, time
+from kvbrokerd.backends.common import memcopy
+from kvbrokerd.errors import LlmError
+from kvbrokerd.registry.endpoint import Endpoint
+from kvbrokerd.transfers.planner import Plan, Progress
+shm, bpb = sys.argv[1], 4096
+sfd, sm, src, src_at = segment(shm + "/src", 8 << 20, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", 8 << 20)
+os.ftruncate(sfd, 5 << 20)  # source blocks from 1280 on are gone: repetition 640 of the entry below faults
+one = lambda v: np.array([v], dtype=np.uint64)
+# one entry: source block 2k -> destination block 2k + 1, for k < 1000
+plan = Plan(np.zeros(1, np.uint32), one(0), np.zeros(1, np.uint32), one(bpb), one(bpb), np.zeros(0, np.uint64), bpb,
+            count=one(1000), src_stride=one(2 * bpb), dst_stride=one(2 * bpb))
+progress = Progress(plan)
+endpoint = lambda at, fd: Endpoint("cache", [at], [fd], [0], False, lambda: None)
+try:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        memcopy.copy_plan(endpoint(src_at, sfd), endpoint(dst_at, dfd), plan, progress, time.monotonic() + 30, pool,
+                          threads=1)
+    print(json.dumps(None))
+except LlmError as e:
+    expected = pattern(8 << 20)
+    landed = all((dst[(2 * k + 1) * bpb : (2 * k + 2) * bpb] == expected[2 * k * bpb : (2 * k + 1) * bpb]).all()
+                 for k in range(640))
+    print(json.dumps({"status": e.status.name, "failed": progress.failed_dst_blocks().tolist(),
+                      "moved": progress.bytes_moved, "landed": bool(landed)}))
+"""
+
+
+@needs_extension
+def test_a_strided_copy_that_faults_reports_exactly_the_repetitions_that_did_not_land(shm_dir: Path) -> None:
+    got = _result(_child(STRIDED_PLAN_FAULT, str(shm_dir)))
+    assert got is not None, "copied from a truncated file without a fault"
+    assert got["status"] == "LLM_KV_CACHE_NOT_EXIST" and got["landed"], got
+    assert got["failed"] == [2 * k + 1 for k in range(640, 1000)] and got["moved"] == 640 * 4096

@@ -164,14 +164,36 @@ def test_split_cuts_strided_entries_between_repetitions_into_balanced_parts(part
                                                                      strict=True))
 
 
-def test_failed_blocks_of_a_strided_plan_are_every_repetition_of_its_incomplete_entries() -> None:
+@given(st.integers(1, 5), st.data())
+def test_failed_blocks_of_a_strided_plan_are_exactly_the_repetitions_that_did_not_land(parts: int,
+                                                                                       data: st.DataObject) -> None:
+    """Against the plan written out (one run per repetition): pieces land whole, in part (their first repetitions, as
+    a fault leaves them) or not at all; a mark that does not say which repetitions it holds (or takes bytes back)
+    makes its run count as not landed."""
     plan = _strided_plan()
     progress = Progress(plan)
-    whole = plan.run_bytes.astype(np.int64)
-    progress.mark_runs(np.arange(plan.num_runs), whole)
-    progress.mark_runs(np.asarray([1]), np.asarray([-int(plan.length[1])]))  # entry 1 (tensor 0) lost one
-    assert progress.failed_dst_blocks().tolist() == sorted(3 + 4 * k + j for k in range(20) for j in range(2))
-    assert progress.bytes_moved == plan.total_bytes - int(plan.length[1])
+    landed: set[tuple[int, int]] = set()  # (run, repetition)
+    untrusted: set[int] = set()
+    for part in Pieces.of(plan).split(parts):
+        plain = part.plain()
+        assert plain.first_repeat is not None
+        how = data.draw(st.sampled_from(["whole", "head", "none", "untold"]))
+        keep = data.draw(st.integers(0, len(plain))) if how == "head" else 0 if how == "none" else len(plain)
+        if how == "untold":
+            progress.mark_runs(part.run, part.nbytes)
+            untrusted.update(part.run.tolist())
+        else:  # as memcopy records: whole pieces, then the first repetitions of the one that faulted
+            progress.mark_runs(plain.run[:keep], plain.length[:keep], plain.first_repeat[:keep])
+        landed.update(zip(plain.run[:keep].tolist(), plain.first_repeat[:keep].tolist(), strict=True))
+    assert plan.count is not None and plan.dst_stride is not None
+    expected: set[int] = set()
+    complete = {r for r in range(plan.num_runs) if all((r, k) in landed for k in range(int(plan.count[r])))}
+    for r in range(plan.num_runs):
+        for k in range(int(plan.count[r])):
+            if r not in complete and ((r, k) not in landed or r in untrusted):
+                at = int(plan.dst_offset[r]) + k * int(plan.dst_stride[r])
+                expected.update(range(at // plan.block_nbytes, -(-(at + int(plan.length[r])) // plan.block_nbytes)))
+    assert progress.failed_dst_blocks().tolist() == sorted(expected)
 
 
 def test_layer_plans_keep_strided_entries_whole() -> None:

@@ -336,11 +336,14 @@ class Pieces:
     count: np.ndarray | None = None
     src_stride: np.ndarray | None = None
     dst_stride: np.ndarray | None = None
+    first_repeat: np.ndarray | None = None
+    """Strided plans only: the repetition of its run that each piece starts at."""
 
     @classmethod
     def of(cls, plan: Plan) -> Pieces:
+        first = None if plan.count is None else np.zeros(plan.num_runs, dtype=np.uint64)
         return cls(np.arange(plan.num_runs), plan.src_tensor, plan.src_offset, plan.dst_tensor, plan.dst_offset,
-                   plan.length, plan.count, plan.src_stride, plan.dst_stride)
+                   plan.length, plan.count, plan.src_stride, plan.dst_stride, first)
 
     def __len__(self) -> int:
         return len(self.length)
@@ -356,16 +359,18 @@ class Pieces:
                         plain.dst_tensor.tolist(), plain.dst_offset.tolist(), plain.length.tolist(), strict=True))
 
     def plain(self) -> Pieces:
-        """Every repetition of a strided piece as a piece of its own (same run index); itself when not strided."""
+        """Every repetition of a strided piece as a piece of its own (same run index, and its repetition in
+        `first_repeat`); itself when not strided."""
         if self.count is None or self.src_stride is None or self.dst_stride is None:
             return self
         rep = self.count.astype(np.int64)
         k = (np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)).astype(np.uint64)
+        first = np.zeros(len(self), dtype=np.uint64) if self.first_repeat is None else self.first_repeat
         return Pieces(np.repeat(self.run, rep), np.repeat(self.src_tensor, rep),
                       np.repeat(self.src_offset, rep) + k * np.repeat(self.src_stride, rep),
                       np.repeat(self.dst_tensor, rep),
                       np.repeat(self.dst_offset, rep) + k * np.repeat(self.dst_stride, rep),
-                      np.repeat(self.length, rep))
+                      np.repeat(self.length, rep), first_repeat=np.repeat(first, rep) + k)
 
     def take(self, index: slice) -> Pieces:
         def cut(a: np.ndarray | None) -> np.ndarray | None:
@@ -373,7 +378,7 @@ class Pieces:
 
         return Pieces(self.run[index], self.src_tensor[index], self.src_offset[index], self.dst_tensor[index],
                       self.dst_offset[index], self.length[index], cut(self.count), cut(self.src_stride),
-                      cut(self.dst_stride))
+                      cut(self.dst_stride), cut(self.first_repeat))
 
     def split(self, parts: int) -> list[Pieces]:
         """`parts` lists of about equal bytes, in order; a run that straddles a boundary is cut there (a strided
@@ -406,7 +411,7 @@ class Pieces:
 
         part = Pieces(self.run[index], self.src_tensor[index], self.src_offset[index].copy(),
                       self.dst_tensor[index], self.dst_offset[index].copy(), self.length[index].copy(),
-                      own(self.count), own(self.src_stride), own(self.dst_stride))
+                      own(self.count), own(self.src_stride), own(self.dst_stride), own(self.first_repeat))
         if not len(part):
             return part
         if head:
@@ -432,6 +437,8 @@ class Pieces:
             self.src_offset[i] += np.uint64(k) * self.src_stride[i]
             self.dst_offset[i] += np.uint64(k) * self.dst_stride[i]
             self.count[i] -= np.uint64(k)
+            if self.first_repeat is not None:
+                self.first_repeat[i] += np.uint64(k)
             return
         self.src_offset[i] += np.uint64(nbytes)
         self.dst_offset[i] += np.uint64(nbytes)
@@ -445,6 +452,8 @@ class Progress:
         self.plan = plan
         self._landed: list[tuple[int, int]] = []  # list.append is atomic: no lock needed between copy threads
         self._landed_arrays: list[tuple[np.ndarray, np.ndarray]] = []
+        self._repeats: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # strided: (runs, first repetition, bytes)
+        self._untold: list[np.ndarray] = []  # runs marked without saying which repetitions (or taken back)
         self.cancelled = False
         self._wakers: list[Callable[[], object]] = []
         self._lock = threading.Lock()
@@ -452,10 +461,16 @@ class Progress:
     def mark(self, run_index: int, nbytes: int) -> None:
         self._landed.append((run_index, nbytes))
 
-    def mark_runs(self, runs: np.ndarray, nbytes: np.ndarray) -> None:
+    def mark_runs(self, runs: np.ndarray, nbytes: np.ndarray, first_repeat: np.ndarray | None = None) -> None:
         """`mark` for many runs (or pieces of runs) at once; negative bytes take marks back (bytes that arrived but
-        turned out not to be the source's)."""
+        turned out not to be the source's). `first_repeat`: for pieces of a strided plan, the repetition each starts
+        at (its bytes then say how many whole repetitions landed), so that a report names exactly the repetitions
+        that did not land."""
         self._landed_arrays.append((runs, nbytes))
+        if first_repeat is not None and not bool((nbytes < 0).any()):  # pieces of strided runs: which repetitions
+            self._repeats.append((runs, first_repeat, nbytes))
+        elif self.plan.count is not None:
+            self._untold.append(runs)
 
     @contextlib.contextmanager
     def on_cancel(self, wake: Callable[[], object]) -> Iterator[None]:
@@ -498,6 +513,29 @@ class Progress:
     def bytes_moved(self) -> int:
         return int(self._per_run().sum())
 
+    def _landed_repeats(self, incomplete: np.ndarray, rep: np.ndarray) -> np.ndarray:
+        """Of the repetitions of the `incomplete` strided runs (`rep` each, written out in order), which landed
+        whole: from the marks that say where their pieces start. A run with a mark that does not (or that takes
+        bytes back) counts as landed nowhere."""
+        landed = np.zeros(int(rep.sum()) + 1, dtype=np.int64)
+        if not self._repeats:
+            return landed[:-1] > 0
+        plan = self.plan
+        at = np.full(plan.num_runs, -1, dtype=np.int64)  # where each incomplete run's repetitions start
+        at[incomplete] = np.cumsum(rep) - rep
+        runs = np.concatenate([r for r, _, _ in self._repeats]).astype(np.int64)
+        first = np.concatenate([f for _, f, _ in self._repeats]).astype(np.int64)
+        nbytes = np.concatenate([n for _, _, n in self._repeats]).astype(np.int64)
+        untold = np.zeros(plan.num_runs, dtype=bool)
+        for r in [*self._untold, np.asarray([i for i, _ in self._landed], dtype=np.int64)]:
+            untold[np.asarray(r, dtype=np.int64)] = True
+        keep = (at[runs] >= 0) & ~untold[runs] & (nbytes > 0)
+        runs, first, nbytes = runs[keep], first[keep], nbytes[keep]
+        whole = nbytes // plan.length[runs].astype(np.int64)
+        np.add.at(landed, at[runs] + first, 1)  # marks of a failed transfer's incomplete runs: few
+        np.add.at(landed, at[runs] + first + whole, -1)
+        return np.cumsum(landed)[:-1] > 0
+
     def failed_dst_blocks(self) -> np.ndarray:
         """Destination blocks of which at least one tensor's bytes did not (completely) land (every block of a run
         that did not land whole: a strided run's every repetition)."""
@@ -512,8 +550,12 @@ class Progress:
             k = (np.arange(int(rep.sum()), dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)).astype(np.uint64)
             offset = np.repeat(offset, rep) + k * np.repeat(plan.dst_stride[incomplete], rep)
             length = np.repeat(length, rep)
+            missing = ~self._landed_repeats(incomplete, rep)
+            offset, length = offset[missing], length[missing]
         starts = (offset // bpb).astype(np.int64)
         ends = ((offset + length + bpb - np.uint64(1)) // bpb).astype(np.int64)
+        if not len(starts):
+            return np.zeros(0, dtype=np.uint64)
         # Blocks covered by any incomplete run, as a difference array over [0, last end): linear, no sort.
         size = int(ends.max()) + 1
         cover = np.cumsum(np.bincount(starts, minlength=size) - np.bincount(ends, minlength=size))

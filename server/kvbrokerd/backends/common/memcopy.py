@@ -131,10 +131,10 @@ def base_address(buffer: mmap.mmap) -> int:
 
 
 def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, deadline: float,
-              executor: concurrent.futures.Executor, threads: int = 2,
-              mark: Callable[[np.ndarray, np.ndarray], None] | None = None) -> int:
-    """Copies every run of `plan`; `mark(runs, nbytes)` (default `progress.mark_runs`) records what landed, a chunk
-    of runs (or pieces of runs) at a time."""
+              executor: concurrent.futures.Executor, threads: int = 2, mark: Record | None = None) -> int:
+    """Copies every run of `plan`; `mark(runs, nbytes, first_repeat)` (default `progress.mark_runs`) records what
+    landed, a chunk of runs (or pieces of runs) at a time (`first_repeat`: None, or for a strided plan the
+    repetition each piece starts at)."""
     src.check()
     dst.check()
     record = progress.mark_runs if mark is None else mark
@@ -147,13 +147,16 @@ def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, dead
     return plan.total_bytes
 
 
+Record = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], None]
+
+
 def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progress, deadline: float,
-                 record: Callable[[np.ndarray, np.ndarray], None]) -> None:
+                 record: Record) -> None:
     """Copies chunk by chunk (deadline and cancellation are checked between chunks) and records each chunk."""
     if pieces.count is not None and not (_safecopy is not None and src.addresses and dst.addresses):
         pieces = pieces.plain()  # only the fault-safe copy takes strided pieces: the others copy run by run
     move = _mover(src, dst, pieces)
-    nbytes = pieces.nbytes
+    nbytes, repeat = pieces.nbytes, pieces.first_repeat
     first, total = 0, len(pieces)
     one_chunk = total <= CHUNK_RUNS and int(nbytes.sum()) <= CHUNK_BYTES
     ends = None if one_chunk else np.cumsum(nbytes, dtype=np.uint64)
@@ -173,12 +176,12 @@ def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progres
             move(chunk)
         except _Landed as e:  # a fault: the pieces before it landed (and a strided one's first repetitions), then
             done = slice(first, first + e.pieces)  # the error
-            record(pieces.run[done], nbytes[done])
-            if e.repeats:
-                at = first + e.pieces
-                record(pieces.run[at:at + 1], pieces.length[at:at + 1] * np.uint64(e.repeats))
+            record(pieces.run[done], nbytes[done], None if repeat is None else repeat[done])
+            if e.repeats and repeat is not None:
+                at = slice(first + e.pieces, first + e.pieces + 1)
+                record(pieces.run[at], pieces.length[at] * np.uint64(e.repeats), repeat[at])
             raise e.error from None
-        record(pieces.run[chunk], nbytes[chunk])
+        record(pieces.run[chunk], nbytes[chunk], None if repeat is None else repeat[chunk])
         first = last
 
 
