@@ -158,10 +158,24 @@ def test_split_cuts_strided_entries_between_repetitions_into_balanced_parts(part
     for part in split:
         assert int(part.nbytes.sum()) <= -(-plan.total_bytes // parts) + longest
     whole = pieces.plain()
-    cut = [np.concatenate([getattr(p.plain(), c) for p in split]) for c in ("run", "src_offset", "dst_offset")]
-    # the same repetitions, in the same order, each once (a strided cut falls between two of them)
-    assert all(np.array_equal(a, getattr(whole, c)) for a, c in zip(cut, ("run", "src_offset", "dst_offset"),
-                                                                     strict=True))
+
+    def merged(parts: list[Pieces]) -> list[tuple[int, int, int, int]]:
+        """(run, src offset, dst offset, length), a run once repeated, pieces that continue each other joined."""
+        out: list[tuple[int, int, int, int]] = []
+        for part in parts:
+            p = part.plain()
+            for row in zip(p.run.tolist(), p.src_offset.tolist(), p.dst_offset.tolist(), p.length.tolist(),
+                           strict=True):
+                last = out[-1] if out else None
+                if last and last[0] == row[0] and last[1] + last[3] == row[1] and last[2] + last[3] == row[2]:
+                    out[-1] = (last[0], last[1], last[2], last[3] + row[3])  # a plain run cut by bytes
+                else:
+                    out.append(row)
+        return out
+
+    # the same repetitions, in the same order, each once (a strided run is cut between two of them, a plain one
+    # anywhere)
+    assert merged(split) == merged([whole])
 
 
 @given(st.integers(1, 5), st.data())
@@ -172,7 +186,7 @@ def test_failed_blocks_of_a_strided_plan_are_exactly_the_repetitions_that_did_no
     makes its run count as not landed."""
     plan = _strided_plan()
     progress = Progress(plan)
-    landed: set[tuple[int, int]] = set()  # (run, repetition)
+    landed_bytes: dict[tuple[int, int], int] = {}  # (run, repetition): bytes
     untrusted: set[int] = set()
     for part in Pieces.of(plan).split(parts):
         plain = part.plain()
@@ -184,7 +198,11 @@ def test_failed_blocks_of_a_strided_plan_are_exactly_the_repetitions_that_did_no
             untrusted.update(part.run.tolist())
         else:  # as memcopy records: whole pieces, then the first repetitions of the one that faulted
             progress.mark_runs(plain.run[:keep], plain.length[:keep], plain.first_repeat[:keep])
-        landed.update(zip(plain.run[:keep].tolist(), plain.first_repeat[:keep].tolist(), strict=True))
+        for r, k, n in zip(plain.run[:keep].tolist(), plain.first_repeat[:keep].tolist(),
+                           plain.length[:keep].tolist(), strict=True):
+            landed_bytes[r, k] = landed_bytes.get((r, k), 0) + n
+    # a repetition landed when all its bytes did (a plain run may be cut by bytes between parts)
+    landed = {rk for rk, n in landed_bytes.items() if n == int(plan.length[rk[0]])}
     assert plan.count is not None and plan.dst_stride is not None
     expected: set[int] = set()
     complete = {r for r in range(plan.num_runs) if all((r, k) in landed for k in range(int(plan.count[r])))}

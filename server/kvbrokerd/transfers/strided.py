@@ -56,7 +56,12 @@ def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: 
     # a run done once has no stride (the copy then sees one plain run)
     src_stride = np.where(count > 1, runs.src_stride, 0).astype(np.uint64) * unit
     dst_stride = np.where(count > 1, runs.dst_stride, 0).astype(np.uint64) * unit
-    columns = (runs.src_first * unit, runs.dst_first * unit, runs.length * unit, count, src_stride, dst_stride)
+    as_sent = (runs.src_first * unit, runs.dst_first * unit, runs.length * unit, count, src_stride, dst_stride)
+    # In source order: the runs that read the two halves of one source row (a 64 -> 32 remap: every other 64 bytes
+    # each) then copy one after the other, while the row is in cache; as they came, ~16 runs apart, the copy took
+    # ~1.4x as long (in-process, one thread, 32 MiB: 2.9 against 4.1 ms; large runs 2.8).
+    by_src = np.argsort(runs.src_first, kind="stable")
+    columns = tuple(c[by_src] for c in as_sent)
     blocks, keep = (_NONE, runs) if dst_blocks is None else (dst_blocks, None)
     if tensors == 1:
         so, do, ln, ct, ss, ds = columns
