@@ -152,47 +152,52 @@ def find(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.
 
 def _strided(s: np.ndarray, d: np.ndarray, lengths: np.ndarray) -> Runs | None:
     """Consecutive runs of one length at one (src, dst) step, grouped greedily; None when there are too many groups
-    to be worth the loop."""
+    to be worth it."""
     n = len(s)
     if n < 3:
         return None
     ds, dd = np.diff(s), np.diff(d)
     ok = (lengths[1:] == lengths[:-1]) & (ds >= 0) & (dd >= 0)  # wire strides are unsigned
-    # links i and i-1 belong to one group when both are ok and step alike
+    # links i and i-1 belong to one segment when both are ok and step alike
     same = ok[1:] & ok[:-1] & (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
-    seg_starts = np.flatnonzero(np.concatenate(([True], ~same)))
-    if len(seg_starts) > _MAX_STRIDE_GROUPS:
+    seg_a = np.flatnonzero(np.concatenate(([True], ~same)))
+    if len(seg_a) > _MAX_STRIDE_GROUPS:
         return None
-    seg_ends = np.append(seg_starts[1:], len(ok))  # links [a, b) of each segment
-    pieces: list[tuple[int, int, int]] = []  # (first run, runs, stride link) per emitted group
-    pos = 0
-    ok_list = ok.tolist()
-    for a, b in zip(seg_starts.tolist(), seg_ends.tolist(), strict=True):
-        a = max(a, pos)
-        if a >= b or not ok_list[a]:
-            continue
-        if pos < a:
-            pieces.append((pos, a - pos, -1))
-        pieces.append((a, b - a + 1, a))
-        pos = b + 1
-    if pos < n:
-        pieces.append((pos, n - pos, -1))
-    first: list[int] = []
-    reps: list[int] = []
-    link: list[int] = []
-    for start, many, at in pieces:
-        if at < 0:  # not repeated: each run once
-            first.extend(range(start, start + many))
-            reps.extend([1] * many)
-            link.extend([-1] * many)
-        else:
-            first.append(start)
-            reps.append(many)
-            link.append(at)
-    idx = np.asarray(first, dtype=np.int64)
-    at_link = np.asarray(link, dtype=np.int64)
+    seg_b = np.append(seg_a[1:], len(ok))  # links [a, b) of each segment: runs a..b
+    # Greedy, left to right: a segment of ok links becomes a group of runs unless the group before took its first
+    # run (the run it shares with that group); then it starts one run later, and a segment of one link is left
+    # with nothing. Whether a one-link segment is a group so alternates along a chain of them, from the last
+    # longer (always a group) or not-ok (never) segment before the chain.
+    seg_ok = ok[seg_a]
+    longer = seg_ok & (seg_b - seg_a >= 2)
+    single = seg_ok & ~longer
+    at = np.arange(len(seg_a))
+    before = np.maximum.accumulate(np.where(single, -1, at))  # the last segment up to here that is not `single`
+    before_chain = np.where(single, np.concatenate(([-1], before[:-1])), before)
+    took = np.where(before_chain >= 0, longer[np.maximum(before_chain, 0)], False)
+    grouped = longer | (single & ((at - before_chain - 1 + took) % 2 == 0))
+    shifted = np.concatenate(([False], grouped[:-1]))  # the previous segment took this one's first run
+    first_run = (seg_a + shifted)[grouped]
+    last_run = seg_b[grouped]  # a group runs [first_run, last_run]
+    link = first_run
+    # before each group, the runs since the previous group (or the start) go one by one; after the last, the rest
+    pos = np.concatenate(([0], last_run + 1))[:-1]
+    gap = first_run - pos
+    per = gap + 1
+    total = int(per.sum())
+    offsets = np.cumsum(per) - per
+    first = np.repeat(pos, per) + (np.arange(total) - np.repeat(offsets, per))
+    reps = np.ones(total, dtype=np.int64)
+    at_link = np.full(total, -1, dtype=np.int64)
+    ends = offsets + gap
+    reps[ends] = last_run - first_run + 1
+    at_link[ends] = link
+    tail = np.arange(int(last_run[-1]) + 1 if len(last_run) else 0, n)
+    idx = np.concatenate((first, tail)).astype(np.int64)
+    reps = np.concatenate((reps, np.ones(len(tail), dtype=np.int64)))
+    at_link = np.concatenate((at_link, np.full(len(tail), -1, dtype=np.int64)))
     has = at_link >= 0
     safe = np.where(has, at_link, 0)
     return Runs(s[idx].astype(np.uint64), d[idx].astype(np.uint64), lengths[idx].astype(np.uint64),
-                np.asarray(reps, dtype=np.uint64), np.where(has, ds[safe], 0).astype(np.uint64),
+                reps.astype(np.uint64), np.where(has, ds[safe], 0).astype(np.uint64),
                 np.where(has, dd[safe], 0).astype(np.uint64))

@@ -8,7 +8,8 @@
  * on that same thread. Every other fault goes to whichever handler was installed before this module was imported
  * (faulthandler's, or the default action), so a real crash still crashes, with its traceback.
  *
- * Bounded on purpose: one copy function (many runs with the GIL released once), no dependencies, the GIL
+ * Bounded on purpose: one copy function (many runs with the GIL released once) and its strided form (a run
+ * repeated at a fixed step, as a block-size remap's plan keeps it), no dependencies, the GIL
  * released for the copy only. See
  * tests/unit/test_safecopy.py and BENCHMARKS.md ("which native helper and why").
  */
@@ -253,6 +254,223 @@ done:
     return result;
 }
 
+/* One entry of copy_strided() under the guard: `times` repetitions of n bytes, repetition k from src + k * src_step
+ * to dst + k * dst_step. One sigsetjmp for all of them, the guard spanning the entry's bounding ranges; returns 0, or
+ * 1 after a fault (*repeat says which repetition, *copied how many of its leading bytes surely landed). */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* Streaming (non-temporal) stores for short repetitions of a large copy: a 64-byte store through the cache first
+ * reads the line it overwrites (twice the memory traffic), which glibc's memmove avoids for large copies by
+ * streaming; without this, 64-byte repetitions copied at ~0.6x the speed of the same bytes in large runs (with it,
+ * at about the speed of large runs; BENCHMARKS.md). Only for whole, aligned cache lines (a partial line streams far
+ * slower than it caches) written with gaps between repetitions: where they are back to back (a 64 -> 32 remap's
+ * destination), caching measured faster. */
+#define HAVE_STREAMING 1
+static void stream_repeats(uintptr_t dst, uintptr_t src, size_t n, size_t times, size_t dst_step, size_t src_step,
+                           volatile size_t *repeat) {
+    for (size_t k = 0; k < times; k++) {
+        char *d = (char *)(dst + k * dst_step);
+        const char *s = (const char *)(src + k * src_step);
+        for (size_t at = 0; at < n; at += 16)
+            _mm_stream_si128((__m128i *)(d + at), _mm_loadu_si128((const __m128i *)(s + at)));
+        atomic_signal_fence(memory_order_seq_cst);
+        *repeat = k + 1;
+    }
+    _mm_sfence(); /* the streamed bytes are visible before the call returns */
+}
+#else
+#define HAVE_STREAMING 0
+#endif
+
+/* Short repetitions of a constant size: the compiler inlines the copy (a memmove call per 64-byte repetition cost
+ * about twice the bytes' own time). A repetition never overlaps itself (checked), so memcpy is exact. */
+#define SHORT_REPEATS(size)                                                                                         \
+    case size:                                                                                                      \
+        for (size_t k = 0; k < times; k++) {                                                                        \
+            memcpy((void *)(dst + k * dst_step), (const void *)(src + k * src_step), size);                         \
+            atomic_signal_fence(memory_order_seq_cst);                                                              \
+            *repeat = k + 1;                                                                                        \
+        }                                                                                                           \
+        return;
+
+/* The repetitions of one strided entry (inside guarded_strided's guard); its own function so that no register
+ * variable of the caller is live across sigsetjmp. `stream`: the whole call is large (see stream_repeats). */
+static __attribute__((noinline)) void strided_copy(uintptr_t dst, uintptr_t src, size_t n, size_t times,
+                                                   size_t dst_step, size_t src_step, int stream,
+                                                   volatile size_t *repeat, volatile size_t *copied) {
+#if HAVE_STREAMING
+    if (stream && dst_step != n && n <= 256 && n % 64 == 0 && ((dst | dst_step) & 63) == 0) {
+        stream_repeats(dst, src, n, times, dst_step, src_step, repeat);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    switch (n) {
+        SHORT_REPEATS(16)
+        SHORT_REPEATS(32)
+        SHORT_REPEATS(64)
+        SHORT_REPEATS(128)
+        SHORT_REPEATS(256)
+    default:
+        break;
+    }
+    for (size_t k = 0; k < times; k++) {
+        const uintptr_t d = dst + k * dst_step, s = src + k * src_step;
+        while (*copied < n) {
+            const size_t done = *copied, step = n - done < STEP ? n - done : STEP;
+            memmove((void *)(d + done), (const void *)(s + done), step);
+            /* The step's bytes are written before it counts as copied. */
+            atomic_signal_fence(memory_order_seq_cst);
+            *copied = done + step;
+        }
+        *copied = 0;
+        *repeat = k + 1;
+        atomic_signal_fence(memory_order_seq_cst);
+    }
+}
+
+/* Calls whose bytes reach this stream their short repetitions (about where glibc's memmove starts streaming). */
+#define STREAM_MIN_BYTES ((uint64_t)4 << 20)
+
+struct strided_entry {
+    uintptr_t dst, src;
+    size_t n, times, dst_step, src_step;
+    int stream;
+};
+
+/* One entry of copy_strided() under the guard: `times` repetitions of n bytes, repetition k from src + k * src_step
+ * to dst + k * dst_step. One sigsetjmp for all of them, the guard spanning the entry's bounding ranges; returns 0, or
+ * 1 after a fault (*repeat says which repetition, *copied how many of its leading bytes surely landed). */
+static int guarded_strided(struct guard *guard, const struct strided_entry *e, volatile size_t *repeat,
+                           volatile size_t *copied) {
+    const uintptr_t page = page_size;
+    guard->src_lo = page_down(e->src, page);
+    guard->src_hi = page_up(e->src + (e->times - 1) * e->src_step + e->n, page);
+    guard->dst_lo = page_down(e->dst, page);
+    guard->dst_hi = page_up(e->dst + (e->times - 1) * e->dst_step + e->n, page);
+    *repeat = 0;
+    *copied = 0;
+    if (sigsetjmp(guard->env, 0) == 0) {
+        current_guard = guard;
+        atomic_signal_fence(memory_order_seq_cst);
+        strided_copy(e->dst, e->src, e->n, e->times, e->dst_step, e->src_step, e->stream, repeat, copied);
+        current_guard = NULL;
+        return 0;
+    }
+#if HAVE_STREAMING
+    _mm_sfence(); /* what was streamed before the fault is visible before the caller hears of it */
+#endif
+    sigset_t caught; /* as in guarded_run */
+    sigemptyset(&caught);
+    sigaddset(&caught, guard->fault_signal);
+    pthread_sigmask(SIG_UNBLOCK, &caught, NULL);
+    return 1;
+}
+
+/* Whether entry (d, s, n, times, steps) is refused: a null address, an end past the address space, or a repetition
+ * whose source and destination overlap. Overflow-safe: each product is checked before it is formed. */
+static int bad_strided(uint64_t d, uint64_t s, uint64_t n, uint64_t times, uint64_t ds, uint64_t ss) {
+    if (d == 0 || s == 0 || n > UINTPTR_MAX)
+        return 1;
+    const uint64_t reps = times - 1;
+    if (reps && (ds > (UINTPTR_MAX - n) / reps || ss > (UINTPTR_MAX - n) / reps))
+        return 1;
+    const uint64_t d_span = reps * ds + n, s_span = reps * ss + n;
+    if (d > UINTPTR_MAX - d_span || s > UINTPTR_MAX - s_span)
+        return 1;
+    if (!(d < s + s_span && s < d + d_span))
+        return 0; /* bounding ranges apart: no repetition overlaps itself */
+    for (uint64_t k = 0; k < times; k++) {
+        const uint64_t dk = d + k * ds, sk = s + k * ss;
+        if (dk < sk + n && sk < dk + n)
+            return 1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_strided_doc,
+"copy_strided(dst, src, n, count, dst_step, src_step, /) -> None\n--\n\n"
+"copy_runs() of strided entries: entry i copies n[i] bytes count[i] times, repetition k from src[i] + k *\n"
+"src_step[i] to dst[i] + k * dst_step[i], entry after entry, with the GIL released once for all of them; six\n"
+"equally long contiguous uint64 buffers. Refused (ValueError) before any byte moves: a null address, an entry past\n"
+"the end of the address space, a repetition that overlaps itself. A vanished page raises FaultError as copy_runs()\n"
+"does: `run` is the entry, `repeat` the repetition that faulted (every one before it landed), `copied` how many\n"
+"leading bytes of that repetition surely landed.");
+
+static PyObject *safecopy_copy_strided(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    static const char *const names[6] = {"dst", "src", "n", "count", "dst_step", "src_step"};
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "copy_strided() takes 6 arguments (dst, src, n, count, dst_step, src_step), "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer views[6];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 6; held++)
+        if (u64_buffer(args[held], &views[held], names[held]) < 0)
+            goto done;
+    const Py_ssize_t count = views[2].len / 8;
+    for (int i = 0; i < 6; i++) {
+        if (views[i].len != views[2].len) {
+            PyErr_SetString(PyExc_ValueError, "copy_strided(): the six buffers differ in length");
+            goto done;
+        }
+    }
+    const uint64_t *dst = views[0].buf, *src = views[1].buf, *len = views[2].buf, *times = views[3].buf,
+                   *dstep = views[4].buf, *sstep = views[5].buf;
+    uint64_t total = 0; /* saturating: only compared with STREAM_MIN_BYTES */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (len[i] == 0 || times[i] == 0)
+            continue;
+        if (total < STREAM_MIN_BYTES)
+            total += times[i] > STREAM_MIN_BYTES / len[i] ? STREAM_MIN_BYTES : times[i] * len[i];
+        if (bad_strided(dst[i], src[i], len[i], times[i], dstep[i], sstep[i])) {
+            PyErr_Format(PyExc_ValueError, "copy_strided(): entry %zd has a null address, overlaps itself or passes "
+                         "the end of the address space", i);
+            goto done;
+        }
+    }
+    struct guard guard;
+    guard.fault_address = 0;
+    guard.fault_signal = 0;
+    volatile size_t repeat = 0, copied = 0;
+    Py_ssize_t faulted_at = -1;
+    PyThreadState *const released = PyEval_SaveThread();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const struct strided_entry entry = {(uintptr_t)dst[i], (uintptr_t)src[i], (size_t)len[i], (size_t)times[i],
+                                            (size_t)dstep[i], (size_t)sstep[i], total >= STREAM_MIN_BYTES};
+        if (entry.n != 0 && entry.times != 0 && guarded_strided(&guard, &entry, &repeat, &copied)) {
+            faulted_at = i;
+            break;
+        }
+    }
+    PyEval_RestoreThread(released);
+    if (faulted_at >= 0) {
+        raise_fault(&guard, copied, (size_t)len[faulted_at]);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *run = PyLong_FromSsize_t(faulted_at);
+        PyObject *rep = PyLong_FromSize_t(repeat);
+        if (value != NULL && run != NULL && rep != NULL) {
+            PyObject_SetAttrString(value, "run", run);
+            PyObject_SetAttrString(value, "repeat", rep);
+        }
+        Py_XDECREF(run);
+        Py_XDECREF(rep);
+        PyErr_Restore(type, value, tb);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    return result;
+}
+
 PyDoc_STRVAR(handler_in_place_doc,
 "handler_in_place()\n--\n\n"
 "True while this module's fault handler is the one installed for SIGBUS and SIGSEGV. If something installed its\n"
@@ -270,6 +488,7 @@ static PyObject *safecopy_handler_in_place(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"copy_runs", (PyCFunction)(void (*)(void))safecopy_copy_runs, METH_FASTCALL, copy_runs_doc},
+    {"copy_strided", (PyCFunction)(void (*)(void))safecopy_copy_strided, METH_FASTCALL, copy_strided_doc},
     {"handler_in_place", safecopy_handler_in_place, METH_NOARGS, handler_in_place_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -288,7 +507,8 @@ PyMODINIT_FUNC PyInit__safecopy(void) {
     FaultError = PyErr_NewExceptionWithDoc(
         "kvbrokerd._safecopy.FaultError",
         "A page under a copy vanished. Attributes: side ('source' or 'destination'), copied (leading bytes that "
-        "surely landed), size, address (of the fault), signal (SIGBUS or SIGSEGV), run (of copy_runs(): which one).",
+        "surely landed), size, address (of the fault), signal (SIGBUS or SIGSEGV), run (of copy_runs(): which one; "
+        "of copy_strided(): which entry), repeat (of copy_strided(): which repetition of the entry).",
         NULL, NULL);
     if (FaultError == NULL || PyModule_AddObjectRef(module, "FaultError", FaultError) < 0 ||
         PyModule_AddIntConstant(module, "STEP", (long)STEP) < 0) {

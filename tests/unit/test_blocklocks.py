@@ -176,3 +176,15 @@ def test_span_claims_and_cell_claims_exclude_each_other(monkeypatch: pytest.Monk
         locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([20, 2], range(1, 2)), time.monotonic(), "next"))
     locks.release(held)
     locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([19], range(1, 2)), time.monotonic(), "after"))
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), min_size=1, max_size=40),
+       st.lists(st.integers(0, 319), max_size=5))
+def test_many_ranges_are_seen_busy_exactly_when_a_cell_is(ranges: list[tuple[int, int]], taken: list[int]) -> None:
+    busy = np.zeros(320, dtype=bool)
+    busy[taken] = True
+    spans = [(a, min(a + n, 320)) for a, n in ranges]
+    ordered = sorted(set(spans))
+    apart = [s for i, s in enumerate(ordered) if i == 0 or s[0] >= ordered[i - 1][1]]
+    for case in (spans, apart):
+        assert blocklocks._any_busy(busy, case) == any(busy[a:b].any() for a, b in case)

@@ -159,3 +159,66 @@ def test_a_grant_covers_stretches_exactly_when_it_covers_their_blocks(stretches:
     src = np.asarray([s + j for s, n in stretches for j in range(n)], dtype=np.uint64)
     by_block = not len(_not_granted(src, blocks, units)) if len(blocks) else False
     assert _stretches_granted((starts, starts, lengths), blocks, units) == by_block
+
+
+
+def _greedy(s: np.ndarray, d: np.ndarray, lengths: np.ndarray) -> blockruns.Runs | None:
+    """The grouping `_strided` makes without a loop, as a plain loop (its first form)."""
+    n = len(s)
+    if n < 3:
+        return None
+    ds, dd = np.diff(s), np.diff(d)
+    ok = (lengths[1:] == lengths[:-1]) & (ds >= 0) & (dd >= 0)  # wire strides are unsigned
+    # links i and i-1 belong to one group when both are ok and step alike
+    same = ok[1:] & ok[:-1] & (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
+    seg_starts = np.flatnonzero(np.concatenate(([True], ~same)))
+    if len(seg_starts) > blockruns._MAX_STRIDE_GROUPS:
+        return None
+    seg_ends = np.append(seg_starts[1:], len(ok))  # links [a, b) of each segment
+    pieces: list[tuple[int, int, int]] = []  # (first run, runs, stride link) per emitted group
+    pos = 0
+    ok_list = ok.tolist()
+    for a, b in zip(seg_starts.tolist(), seg_ends.tolist(), strict=True):
+        a = max(a, pos)
+        if a >= b or not ok_list[a]:
+            continue
+        if pos < a:
+            pieces.append((pos, a - pos, -1))
+        pieces.append((a, b - a + 1, a))
+        pos = b + 1
+    if pos < n:
+        pieces.append((pos, n - pos, -1))
+    first: list[int] = []
+    reps: list[int] = []
+    link: list[int] = []
+    for start, many, at in pieces:
+        if at < 0:  # not repeated: each run once
+            first.extend(range(start, start + many))
+            reps.extend([1] * many)
+            link.extend([-1] * many)
+        else:
+            first.append(start)
+            reps.append(many)
+            link.append(at)
+    idx = np.asarray(first, dtype=np.int64)
+    at_link = np.asarray(link, dtype=np.int64)
+    has = at_link >= 0
+    safe = np.where(has, at_link, 0)
+    return blockruns.Runs(s[idx].astype(np.uint64), d[idx].astype(np.uint64), lengths[idx].astype(np.uint64),
+                np.asarray(reps, dtype=np.uint64), np.where(has, ds[safe], 0).astype(np.uint64),
+                np.where(has, dd[safe], 0).astype(np.uint64))
+
+
+@given(st.lists(st.tuples(st.integers(-3, 6), st.sampled_from([4, 4, 4, 1, 3, -1]), st.sampled_from([1, 2, 2, 2, 3])),
+                max_size=60), st.booleans())
+def test_strided_groups_runs_as_the_greedy_loop_does(steps: list[tuple[int, int, int]], regular: bool) -> None:
+    if regular:  # mostly one step: long groups, one-link segments between them
+        steps = [(2 if i % 7 else s, d, 2 if i % 11 else n) for i, (s, d, n) in enumerate(steps)]
+    s = np.cumsum([100] + [a for a, _, _ in steps]).astype(np.int64)
+    d = np.cumsum([100] + [b for _, b, _ in steps]).astype(np.int64)
+    lengths = np.asarray([2] + [n for _, _, n in steps], dtype=np.int64)
+    got, want = blockruns._strided(s, d, lengths), _greedy(s, d, lengths)
+    assert (got is None) == (want is None)
+    if got is not None and want is not None:
+        for name in ("src_first", "dst_first", "length", "count", "src_stride", "dst_stride"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name

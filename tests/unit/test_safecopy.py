@@ -488,3 +488,136 @@ def test_copy_runs_says_which_run_faulted_and_the_runs_before_it_landed(shm_dir:
     assert got is not None, "copied from a truncated file without a fault"
     assert got["run"] == 5 and got["side"] == "source" and got["signal"] == signal.SIGBUS, got
     assert got["landed"], "a run reported as landed holds other bytes than the source's"
+
+
+# -- strided entries (copy_strided) ---------------------------------------------------------------------------------
+
+def _entries(*entries: tuple[int, int, int, int, int, int]) -> tuple[np.ndarray, ...]:
+    """(dst, src, n, count, dst_step, src_step) columns of `sc.copy_strided`."""
+    return tuple(np.array(column, dtype=np.uint64) for column in zip(*entries, strict=True))
+
+
+@needs_extension
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_strided_copies_every_repetition_and_nothing_between(stream: bool) -> None:
+    """Every short size that has its own copy loop, a long one, gaps on either side, a step of zero on a single
+    repetition; `stream`: the call is large enough for streaming stores (whole aligned lines with gaps)."""
+    assert _safecopy is not None
+    rng = np.random.default_rng(4)
+    size = 24 << 20
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    s = src.ctypes.data
+    d = dst.ctypes.data + (-dst.ctypes.data) % 64  # line-aligned, where streaming applies
+    entries = [(d + 64, s + 3, 64, 1000, 128, 64), (d + 200_000, s + 7, 16, 300, 48, 16),
+               (d + 300_001, s + 100_000, 32, 17, 33, 40), (d + 400_000, s + 11, 128, 90, 256, 128),
+               (d + 500_000, s + 5, 256, 40, 512, 300), (d + 600_000, s + 9, 5000, 7, 6000, 5001),
+               (d + 700_000, s + 1, 100, 1, 0, 0), (d + MIB, s + 2 * MIB, 3 * MIB + 5, 2, 4 * MIB, 3 * MIB + 5)]
+    if stream:  # past STREAM_MIN_BYTES in all: 64-byte repetitions at a gapped, line-aligned destination
+        entries.append((d + 10 * MIB, s + 12 * MIB, 64, 70_000, 128, 64))
+    _safecopy.copy_strided(*_entries(*entries))
+    expected = np.zeros_like(dst)
+    for to, frm, n, count, to_step, frm_step in entries:
+        for k in range(count):
+            at, base = to - dst.ctypes.data + k * to_step, frm - s + k * frm_step
+            expected[at : at + n] = src[base : base + n]
+    assert np.array_equal(dst, expected)
+
+
+@needs_extension
+def test_copy_strided_refuses_bad_entries_before_any_byte_moves() -> None:
+    assert _safecopy is not None
+    buf = np.zeros(256, dtype=np.uint8)
+    a = buf.ctypes.data
+    buf[128:] = 7
+    good = (a, a + 128, 8, 2, 16, 8)
+    bad = [(a, a + 4, 8, 1, 0, 0),  # one repetition overlaps itself
+           (a, a + 128, 8, 3, 64, 0),  # repetition 2 writes [128, 136), which it reads
+           (0, a, 8, 2, 8, 8),  # a null address
+           (a, a + 128, 16, 2**62, 2**62, 16),  # its last repetition passes the end of the address space
+           (a, a + 128, 2**64 - 1, 2, 0, 0)]
+    for entry in bad:
+        with pytest.raises(ValueError, match="entry 1 "):
+            _safecopy.copy_strided(*_entries(good, entry))  # refused before the good entry moves
+        assert not buf[:128].any(), "an entry before the refused one was copied"
+    dst, src, n, count, dst_step, src_step = _entries(good)
+    with pytest.raises(ValueError):
+        _safecopy.copy_strided(dst, src, np.concatenate([n, n]), count, dst_step, src_step)
+    with pytest.raises(TypeError):
+        _safecopy.copy_strided(dst, src, n, count.astype(np.int64), dst_step, src_step)
+    with pytest.raises(TypeError):
+        _safecopy.copy_strided(dst, src, n, count, dst_step)  # type: ignore[call-arg]
+
+
+TRUNCATED_STRIDED = """
+shm = sys.argv[1]
+size, keep = 8 << 20, 5 << 20
+sfd, sm, src, src_at = segment(shm + "/src", size, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", size)
+os.ftruncate(sfd if sys.argv[2] == "source" else dfd, keep)
+# entry 0 reads and writes within what is left; entry 1 reads (or writes) 64 bytes every 64 KiB from 4 MiB on: its
+# repetition 16 is the first past the end
+steps = np.array([0, 1 << 16], dtype=np.uint64)
+try:
+    sc.copy_strided(np.array([dst_at, dst_at + (4 << 20)], dtype=np.uint64),
+                    np.array([src_at + 4096, src_at + (4 << 20)], dtype=np.uint64),
+                    np.array([1 << 20, 64], dtype=np.uint64), np.array([1, 64], dtype=np.uint64), steps, steps)
+    print(json.dumps(None))
+except sc.FaultError as e:
+    expected = pattern(size)
+    landed = bool((dst[: 1 << 20] == expected[4096 : 4096 + (1 << 20)]).all())
+    for k in range(e.repeat):  # the repetitions before the fault
+        at = (4 << 20) + k * (1 << 16)
+        landed = landed and bool((dst[at : at + 64] == expected[at : at + 64]).all())
+    print(json.dumps({**fault(e), "repeat": e.repeat, "landed": landed}))
+"""
+
+
+@needs_extension
+@pytest.mark.parametrize("side", ["source", "destination"])
+def test_copy_strided_says_which_entry_and_repetition_faulted(shm_dir: Path, side: str) -> None:
+    """A truncated segment under a strided copy is a FaultError, never a dead process: it names the entry and the
+    repetition, and every repetition before it landed."""
+    got = _result(_child(TRUNCATED_STRIDED, str(shm_dir), side))
+    assert got is not None, "copied across a truncated file without a fault"
+    assert got["run"] == 1 and got["repeat"] == 16 and got["side"] == side, got
+    assert got["signal"] == signal.SIGBUS, got
+    assert got["landed"], "a repetition reported as landed holds other bytes than the source's"
+
+
+STRIDED_PLAN_FAULT = """
+import concurrent.futures, time
+from kvbrokerd.backends.common import memcopy
+from kvbrokerd.errors import LlmError
+from kvbrokerd.registry.endpoint import Endpoint
+from kvbrokerd.transfers.planner import Plan, Progress
+shm, bpb = sys.argv[1], 4096
+sfd, sm, src, src_at = segment(shm + "/src", 8 << 20, filled=True)
+dfd, dm, dst, dst_at = segment(shm + "/dst", 8 << 20)
+os.ftruncate(sfd, 5 << 20)  # source blocks from 1280 on are gone: repetition 640 of the entry below faults
+one = lambda v: np.array([v], dtype=np.uint64)
+# one entry: source block 2k -> destination block 2k + 1, for k < 1000
+plan = Plan(np.zeros(1, np.uint32), one(0), np.zeros(1, np.uint32), one(bpb), one(bpb), np.zeros(0, np.uint64), bpb,
+            count=one(1000), src_stride=one(2 * bpb), dst_stride=one(2 * bpb))
+progress = Progress(plan)
+endpoint = lambda at, fd: Endpoint("cache", [at], [fd], [0], False, lambda: None)
+try:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        memcopy.copy_plan(endpoint(src_at, sfd), endpoint(dst_at, dfd), plan, progress, time.monotonic() + 30, pool,
+                          threads=1)
+    print(json.dumps(None))
+except LlmError as e:
+    expected = pattern(8 << 20)
+    landed = all((dst[(2 * k + 1) * bpb : (2 * k + 2) * bpb] == expected[2 * k * bpb : (2 * k + 1) * bpb]).all()
+                 for k in range(640))
+    print(json.dumps({"status": e.status.name, "failed": progress.failed_dst_blocks().tolist(),
+                      "moved": progress.bytes_moved, "landed": bool(landed)}))
+"""
+
+
+@needs_extension
+def test_a_strided_copy_that_faults_reports_exactly_the_repetitions_that_did_not_land(shm_dir: Path) -> None:
+    got = _result(_child(STRIDED_PLAN_FAULT, str(shm_dir)))
+    assert got is not None, "copied from a truncated file without a fault"
+    assert got["status"] == "LLM_KV_CACHE_NOT_EXIST" and got["landed"], got
+    assert got["failed"] == [2 * k + 1 for k in range(640, 1000)] and got["moved"] == 640 * 4096

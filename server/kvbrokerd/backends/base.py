@@ -204,6 +204,9 @@ class PeerChannel(abc.ABC):
     """How many of this link's transfers may move data at once. None: they share the daemon-wide turn
     (`--parallel-transfers`), right for copies that compete for this host's CPUs; a backend that mostly waits on its
     peer (tcp: one transfer per pooled connection) says how many keep it busy."""
+    copies_strided: bool = False
+    """Whether `pull`/`push` take strided plans (`Plan.count`); others get the plan with every repetition written
+    out as a run (`Plan.plain`)."""
 
     @abc.abstractmethod
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:

@@ -26,6 +26,7 @@ from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining, to_rpc_status
 from kvbrokerd.service.pullsession import MAX_PULL_SESSIONS, PullSession
+from kvbrokerd.transfers import strided
 from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
 
@@ -437,13 +438,14 @@ def _summary(cls: type[_Summary], result: TransferResult) -> _Summary:
 
 
 def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks, segments = _block_pairs(request)
+    src_blocks, dst_blocks, segments, runs = _block_pairs(request)
     idx = request.src_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
                          src_blocks=src_blocks, dst_blocks=dst_blocks,
                          layers=_layers(request.ext_param, request.HasField("ext_param")),
-                         grant=_claim(request.grant) if request.HasField("grant") else None, segments=segments)
+                         grant=_claim(request.grant) if request.HasField("grant") else None, segments=segments,
+                         runs=runs)
 
 
 def _claim(msg: broker_pb2.GrantClaim) -> GrantClaim:
@@ -459,27 +461,28 @@ def _check_ref(ref: broker_pb2.GrantRef) -> None:
 
 
 def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
-                 ) -> tuple[Sequence[int], Sequence[int], blockruns.Segments | None]:
-    """The lists, and for runs also their stretches (which spare the planner a pass per block)."""
+                 ) -> tuple[Sequence[int], Sequence[int], blockruns.Segments | None, blockruns.Runs | None]:
+    """The lists, and for runs also the runs and their stretches (which spare the planner a pass per block; a few
+    strided runs are planned as they are, strided.py)."""
     try:
         runs = cv.block_runs_from_pb(request)
     except blockruns.RunsError as e:
         fail(LlmStatus.LLM_PARAM_INVALID, str(e))
     if runs is None:
-        return request.src_blocks, request.dst_blocks, None
-    segments = blockruns.segments(runs)
-    src, dst = blockruns.expand(segments)
-    # uint64 arrays, which the block checks take as they take repeated fields
-    return src, dst, segments  # type: ignore[return-value]
+        return request.src_blocks, request.dst_blocks, None, None
+    # the lists stay unwritten (the manager writes them out where it needs them); a few strided runs need no
+    # stretches either
+    return (), (), None if strided.worth_it(runs) else blockruns.segments(runs), runs
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks, segments = _block_pairs(request)
+    src_blocks, dst_blocks, segments, runs = _block_pairs(request)
     idx = request.dst_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.src_cache_id,
                          src_blocks=src_blocks, dst_blocks=dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")), segments=segments)
+                         layers=_layers(request.ext_param, request.HasField("ext_param")), segments=segments,
+                         runs=runs)
 
 
 def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:

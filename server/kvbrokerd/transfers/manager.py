@@ -36,7 +36,7 @@ from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers import blocklocks
+from kvbrokerd.transfers import blocklocks, strided
 from kvbrokerd.transfers.planner import (
     MAX_PLAN_SEGMENTS,
     LayerSelection,
@@ -44,6 +44,7 @@ from kvbrokerd.transfers.planner import (
     Progress,
     block_array,
     check_block_lists,
+    concatenated,
     layer_plans,
     plan_blocks,
     plan_cache,
@@ -83,6 +84,8 @@ class BlocksRequest:
     """Pull granted blocks (see `TransferManager._redeem`)."""
     segments: blockruns.Segments | None = None
     """The same pairs as consecutive stretches, when they came as runs: checked per stretch, not per block."""
+    runs: blockruns.Runs | None = None
+    """The runs themselves, when they came as runs: a few strided ones are checked and planned per run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,23 +164,30 @@ class TransferManager:
         return local, link, remote
 
     async def prepare_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> Job:
-        req, src_blocks, dst_blocks = await self.check_blocks(direction, req, deadline)
+        req, src_blocks, dst_blocks = await self.check_blocks(direction, req, deadline, written_out=False)
         local, link, remote = await self.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
                                                    req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments)
+        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments, req.runs)
         return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
 
-    async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline
-                           ) -> tuple[BlocksRequest, np.ndarray, np.ndarray]:
+    async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline,
+                           written_out: bool = True) -> tuple[BlocksRequest, np.ndarray, np.ndarray]:
         """The checks of a block transfer that come before its caches are looked at: the batch index, the grant
-        (redeemed: the request then names the granted cache and blocks) and the block lists."""
+        (redeemed: the request then names the granted cache and blocks) and the block lists. A request that came as
+        runs (bounded by then) has its lists written out here, unless `written_out` is False: then they are empty,
+        and `plan` takes the runs."""
         if req.remote_batch_index != 0:
             side = "src" if direction == Direction.PULL else "dst"
             param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
                           f"{req.remote_batch_index}")
         if req.grant is not None:
             req = await self._redeem(direction, req, deadline)
+        if req.runs is not None:
+            if not written_out:
+                return req, _NO_BLOCKS, _NO_BLOCKS
+            src_blocks, dst_blocks = blockruns.expand(req.segments or req.runs)
+            return req, src_blocks, dst_blocks
         src_blocks = block_array(req.src_blocks, "src_blocks")
         dst_blocks = block_array(req.dst_blocks, "dst_blocks")
         check_block_lists(src_blocks, dst_blocks)
@@ -189,12 +199,21 @@ class TransferManager:
         return await self._remote(direction, cluster_id, cache_id, local_cache_id, deadline)
 
     async def plan(self, src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                   layers: LayerSelection, segments: blockruns.Segments | None = None) -> Plan:
-        """`plan_blocks`, off the event loop when the lists are long (from a few stretches: on it)."""
+                   layers: LayerSelection, segments: blockruns.Segments | None = None,
+                   runs: blockruns.Runs | None = None) -> Plan:
+        """`plan_blocks`, off the event loop when the lists are long (from a few stretches or strided runs: on
+        it). Lists left empty by `check_blocks` (not `written_out`) are the runs': written out only if needed."""
+        lazy = runs is not None and not len(dst_blocks)
+        if runs is not None and strided.worth_it(runs):
+            return strided.plan_runs(src, dst, runs, None if lazy else dst_blocks, layers)
+        if runs is not None and segments is None:
+            segments = blockruns.segments(runs)
         if segments is not None:
             planned = plan_segments(src, dst, segments, dst_blocks, layers)
             if planned is not None:
-                return planned
+                return replace(planned, dst_runs=runs) if lazy else planned
+        if runs is not None and lazy:
+            src_blocks, dst_blocks = blockruns.expand(segments or runs)
         if len(src_blocks) < PLAN_ON_LOOP_MAX_BLOCKS:
             return plan_blocks(src, dst, src_blocks, dst_blocks, layers)
         # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
@@ -216,8 +235,8 @@ class TransferManager:
             param_invalid("a grant is pulled from, never pushed to")
         if req.remote_cluster_id == self._links.cluster_id:
             param_invalid(f"cannot pull with our own cluster {req.remote_cluster_id}")
-        dst_blocks = block_array(req.dst_blocks, "dst_blocks")
-        if not len(dst_blocks):
+        dst_blocks = block_array(req.dst_blocks, "dst_blocks") if req.runs is None else _NO_BLOCKS
+        if req.runs is None and not len(dst_blocks):
             param_invalid("dst_blocks is empty")
         self._registry.get(req.local_cache_id)
         link = self._links.get_ready(req.remote_cluster_id)
@@ -232,6 +251,14 @@ class TransferManager:
                           f"{req.remote_cache_id}")
         blocks = np.array(list(granted.blocks), dtype=np.uint64)
         units = max(1, int(granted.units_per_block))
+        if req.runs is not None:  # runs always name their source blocks; written out only to name those outside
+            covered = (strided.runs_granted(req.runs, blocks, units) if strided.worth_it(req.runs) else
+                       _stretches_granted(req.segments or blockruns.segments(req.runs), blocks, units))
+            outside = _NO_BLOCKS if covered else _not_granted(blockruns.expand(req.runs)[0], blocks, units)
+            if len(outside):
+                shown = [int(b) for b in outside[:8]]
+                param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
+            return replace(req, remote_cache_id=cache_id, grant=None)
         if len(req.src_blocks):
             src = block_array(req.src_blocks, "src_blocks")
             covered = req.segments is not None and _stretches_granted(req.segments, blocks, units)
@@ -272,9 +299,7 @@ class TransferManager:
             param_invalid("a destination block appears in more than one dst_blocks list")
         if src_cache_id == dst_cache_id and np.intersect1d(all_dst, src_arr).size:
             param_invalid("copying within one cache: a destination block is also a source block")
-        columns = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
-        plan = Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in columns},
-                    block_nbytes=dst.desc.block_nbytes)
+        plan = concatenated(plans)
         # A copy is a pull from this daemon itself.
         return Job(Direction.PULL, plan, dst_cache_id, self._local, LocalCopyChannel.describe(src))
 
@@ -293,6 +318,8 @@ class TransferManager:
     async def _run_plan(self, job: Job, deadline: Deadline, transfer_id: str, plan: Plan | None) -> int:
         plan = job.plan if plan is None else plan
         channel = job.channel
+        if not channel.copies_strided:
+            plan = plan.plain()
         on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)
         inline = job.direction == Direction.PULL and channel.runs_inline(plan)
         if on_loop or inline:
@@ -403,9 +430,15 @@ class TransferManager:
         else:
             entry = self._registry.get(job.local_cache_id)
             key, desc = entry, entry.desc
-        cells = blocklocks.run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
-                                     desc.num_blocks) or blocklocks.run_cells(
-            plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
+        cells: blocklocks.Spans | np.ndarray | None = None
+        if plan.count is not None and plan.dst_stride is not None:
+            cells = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count,
+                                             plan.dst_stride, plan.block_nbytes, desc.num_blocks)
+            plan = plan.plain() if cells is None else plan  # entries with gaps between them: their cells, exactly
+        if cells is None:
+            cells = blocklocks.run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes,
+                                         desc.num_blocks) or blocklocks.run_cells(
+                plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, desc.num_blocks)
         return await self._block_locks.claim_async(key, desc.num_tensors, desc.num_blocks, cells, deadline.at,
                                                    f"transfer {transfer_id}")
 
@@ -437,7 +470,7 @@ class TransferManager:
         t.started(job.backend)
         t.moved = await self.run(job, t.deadline, t.id)
         log.debug("%s: %d bytes in %d runs", job.direction.value, t.moved, job.plan.num_runs)
-        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_runs)
+        return TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id, num_runs=job.plan.num_copies)
 
     # -- the operations ----------------------------------------------------------------------------------------------
     async def transfer_blocks(self, direction: Direction, req: BlocksRequest, timeout: float | None
@@ -472,7 +505,7 @@ class TransferManager:
                         report = TransferReport(transfer_id=t.id, backend=job.backend, stage="transfer")
                     if k < len(layers) - 1 or refused:
                         # Later layers never started: every requested block misses those layers' bytes.
-                        report = replace(report, failed_dst_blocks=job.plan.dst_blocks)
+                        report = replace(report, failed_dst_blocks=job.plan.destination_blocks())
                     e.details["transfer_report"] = replace(
                         report, completed_layers=(*report.completed_layers, *completed),
                         bytes_moved=report.bytes_moved + t.moved)
@@ -480,7 +513,7 @@ class TransferManager:
                 completed.append(layer)
                 yield layer, sub.total_bytes
             yield TransferResult(bytes_moved=t.moved, backend=job.backend, transfer_id=t.id,
-                                 num_runs=job.plan.num_runs)
+                                 num_runs=job.plan.num_copies)
 
     async def transfer_batch(self, groups: Sequence[tuple[Direction, BlocksRequest]], timeout: float | None
                              ) -> tuple[TransferResult, list[str]]:
@@ -517,7 +550,7 @@ class TransferManager:
                     reports.append(GroupReport(i, done=False, failed_dst_blocks=report.failed_dst_blocks))
                     moved += report.bytes_moved
                 elif isinstance(outcome, BaseException):
-                    reports.append(GroupReport(i, done=False, failed_dst_blocks=job.plan.dst_blocks))
+                    reports.append(GroupReport(i, done=False, failed_dst_blocks=job.plan.destination_blocks()))
                 else:
                     reports.append(GroupReport(i, done=True))
                     moved += int(outcome)
@@ -527,8 +560,11 @@ class TransferManager:
             raise err
         t.moved = sum(o for o in outcomes if isinstance(o, int))
         result = TransferResult(bytes_moved=t.moved, backend=",".join(j.backend for j in jobs), transfer_id=t.id,
-                                num_runs=sum(j.plan.num_runs for j in jobs))
+                                num_runs=sum(j.plan.num_copies for j in jobs))
         return result, [j.backend for j in jobs]
+
+
+_NO_BLOCKS = np.zeros(0, dtype=np.uint64)
 
 
 def _stretches_granted(segments: blockruns.Segments, blocks: np.ndarray, units: int) -> bool:

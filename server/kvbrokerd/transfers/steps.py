@@ -29,7 +29,7 @@ from kvbrokerd.links.table import Link
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.registry.caches import CacheEntry
 from kvbrokerd.transfers.manager import BlocksRequest, Direction, Job, TransferManager
-from kvbrokerd.transfers.planner import Plan
+from kvbrokerd.transfers.planner import Plan, concatenated
 from kvbrokerd.transfers.reports import TransferReport
 from kvbrokerd.transfers.tracking import Deadline, Tracked
 
@@ -37,7 +37,6 @@ MAX_GROUP_BYTES = 1 << 30
 """At most this many bytes (and at most half of max_inflight_bytes) run as one job: a larger one would hold its
 destination claims and its share of the in-flight limit for longer than the pulls that make it up would."""
 
-_PLAN_COLUMNS = ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks")
 
 Outcome = tuple[TransferResult, str]
 """A pull's result and the id of the job that moved its bytes (shared by the pulls that ran together)."""
@@ -180,9 +179,10 @@ async def _plan_group(manager: TransferManager, members: list[_Member]) -> list[
     for chunk in _chunks(members, local.desc.block_nbytes * local.desc.num_tensors, _max_bytes(manager)):
         src = np.concatenate([m.src for m in chunk]) if len(chunk) > 1 else chunk[0].src
         dst = np.concatenate([m.dst for m in chunk]) if len(chunk) > 1 else chunk[0].dst
-        alone = chunk[0].request.segments if len(chunk) == 1 and chunk[0].request is not None else None
+        alone = chunk[0].request if len(chunk) == 1 else None
         try:
-            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers, alone)
+            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers,
+                                      None if alone is None else alone.segments, None if alone is None else alone.runs)
         except LlmError as e:
             if len(chunk) == 1:
                 chunk[0].fail(e)
@@ -201,7 +201,8 @@ async def _plan_alone(manager: TransferManager, members: list[_Member], local: C
     for m in members:
         assert m.request is not None
         try:
-            m.plan = await manager.plan(remote.desc, local.desc, m.src, m.dst, m.request.layers, m.request.segments)
+            m.plan = await manager.plan(remote.desc, local.desc, m.src, m.dst, m.request.layers, m.request.segments,
+                                        m.request.runs)
             planned.append(m)
         except LlmError as e:
             m.fail(e)
@@ -254,8 +255,7 @@ def merged_plan(plans: Sequence[Plan]) -> Plan:
     """The plans' runs one after the other."""
     if len(plans) == 1:
         return plans[0]
-    return Plan(**{c: np.concatenate([getattr(p, c) for p in plans]) for c in _PLAN_COLUMNS},
-                block_nbytes=plans[0].block_nbytes)
+    return concatenated(plans)  # (strided plans, rare in a merged group, are written out)
 
 
 async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -> None:
@@ -268,7 +268,7 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
         await _run_one(manager, job, first)
         return
     # Bytes of a pull: its blocks times the bytes each moves (the same in every run of one plan's selection).
-    per_block = job.plan.total_bytes // max(1, len(job.plan.dst_blocks))
+    per_block = job.plan.total_bytes // max(1, job.plan.num_dst_blocks)
     try:
         await manager.run(job, _earliest(members), transfer_id)
     except LlmError as e:
@@ -276,8 +276,8 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
             m.fail(_member_error(e, m, per_block))
         return
     for m in members:
-        runs = job.plan.num_runs * len(m.dst) // max(1, len(job.plan.dst_blocks)) if m.plan is None \
-            else m.plan.num_runs
+        runs = job.plan.num_copies * len(m.dst) // max(1, job.plan.num_dst_blocks) if m.plan is None \
+            else m.plan.num_copies
         m.succeed(TransferResult(bytes_moved=per_block * len(m.dst), backend=job.backend, transfer_id=m.tracked.id,
                                  num_runs=max(1, runs)), transfer_id)
 
@@ -289,7 +289,7 @@ async def _run_one(manager: TransferManager, job: Job, m: _Member) -> None:
         m.fail(e)
         return
     m.succeed(TransferResult(bytes_moved=moved, backend=job.backend, transfer_id=m.tracked.id,
-                             num_runs=job.plan.num_runs), m.tracked.id)
+                             num_runs=job.plan.num_copies), m.tracked.id)
 
 
 def _member_error(err: LlmError, m: _Member, per_block: int) -> LlmError:

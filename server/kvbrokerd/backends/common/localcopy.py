@@ -22,6 +22,7 @@ NAME = "local"
 
 class LocalCopyChannel(PeerChannel):
     name = NAME
+    copies_strided = True  # memcopy copies strided pieces (as plain runs where it cannot copy fault-safely)
 
     def __init__(self, registry: Registry, executor: concurrent.futures.Executor, copy_threads: int = 2) -> None:
         self._registry = registry

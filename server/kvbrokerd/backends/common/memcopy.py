@@ -104,14 +104,25 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
         raise RunFault(e.run, e.side) from None
 
 
+def copy_strided(dst: np.ndarray, src: np.ndarray, n: np.ndarray, count: np.ndarray, dst_step: np.ndarray,
+                 src_step: np.ndarray) -> None:
+    """`_safecopy.copy_strided` (uint64 arrays; a strided plan's entries at raw addresses): raises RunFault(run,
+    side, repeat) when a page vanished; every entry before `run`, and its repetitions before `repeat`, landed."""
+    assert _safecopy is not None
+    try:
+        _safecopy.copy_strided(dst, src, n, count, dst_step, src_step)
+    except _safecopy.FaultError as e:
+        raise RunFault(e.run, e.side, e.repeat) from None
+
+
 class RunFault(Exception):
-    def __init__(self, run: int, side: str) -> None:
+    def __init__(self, run: int, side: str, repeat: int = 0) -> None:
         super().__init__(f"the {side}'s memory vanished at run {run}")
-        self.run, self.side = run, side
+        self.run, self.side, self.repeat = run, side, repeat
 
 
 def small_enough_for_the_loop(plan: Plan) -> bool:
-    return plan.total_bytes <= INLINE_MAX_BYTES and plan.num_runs <= INLINE_MAX_RUNS
+    return plan.total_bytes <= INLINE_MAX_BYTES and plan.num_copies <= INLINE_MAX_RUNS
 
 
 def base_address(buffer: mmap.mmap) -> int:
@@ -120,10 +131,10 @@ def base_address(buffer: mmap.mmap) -> int:
 
 
 def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, deadline: float,
-              executor: concurrent.futures.Executor, threads: int = 2,
-              mark: Callable[[np.ndarray, np.ndarray], None] | None = None) -> int:
-    """Copies every run of `plan`; `mark(runs, nbytes)` (default `progress.mark_runs`) records what landed, a chunk
-    of runs (or pieces of runs) at a time."""
+              executor: concurrent.futures.Executor, threads: int = 2, mark: Record | None = None) -> int:
+    """Copies every run of `plan`; `mark(runs, nbytes, first_repeat)` (default `progress.mark_runs`) records what
+    landed, a chunk of runs (or pieces of runs) at a time (`first_repeat`: None, or for a strided plan the
+    repetition each piece starts at)."""
     src.check()
     dst.check()
     record = progress.mark_runs if mark is None else mark
@@ -136,13 +147,19 @@ def copy_plan(src: Endpoint, dst: Endpoint, plan: Plan, progress: Progress, dead
     return plan.total_bytes
 
 
+Record = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], None]
+
+
 def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progress, deadline: float,
-                 record: Callable[[np.ndarray, np.ndarray], None]) -> None:
+                 record: Record) -> None:
     """Copies chunk by chunk (deadline and cancellation are checked between chunks) and records each chunk."""
+    if pieces.count is not None and not (_safecopy is not None and src.addresses and dst.addresses):
+        pieces = pieces.plain()  # only the fault-safe copy takes strided pieces: the others copy run by run
     move = _mover(src, dst, pieces)
+    nbytes, repeat = pieces.nbytes, pieces.first_repeat
     first, total = 0, len(pieces)
-    one_chunk = total <= CHUNK_RUNS and int(pieces.length.sum()) <= CHUNK_BYTES
-    ends = None if one_chunk else np.cumsum(pieces.length, dtype=np.uint64)
+    one_chunk = total <= CHUNK_RUNS and int(nbytes.sum()) <= CHUNK_BYTES
+    ends = None if one_chunk else np.cumsum(nbytes, dtype=np.uint64)
     while first < total:
         if time.monotonic() > deadline:
             fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
@@ -157,11 +174,14 @@ def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progres
         chunk = slice(first, last)
         try:
             move(chunk)
-        except _Landed as e:  # a fault: the pieces before it landed, then the error
-            done = slice(first, first + e.pieces)
-            record(pieces.run[done], pieces.length[done])
+        except _Landed as e:  # a fault: the pieces before it landed (and a strided one's first repetitions), then
+            done = slice(first, first + e.pieces)  # the error
+            record(pieces.run[done], nbytes[done], None if repeat is None else repeat[done])
+            if e.repeats and repeat is not None:
+                at = slice(first + e.pieces, first + e.pieces + 1)
+                record(pieces.run[at], pieces.length[at] * np.uint64(e.repeats), repeat[at])
             raise e.error from None
-        record(pieces.run[chunk], pieces.length[chunk])
+        record(pieces.run[chunk], nbytes[chunk], None if repeat is None else repeat[chunk])
         first = last
 
 
@@ -170,6 +190,10 @@ def _mover(src: Endpoint, dst: Endpoint, pieces: Pieces) -> Callable[[slice], No
     if _safecopy is not None and src.addresses and dst.addresses:
         src_at = np.asarray(src.addresses, dtype=np.uint64)[pieces.src_tensor] + pieces.src_offset
         dst_at = np.asarray(dst.addresses, dtype=np.uint64)[pieces.dst_tensor] + pieces.dst_offset
+        count, src_step, dst_step = pieces.count, pieces.src_stride, pieces.dst_stride
+        if count is not None and src_step is not None and dst_step is not None:
+            return lambda c: _safe_copy_strided(src, dst, src_at[c], dst_at[c], pieces.length[c], count[c],
+                                                src_step[c], dst_step[c])
         return lambda c: _safe_copy_runs(src, dst, src_at[c], dst_at[c], pieces.length[c])
     one = _memmove if src.stable and dst.stable else _kernel_copy
     runs = list(zip(pieces.src_tensor.tolist(), pieces.src_offset.tolist(), pieces.dst_tensor.tolist(),
@@ -186,10 +210,11 @@ def _mover(src: Endpoint, dst: Endpoint, pieces: Pieces) -> Callable[[slice], No
 
 
 class _Landed(Exception):
-    """A chunk's copy stopped at a fault after `pieces` of its pieces had landed."""
+    """A chunk's copy stopped at a fault after `pieces` of its pieces (and `repeats` repetitions of the next, a
+    strided one) had landed."""
 
-    def __init__(self, pieces: int, error: LlmError) -> None:
-        self.pieces, self.error = pieces, error
+    def __init__(self, pieces: int, error: LlmError, repeats: int = 0) -> None:
+        self.pieces, self.error, self.repeats = pieces, error, repeats
 
 
 def _safe_copy_runs(src: Endpoint, dst: Endpoint, src_at: np.ndarray, dst_at: np.ndarray, n: np.ndarray) -> None:
@@ -198,10 +223,24 @@ def _safe_copy_runs(src: Endpoint, dst: Endpoint, src_at: np.ndarray, dst_at: np
         return
     except RunFault as e:
         fault = e
+    _fault_error(src, dst, fault)
+
+
+def _safe_copy_strided(src: Endpoint, dst: Endpoint, src_at: np.ndarray, dst_at: np.ndarray, n: np.ndarray,
+                       count: np.ndarray, src_step: np.ndarray, dst_step: np.ndarray) -> None:
+    try:
+        copy_strided(dst_at, src_at, n, count, dst_step, src_step)
+        return
+    except RunFault as e:
+        fault = e
+    _fault_error(src, dst, fault)
+
+
+def _fault_error(src: Endpoint, dst: Endpoint, fault: RunFault) -> NoReturn:
     try:
         (_source_shrank if fault.side == "source" else _destination_vanished)(src if fault.side == "source" else dst)
     except LlmError as err:
-        raise _Landed(fault.run, err) from None
+        raise _Landed(fault.run, err, fault.repeat) from None
 
 
 def _memmove(src: Endpoint, st: int, so: int, dst: Endpoint, dt: int, do: int, n: int) -> None:

@@ -177,6 +177,7 @@ class _Opened:
 
 class ShmChannel(PeerChannel):
     name = NAME
+    copies_strided = True  # memcopy copies strided pieces (as plain runs where it cannot copy fault-safely)
 
     def __init__(self, control: PeerControl, executor: concurrent.futures.Executor, shm_dir: Path,
                  copy_threads: int = 2) -> None:
@@ -227,18 +228,18 @@ class ShmChannel(PeerChannel):
                   endpoints: Callable[[], tuple[Endpoint, Endpoint]]) -> int:
         self._check_peer(remote)
         src, dst = endpoints()
-        landed: list[tuple[np.ndarray, np.ndarray]] = []
+        landed: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         error: LlmError | None = None
         try:
             memcopy.copy_plan(src, dst, plan, progress, deadline, self._executor, self._copy_threads,
-                              mark=lambda runs, nbytes: landed.append((runs, nbytes)))
+                              mark=lambda runs, nbytes, first_repeat: landed.append((runs, nbytes, first_repeat)))
         except LlmError as e:
             error = e
         # What was copied counts only if the peer still holds the cache: otherwise it was read from, or written
         # into, memory that no longer belongs to it, and every block of the plan is reported as failed.
         self._check_peer(remote)
-        for runs, nbytes in landed:
-            progress.mark_runs(runs, nbytes)
+        for runs, nbytes, first_repeat in landed:
+            progress.mark_runs(runs, nbytes, first_repeat)
         if error is not None:
             raise error
         return plan.total_bytes

@@ -1,0 +1,148 @@
+"""Strided block runs between real daemons, over shm (planned and copied strided) and over tcp (written out for the
+wire): a block-size remap's interleaved pairs, a TP gather of two pulls into interleaved units of the same blocks at
+once, by grant and in a session, every byte checked; a strided duplicate is refused and writes nothing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbroker import CacheDesc, CacheIndex, Client, DataType, ParamInvalidError, SessionPull
+from kvbroker import convert as cv
+from kvbroker._local import LocalDaemon
+from kvbroker.shm import Cache
+from kvbroker.v1 import broker_pb2
+from tests.conftest import cluster_of
+from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
+
+UNITS = 80_000
+DESC = CacheDesc(num_tensors=2, shape=(UNITS, 64), data_type=DataType.UINT8)  # a unit of 64 bytes: whole lines
+ROWS, BLOCKS = 64, 160
+
+
+def remap() -> tuple[np.ndarray, np.ndarray]:
+    """A 32 -> 64 token remap as vLLM's CPU K lays it out (dimension-major): each destination block's rows take two
+    units from source block 2b and two from 2b + 1, alternately (strided runs that interleave), then its V part is
+    one run per source block."""
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+    for b in range(BLOCKS // 2):
+        d0 = 1000 + b * ROWS * 8  # per destination block: K rows of 4 units, then V of 4 * ROWS units
+        for half in range(2):
+            s0 = 30_000 + (2 * b + half) * ROWS * 4
+            row = np.arange(ROWS)
+            src.append((s0 + row[:, None] * 2 + np.arange(2)).reshape(-1))
+            dst.append((d0 + row[:, None] * 4 + half * 2 + np.arange(2)).reshape(-1))
+        for half in range(2):
+            s0 = 30_000 + (2 * b + half) * ROWS * 4 + ROWS * 2
+            src.append(s0 + np.arange(ROWS * 2))
+            dst.append(d0 + ROWS * 4 + half * ROWS * 2 + np.arange(ROWS * 2))
+    return np.concatenate(src).astype(np.uint64), np.concatenate(dst).astype(np.uint64)
+
+
+SRC, DST = remap()
+
+
+def rank_pairs(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """A TP gather's pull from `rank` of 2: units of heads [4 rank, 4 rank + 4) of every destination block (8 heads
+    of 8 units): gaps between its repetitions that the other rank's pull fills."""
+    blocks = np.arange(1000)
+    dst = (5000 + blocks[:, None] * 64 + rank * 32 + np.arange(32)).reshape(-1)
+    src = (5000 + blocks[:, None] * 32 + np.arange(32)).reshape(-1) + rank * 70_000 // 2
+    return src.astype(np.uint64), dst.astype(np.uint64)
+
+
+class Env:
+    def __init__(self, p: LocalDaemon, d: LocalDaemon) -> None:
+        self.p, self.d = p, d
+        self.pc: Client = p.client()
+        self.dc: Client = d.client()
+        self.src: Cache = self.pc.allocate_cache(DESC)
+        self.dst: Cache = self.dc.allocate_cache(DESC)
+        fill(self.src, 31)
+
+    def index(self) -> CacheIndex:
+        return CacheIndex(self.p.cluster_id, self.src.cache_id)
+
+    def fresh(self) -> list[np.ndarray]:
+        fill(self.dst, 32)
+        return snapshot(self.dst)
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    root: Path = tmp_path_factory.mktemp("strided")
+    with LocalDaemon(root, 81, backends=(request.param,)) as p, LocalDaemon(root, 82, backends=(request.param,)) as d:
+        with d.client() as c:
+            assert c.link_clusters([cluster_of(p)])[0].ok
+        e = Env(p, d)
+        try:
+            yield e
+        finally:
+            e.pc.close()
+            e.dc.close()
+
+
+def test_the_pairs_go_as_a_few_strided_runs() -> None:
+    for src, dst in (remap(), rank_pairs(1)):
+        req = broker_pb2.PullKvBlocksRequest()
+        cv.set_block_pairs(req, src, dst)
+        runs = req.block_runs
+        assert len(runs.src_first) <= 4 * BLOCKS and max(runs.count) > 1, runs
+
+
+def test_a_strided_remap_lands_every_byte(env: Env) -> None:
+    before = env.fresh()
+    result = env.dc.pull_kv_blocks(env.index(), env.dst, SRC, DST)
+    assert result.bytes_moved == len(SRC) * DESC.block_nbytes * 2
+    assert_bytes_equal(env.dst.tensors, expected_pull(env.src, before, SRC.tolist(), DST.tolist(), range(2),
+                                                      range(2)))
+
+
+def test_a_strided_remap_by_grant_and_in_a_session_lands_every_byte(env: Env) -> None:
+    expected = expected_pull(env.src, env.fresh(), SRC.tolist(), DST.tolist(), range(2), range(2))
+    grant = env.pc.create_grant([env.src.cache_id], sorted(set((SRC // np.uint64(4)).tolist())), 30.0,
+                                units_per_block=4)
+    try:
+        env.dc.pull_granted_kv_blocks(env.p.cluster_id, grant, env.dst, DST, src_blocks=SRC)
+        assert_bytes_equal(env.dst.tensors, expected)
+        before = env.fresh()
+        with pytest.raises(ParamInvalidError, match="does not cover src blocks"):  # one unit past the grant
+            env.dc.pull_granted_kv_blocks(env.p.cluster_id, grant, env.dst, DST, src_blocks=SRC + np.uint64(4))
+        assert_bytes_equal(env.dst.tensors, before)
+    finally:
+        env.pc.release_grant(grant)
+    env.fresh()
+    with env.dc.open_pull_session() as session:
+        [done] = session.submit([SessionPull(env.index(), env.dst.cache_id, DST, SRC)])
+        assert done.result(30).bytes_moved == len(SRC) * DESC.block_nbytes * 2
+    assert_bytes_equal(env.dst.tensors, expected)
+
+
+def test_two_ranks_pull_into_interleaved_units_of_the_same_blocks_at_once(env: Env) -> None:
+    expected = env.fresh()
+    for rank in range(2):
+        src, dst = rank_pairs(rank)
+        expected = expected_pull(env.src, expected, src.tolist(), dst.tolist(), range(2), range(2))
+    clients = [env.d.client(), env.d.client()]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = [pool.submit(c.pull_kv_blocks, env.index(), env.dst, *rank_pairs(r)) for r, c in enumerate(clients)]
+            assert [f.result(60).bytes_moved for f in done] == [1000 * 32 * DESC.block_nbytes * 2] * 2
+    finally:
+        for c in clients:
+            c.close()
+    assert_bytes_equal(env.dst.tensors, expected)
+
+
+def test_a_strided_duplicate_is_refused_and_nothing_is_written(env: Env) -> None:
+    before = env.fresh()
+    dst = DST.copy()
+    dst[:2 * ROWS] += np.uint64(1)  # source block 0's K units now land one unit later: onto block 1's, twice
+    with pytest.raises(ParamInvalidError, match="duplicates"):
+        env.dc.pull_kv_blocks(env.index(), env.dst, SRC, dst)
+    assert_bytes_equal(env.dst.tensors, before)
