@@ -4,30 +4,30 @@
 
 Two local kvbrokerd daemons (shm backend), a prefill cache per prefill TP rank and one decode cache per case, laid
 out exactly as the vLLM connector lays them out (vLLM's CPU attention: [block, head, K|V, token, dim], fp16, head
-size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a decode worker does: one
-`Client.pull_granted_kv_blocks` per prefill rank read, by a grant of the request's blocks, naming the units of that
-rank's cache as the plan's numpy arrays (as the worker passes them; long lists then go as block runs); it is
-timed against a homogeneous pull (TP=1, blocks of 32 -> TP=1, blocks of 32) of the same number of bytes: for a
-decode rank that takes half the heads, the baseline is a homogeneous pull of half the tokens. The figure is the
-median of `--rounds` pulls, after one warm-up; `ratio` = heterogeneous / homogeneous.
+size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a decode worker does, inside the timed
+region: one pull by grant per prefill rank read, side by side in one message of a pull session, naming the units of
+that rank's cache as the plan's runs (`block_runs`). It is timed against a homogeneous pull (TP=1, blocks of 32 ->
+TP=1, blocks of 32) of the same number of bytes, made the same way: for a decode rank that takes half the heads, the
+baseline is a homogeneous pull of half the tokens. The figure is the median of `--rounds` pulls, after one warm-up;
+`ratio` = heterogeneous / homogeneous.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
 
 from kvbroker import KvCacheExtParam
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.layout import KvLayout
-from kvbroker.integrations.vllm.remap import plan_pull
-from kvbroker.types import Grant
+from kvbroker.integrations.vllm.remap import UnitPull, plan_pull
+from kvbroker.types import CacheIndex, Grant, SessionPull
 
 HEAD = 128
 
@@ -64,14 +64,19 @@ def main() -> None:
         from kvbroker import ClusterInfo
         d.link_clusters([ClusterInfo(p_daemon.cluster_id, p_daemon.peer_address)], timeout=10)
 
-        def timed(grant: Grant, dst: int, pulls: list[tuple[int, np.ndarray, np.ndarray]]) -> float:
+        session = d.open_pull_session()
+
+        def timed(grant: Grant, dst: int, plan: Callable[[], list[UnitPull]]) -> float:
+            """Median time of planning the pull and making it, as the connector's worker does: its plan's runs,
+            one pull per prefill rank, side by side in one message of its pull session."""
             times = []
             ext = KvCacheExtParam(tensor_num_per_layer=1)
             for i in range(args.rounds + 1):
                 started = time.perf_counter()
-                for rank, src_units, dst_units in pulls:  # as the connector's worker does: one per prefill rank
-                    d.pull_granted_kv_blocks(p_daemon.cluster_id, grant, dst, dst_units, cache_slot=rank,
-                                             src_blocks=src_units, ext_param=ext)
+                futures = session.submit([SessionPull(CacheIndex(p_daemon.cluster_id, 0), dst, (), (), ext, grant,
+                                                      one.remote_rank, block_runs=one.runs) for one in plan()])
+                for f in futures:
+                    f.result(timeout=60)
                 if i:
                     times.append(time.perf_counter() - started)
             return statistics.median(times)
@@ -85,28 +90,28 @@ def main() -> None:
             p_blocks = list(range(1, tokens // p_block + 1))
             d_blocks = list(range(1, tokens // d_block + 1))
             plan = plan_pull(ours, rank, theirs, d_blocks, p_blocks, 0, tokens)
-            nbytes = sum(len(u.dst_units) for u in plan) * ours.unit_bytes * layers
+            nbytes = sum(int((u.runs.length * u.runs.count).sum()) for u in plan) * ours.unit_bytes * layers
             grant = p.create_grant([c.cache_id for c in src], p_blocks, 600.0,
                                    units_per_block=theirs.grant_units)
-            seconds = timed(grant, dst.cache_id,
-                            [(u.remote_rank, u.src_units, u.dst_units) for u in plan])
+            seconds = timed(grant, dst.cache_id, functools.partial(plan_pull, ours, rank, theirs, d_blocks, p_blocks,
+                                                                   0, tokens))
             p.release_grant(grant)
             if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
                 same = layout(1, 32, blocks, layers, heads)
                 h_src, h_dst = p.allocate_cache(same.desc()), d.allocate_cache(same.desc())
                 n_tokens = nbytes // (same.page_bytes * layers) * 32
-                h_plan = plan_pull(same, 0, same, list(range(1, n_tokens // 32 + 1)),
-                                   list(range(1, n_tokens // 32 + 1)), 0, n_tokens)
                 h_grant = p.create_grant([h_src.cache_id], list(range(1, n_tokens // 32 + 1)), 600.0,
                                          units_per_block=same.grant_units)
-                homogeneous[nbytes] = timed(h_grant, h_dst.cache_id,
-                                            [(0, u.src_units, u.dst_units) for u in h_plan])
+                h_blocks = list(range(1, n_tokens // 32 + 1))
+                homogeneous[nbytes] = timed(h_grant, h_dst.cache_id, functools.partial(
+                    plan_pull, same, 0, same, h_blocks, h_blocks, 0, n_tokens))
                 p.release_grant(h_grant)
                 p.deallocate_cache(h_src.cache_id)
                 d.deallocate_cache(h_dst.cache_id)
             rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "units_per_layer": sum(
                 len(u.dst_units) for u in plan), "runs_per_layer": sum(
-                _runs(u.src_units.tolist(), u.dst_units.tolist()) for u in plan), "ms": round(seconds * 1e3, 2),
+                _runs(u.src_units.tolist(), u.dst_units.tolist()) for u in plan), "wire_runs": sum(
+                len(u.runs.length) for u in plan), "ms": round(seconds * 1e3, 2),
                 "homogeneous_ms": round(homogeneous[nbytes] * 1e3, 2),
                 "ratio": round(seconds / homogeneous[nbytes], 2)})
             print(json.dumps(rows[-1]), flush=True)

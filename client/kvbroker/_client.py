@@ -25,6 +25,7 @@ import grpc.aio
 from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc
 from kvbroker._session import AsyncPullSession, PullSession
+from kvbroker.blockruns import Runs
 from kvbroker.shm import Cache
 from kvbroker.status import (
     ACCEPT_DETAILS_HEADER,
@@ -134,11 +135,12 @@ def _blocks(blocks: Sequence[int]) -> list[int]:
 
 
 def _pull_request(src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Blocks,
-                  dst_blocks: Blocks, ext_param: KvCacheExtParam | None) -> broker_pb2.PullKvBlocksRequest:
+                  dst_blocks: Blocks, ext_param: KvCacheExtParam | None, runs: Runs | None = None
+                  ) -> broker_pb2.PullKvBlocksRequest:
     req = broker_pb2.PullKvBlocksRequest(
         src_cache_index=cv.cache_index_to_pb(src_cache_index), dst_cache_id=_cache_id(dst_cache),
         ext_param=cv.ext_param_to_pb(ext_param))
-    cv.set_block_pairs(req, src_blocks, dst_blocks)
+    cv.set_block_pairs(req, src_blocks, dst_blocks, runs)
     return req
 
 
@@ -632,8 +634,8 @@ class _Calls:
     @_rpc()
     def pull_granted_kv_blocks(self, cluster_id: int, grant: Grant, dst_cache: CacheRef, dst_blocks: Blocks,
                                *, cache_slot: int = 0, first_block: int = 0, src_blocks: Blocks = (),
-                               ext_param: KvCacheExtParam | None = None, timeout: float | None = None
-                               ) -> _Call[TransferResult]:
+                               ext_param: KvCacheExtParam | None = None, timeout: float | None = None,
+                               block_runs: Runs | None = None) -> _Call[TransferResult]:
         """PullKvBlocks of blocks that `cluster_id` granted: its daemon names the cache and the blocks.
 
         Args:
@@ -646,6 +648,8 @@ class _Calls:
             src_blocks: else these blocks, each of which the grant must cover.
             ext_param: layer selection, as in `pull_kv_blocks`.
             timeout: deadline in seconds (default: the client's `timeout`).
+            block_runs: instead of `src_blocks` and `dst_blocks` (then empty), the pairs as runs
+                (`kvbroker.blockruns.Runs`, e.g. a remap's few strided runs), sent as they are.
 
         Returns:
             The TransferResult, as `pull_kv_blocks` returns it.
@@ -655,7 +659,7 @@ class _Calls:
             ParamInvalidError: the grant does not cover the blocks (or slot); nothing was moved.
             LlmError: as `pull_kv_blocks` otherwise (links, timeouts, partial transfers with their report).
         """
-        req = _pull_request(CacheIndex(cluster_id, 0), dst_cache, src_blocks, dst_blocks, ext_param)
+        req = _pull_request(CacheIndex(cluster_id, 0), dst_cache, src_blocks, dst_blocks, ext_param, block_runs)
         req.grant.CopyFrom(broker_pb2.GrantClaim(grant=_grant_ref(grant), cache_slot=cache_slot,
                                                  first_block=first_block))
         return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout)

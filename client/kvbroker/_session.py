@@ -47,7 +47,7 @@ def _add_pull(msg: broker_pb2.PullSessionRequest, pull: SessionPull, pull_id: in
     req.src_cache_index.cache_id = index.cache_id
     req.src_cache_index.batch_index = index.batch_index
     req.dst_cache_id = int(pull.dst_cache)
-    cv.set_block_pairs(req, pull.src_blocks, pull.dst_blocks)
+    cv.set_block_pairs(req, pull.src_blocks, pull.dst_blocks, pull.block_runs)
     ext = cv.ext_param_to_pb(pull.ext_param)
     if ext is not None:
         req.ext_param.CopyFrom(ext)

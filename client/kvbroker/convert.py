@@ -163,9 +163,15 @@ def runs_to_blocks(runs: Any) -> np.ndarray:
 
 
 def set_block_pairs(req: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest,
-                    src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray) -> None:
-    """Long, mostly consecutive lists go as `block_runs`; others as the plain lists (the daemon checks them)."""
-    runs = blockruns.find(src_blocks, dst_blocks)
+                    src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray,
+                    runs: blockruns.Runs | None = None) -> None:
+    """Long, mostly consecutive lists go as `block_runs`; others as the plain lists (the daemon checks them). Given
+    `runs` (the caller knows its pairs' structure), they go as they are and the lists must be empty."""
+    if runs is not None:
+        if len(src_blocks) or len(dst_blocks):
+            raise ValueError("give either block runs or src_blocks and dst_blocks, not both")
+    else:
+        runs = blockruns.find(src_blocks, dst_blocks)
     if runs is None:
         req.src_blocks.extend(_ints(src_blocks))
         req.dst_blocks.extend(_ints(dst_blocks))

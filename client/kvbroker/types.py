@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbroker.blockruns import Runs
 from kvbroker.status import LlmStatus
 
 Blocks = Sequence[int] | np.ndarray
@@ -312,3 +313,5 @@ class SessionPull:
     """With a grant and no `src_blocks`: index into the grant's blocks of the first one to pull."""
     timeout: float | None = None
     """This pull's own deadline in seconds, from when the daemon reads it (None: the client's `timeout`)."""
+    block_runs: Runs | None = None
+    """Instead of `src_blocks` and `dst_blocks` (then empty): the pairs as runs, sent as they are."""

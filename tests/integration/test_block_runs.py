@@ -20,6 +20,7 @@ from kvbroker import (
     ParamInvalidError,
     PullBlocks,
     SessionPull,
+    blockruns,
 )
 from kvbroker import convert as cv
 from kvbroker._client import _batch_request
@@ -206,28 +207,33 @@ class _Linked:
         pass
 
 
-def test_connector_loads_of_arrays_land_and_a_failed_one_names_its_blocks(env: Env) -> None:
-    """The vLLM worker hands the plan's arrays to its step loads as they are: a good item lands its bytes, a failed
-    one reports every destination unit it named (which the worker maps to the blocks to recompute)."""
+def test_connector_loads_of_arrays_or_runs_land_and_a_failed_one_names_its_blocks(env: Env) -> None:
+    """The vLLM worker hands its plan's runs (or arrays) to its step loads as they are: a good item lands its bytes,
+    a failed one reports every destination unit it named (which the worker maps to the blocks to recompute)."""
     grant = env.pc.create_grant([env.src.cache_id], sorted(set(SRC.tolist())), 30.0)
     before = env.fresh()
     outcomes: dict[str, LoadOutcome] = {}
     loads = StepLoads(env.dc, _Linked(), lambda o: outcomes.__setitem__(o.request_id, o))
     try:
         ext = KvCacheExtParam(tensor_num_per_layer=2)
+        runs = blockruns.find(SRC, DST)
+        shifted = blockruns.find(SRC, DST + np.uint64(1))
+        assert runs is not None and shifted is not None
         loads.submit([
-            PullItem("good", env.p.cluster_id, grant, 0, env.dst.cache_id, DST, SRC, ext_param=ext, timeout=30),
+            PullItem("good", env.p.cluster_id, grant, 0, env.dst.cache_id, (), runs=runs, ext_param=ext, timeout=30),
             PullItem("forged", env.p.cluster_id, Grant(grant.grant_id, bytes(32)), 0, env.dst.cache_id,
-                     DST + np.uint64(1), SRC, ext_param=ext, timeout=30)])
-        wait_until(lambda: len(outcomes) == 2, timeout=30, what="both outcomes")
+                     DST + np.uint64(1), SRC, ext_param=ext, timeout=30),
+            PullItem("forged-runs", env.p.cluster_id, Grant(grant.grant_id, bytes(32)), 0, env.dst.cache_id, (),
+                     runs=shifted, ext_param=ext, timeout=30)])
+        wait_until(lambda: len(outcomes) == 3, timeout=30, what="the outcomes")
     finally:
         loads.close()
         env.pc.release_grant(grant)
-    good, forged = outcomes["good"], outcomes["forged"]
+    good = outcomes["good"]
     assert not good.failed_blocks and good.bytes_moved == len(SRC) * DESC.block_nbytes * 2
-    assert np.array_equal(good.blocks, DST)
-    assert forged.failed_blocks == frozenset((DST + np.uint64(1)).tolist())
-    assert forged.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+    for forged in (outcomes["forged"], outcomes["forged-runs"]):
+        assert forged.failed_blocks == frozenset((DST + np.uint64(1)).tolist())
+        assert forged.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
     assert_bytes_equal(env.dst.tensors, env.expected(before))
 
 

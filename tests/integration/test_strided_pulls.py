@@ -146,3 +146,25 @@ def test_a_strided_duplicate_is_refused_and_nothing_is_written(env: Env) -> None
     with pytest.raises(ParamInvalidError, match="duplicates"):
         env.dc.pull_kv_blocks(env.index(), env.dst, SRC, dst)
     assert_bytes_equal(env.dst.tensors, before)
+
+
+def test_runs_pulls_of_one_session_message_run_as_one_plan_and_a_guilty_one_fails_alone(env: Env) -> None:
+    """A step's pulls from one cache into one cache, each as runs, are planned together without being written out.
+    One that writes a unit twice makes that plan refused and is then refused alone; one that writes units another
+    pull writes runs after it (same bytes); the others land."""
+    expected = env.fresh()
+    halves = [(SRC[:len(SRC) // 2], DST[:len(DST) // 2]), (SRC[len(SRC) // 2:], DST[len(DST) // 2:])]
+    for src, dst in halves:
+        expected = expected_pull(env.src, expected, src.tolist(), dst.tolist(), range(2), range(2))
+    runs = [cv.blockruns.find(src, dst, min_pairs=1) for src, dst in halves]
+    overlapping = cv.blockruns.find(SRC[:4096], DST[:4096], min_pairs=1)
+    guilty = cv.blockruns.check([0, 1], [70_000, 70_000], [4, 4])  # units 70,000-70,003 written twice
+    assert all(r is not None for r in runs) and overlapping is not None
+    with env.dc.open_pull_session() as session:
+        done = session.submit([SessionPull(env.index(), env.dst.cache_id, (), (), block_runs=r) for r in
+                               (*runs, overlapping, guilty)])
+        assert [f.result(30).bytes_moved for f in done[:3]] == [
+            n * DESC.block_nbytes * 2 for n in (len(halves[0][0]), len(halves[1][0]), 4096)]
+        with pytest.raises(ParamInvalidError, match="duplicates"):
+            done[3].result(30)
+    assert_bytes_equal(env.dst.tensors, expected)

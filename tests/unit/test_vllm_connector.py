@@ -419,7 +419,7 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
         def end() -> None:
             landed.wait(60)
             for item in items:
-                worker._loaded(LoadOutcome(item.request_id, item.dst_blocks, frozenset(), 0, 0.0, ""))
+                worker._loaded(LoadOutcome(item.request_id, frozenset(), 0, 0.0, ""))
 
         if items:
             threading.Thread(target=end, daemon=True).start()

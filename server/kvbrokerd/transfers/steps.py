@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbroker import blockruns
 from kvbroker.status import make_error
 from kvbroker.types import TransferResult
 from kvbrokerd.backends.base import RemoteCache
@@ -67,6 +68,22 @@ class _Member:
     plan: Plan | None = None
     """Its own plan, when it had to be planned alone."""
     ended: bool = False
+
+    @property
+    def runs(self) -> blockruns.Runs | None:
+        """The pull's pairs as runs, when it came as runs: then `src` and `dst` stay empty (written out only where
+        a list is needed: `pairs`)."""
+        return None if self.request is None else self.request.runs
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.dst) if self.runs is None else self.runs.num_pairs
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.runs is not None and not len(self.dst):
+            self.src, self.dst = blockruns.expand(self.request.segments if self.request is not None and
+                                                  self.request.segments is not None else self.runs)
+        return self.src, self.dst
 
     def fail(self, err: BaseException) -> None:
         if self.ended:
@@ -155,9 +172,17 @@ async def _peer(manager: TransferManager, members: list[_Member]) -> None:
 
 async def _check(manager: TransferManager, m: _Member) -> None:
     try:
-        m.request, m.src, m.dst = await manager.check_blocks(Direction.PULL, m.pull.request, m.tracked.deadline)
+        m.request, m.src, m.dst = await manager.check_blocks(Direction.PULL, m.pull.request, m.tracked.deadline,
+                                                             written_out=False)
     except LlmError as e:
         m.fail(e)
+
+
+def _joined(members: Sequence[_Member]) -> blockruns.Runs | None:
+    """The runs of several pulls as one request's (None unless every one came as runs)."""
+    if any(m.runs is None for m in members):
+        return None
+    return blockruns.Runs(*(np.concatenate([getattr(m.runs, f) for m in members]) for f in blockruns.Runs.__slots__))
 
 
 def _earliest(members: Sequence[_Member]) -> Deadline:
@@ -177,12 +202,15 @@ async def _plan_group(manager: TransferManager, members: list[_Member]) -> list[
         return []
     jobs = []
     for chunk in _chunks(members, local.desc.block_nbytes * local.desc.num_tensors, _max_bytes(manager)):
-        src = np.concatenate([m.src for m in chunk]) if len(chunk) > 1 else chunk[0].src
-        dst = np.concatenate([m.dst for m in chunk]) if len(chunk) > 1 else chunk[0].dst
         alone = chunk[0].request if len(chunk) == 1 else None
+        segments, runs = (alone.segments, alone.runs) if alone is not None else (None, _joined(chunk))
+        if runs is not None:  # the runs as they came: the plan takes them (and writes them out only if it must)
+            src = dst = chunk[0].dst[:0]
+        else:
+            src = np.concatenate([m.pairs()[0] for m in chunk])
+            dst = np.concatenate([m.pairs()[1] for m in chunk])
         try:
-            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers,
-                                      None if alone is None else alone.segments, None if alone is None else alone.runs)
+            plan = await manager.plan(remote.desc, local.desc, src, dst, first.layers, segments, runs)
         except LlmError as e:
             if len(chunk) == 1:
                 chunk[0].fail(e)
@@ -226,7 +254,7 @@ def _chunks(members: list[_Member], bytes_per_block: int, max_bytes: int) -> Ite
     chunk: list[_Member] = []
     size = 0
     for m in members:
-        n = len(m.dst) * bytes_per_block
+        n = m.num_pairs * bytes_per_block
         if chunk and size + n > max_bytes:
             yield chunk
             chunk, size = [], 0
@@ -240,7 +268,7 @@ def _disjoint(members: list[_Member]) -> list[list[_Member]]:
     """Groups in which no two members write one destination block (first fit, in order)."""
     groups: list[tuple[list[_Member], set[int]]] = []
     for m in members:
-        blocks = set(m.dst.tolist())
+        blocks = set(m.pairs()[1].tolist())
         for group, taken in groups:
             if taken.isdisjoint(blocks):
                 group.append(m)
@@ -276,9 +304,9 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
             m.fail(_member_error(e, m, per_block))
         return
     for m in members:
-        runs = job.plan.num_copies * len(m.dst) // max(1, job.plan.num_dst_blocks) if m.plan is None \
+        runs = job.plan.num_copies * m.num_pairs // max(1, job.plan.num_dst_blocks) if m.plan is None \
             else m.plan.num_copies
-        m.succeed(TransferResult(bytes_moved=per_block * len(m.dst), backend=job.backend, transfer_id=m.tracked.id,
+        m.succeed(TransferResult(bytes_moved=per_block * m.num_pairs, backend=job.backend, transfer_id=m.tracked.id,
                                  num_runs=max(1, runs)), transfer_id)
 
 
@@ -300,9 +328,10 @@ def _member_error(err: LlmError, m: _Member, per_block: int) -> LlmError:
     details["job"] = str(err.details.get("transfer_id", ""))
     report = err.details.get("transfer_report")
     if isinstance(report, TransferReport):
-        failed = np.intersect1d(report.failed_dst_blocks, m.dst) if len(report.failed_dst_blocks) else m.dst[:0]
+        dst = m.pairs()[1]
+        failed = np.intersect1d(report.failed_dst_blocks, dst) if len(report.failed_dst_blocks) else dst[:0]
         # Which of the job's bytes were this pull's is not kept; a block that did not land counts as no bytes.
-        moved = max(0, per_block * (len(m.dst) - len(failed)))
+        moved = max(0, per_block * (len(dst) - len(failed)))
         details["transfer_report"] = dataclasses.replace(report, transfer_id=m.tracked.id, failed_dst_blocks=failed,
                                                          bytes_moved=moved)
     return make_error(err.status, err.message, details)

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvbroker._client import Client
 from kvbroker._session import MAX_PULLS_PER_SUBMIT, PullSession
+from kvbroker.blockruns import Runs, expand
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
 from kvbroker.types import CacheIndex, Grant, KvCacheExtParam, SessionPull, TransferResult
 
@@ -53,9 +54,11 @@ class PullItem:
     """Which of the grant's caches (the source rank)."""
     dst_cache: int
     dst_blocks: tuple[int, ...] | np.ndarray
-    """Long lists (token units: ~10^5) as numpy arrays, which go to the daemon as runs without a Python int each."""
+    """Long lists as numpy arrays (they go to the daemon as runs); empty with `runs`."""
     src_blocks: tuple[int, ...] | np.ndarray = ()
-    """Empty: the grant's blocks from `first_block` on."""
+    """Empty: the grant's blocks from `first_block` on (or `runs`)."""
+    runs: Runs | None = None
+    """The (source, destination) pairs as runs (a remap plan: token units), sent as they are."""
     first_block: int = 0
     ext_param: KvCacheExtParam | None = None
     timeout: float | None = None
@@ -66,9 +69,6 @@ class LoadOutcome:
     """A request's loads, all items ended."""
 
     request_id: str
-    blocks: tuple[int, ...] | np.ndarray
-    """Every destination entry of its items (local blocks, or units of them), in order (an array when an item's
-    were)."""
     failed_blocks: frozenset[int]
     """Destination entries that did not land (empty: everything landed)."""
     bytes_moved: int
@@ -84,8 +84,6 @@ class _Request:
     request_id: str
     pending: int
     started: float
-    blocks: list[tuple[int, ...] | np.ndarray] = field(default_factory=list)
-    """Each item's destination entries, joined only when the request ends (off the engine's step)."""
     failed: set[int] = field(default_factory=set)
     moved: int = 0
     backends: set[str] = field(default_factory=set)
@@ -117,7 +115,6 @@ class StepLoads:
         for item in items:
             r = requests.setdefault(item.request_id, _Request(item.request_id, 0, now))
             r.pending += 1
-            r.blocks.append(item.dst_blocks)
         self._steps.put((list(items), requests, 1))
 
     # -- this module's thread ----------------------------------------------------------------------------------------
@@ -200,7 +197,8 @@ class StepLoads:
         with self._lock:
             if err is not None:
                 landed_partly = err.failed_dst_blocks
-                blocks = set(np.asarray(item.dst_blocks, dtype=np.uint64).tolist())
+                dst = item.dst_blocks if item.runs is None else expand(item.runs)[1]
+                blocks = set(np.asarray(dst, dtype=np.uint64).tolist())
                 failed = (set(landed_partly) & blocks or blocks) if landed_partly else blocks
                 request.failed |= failed
                 request.status = request.status or err.status
@@ -212,7 +210,7 @@ class StepLoads:
             request.pending -= 1
             if request.pending:
                 return
-        self._on_done(LoadOutcome(request.request_id, _joined(request.blocks), frozenset(request.failed), request.moved,
+        self._on_done(LoadOutcome(request.request_id, frozenset(request.failed), request.moved,
                                   time.monotonic() - request.started, ",".join(sorted(request.backends)),
                                   request.status))
 
@@ -232,12 +230,6 @@ def _worth_retrying(e: LlmError) -> bool:
     return e.status == LlmStatus.LLM_LINK_FAILED and not e.failed_dst_blocks
 
 
-def _joined(chunks: list[tuple[int, ...] | np.ndarray]) -> tuple[int, ...] | np.ndarray:
-    if all(isinstance(c, tuple) for c in chunks):
-        return tuple(b for c in chunks for b in c)
-    return np.concatenate([np.asarray(c, dtype=np.uint64) for c in chunks])
-
-
 def _session_pull(item: PullItem) -> SessionPull:
     return SessionPull(CacheIndex(item.cluster_id, 0), item.dst_cache, item.dst_blocks, item.src_blocks,
-                       item.ext_param, item.grant, item.cache_slot, item.first_block, item.timeout)
+                       item.ext_param, item.grant, item.cache_slot, item.first_block, item.timeout, item.runs)

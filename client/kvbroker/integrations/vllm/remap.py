@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbroker.blockruns import Runs, expand
 from kvbroker.integrations.vllm.layout import LAYOUT_VERSION, MEMORY_MLA, MUST_MATCH, KvLayout, layout_of_tag, parse_tag
 
 MAX_TP = 1024
@@ -110,45 +111,107 @@ def head_sources(ours: KvLayout, rank: int, remote: KvLayout) -> dict[int, list[
 
 @dataclass(frozen=True, slots=True)
 class UnitPull:
-    """One pull from one remote rank: `src_units[i]` lands in `dst_units[i]` (sorted by destination)."""
+    """One pull from one remote rank, as the runs of (source unit, destination unit) pairs the daemon takes
+    (`kvbroker.blockruns`): built from the layouts' structure, never from the pairs written out."""
 
     remote_rank: int
-    src_units: np.ndarray
-    dst_units: np.ndarray
+    runs: Runs
+
+    @property
+    def src_units(self) -> np.ndarray:
+        return expand(self.runs)[0]
+
+    @property
+    def dst_units(self) -> np.ndarray:
+        return expand(self.runs)[1]
 
 
 def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequence[int],
               remote_blocks: Sequence[int], start_token: int, end_token: int) -> list[UnitPull]:
     """Tokens [start_token, end_token) of a request: `local_blocks` hold them from block start_token // our block
-    size on, `remote_blocks` from start_token // theirs on. ValueError if the lists do not cover them."""
+    size on, `remote_blocks` from start_token // theirs on. ValueError if the lists do not cover them.
+
+    The tokens are cut where a block of either side ends (one block size divides the other, so at multiples of the
+    smaller): each piece lies in one block on both sides, and per head it is one run of V (token-major: `head_size`
+    consecutive units per chunk) and one of K repeated per dimension (dimension-major: `block_size / chunk` units
+    apart on each side). Runs that continue each other are merged: a pull between equal layouts is one run."""
     if not ours.token_units and ours.block_size != remote.block_size:
         raise ValueError("blocks of different sizes need token units on both engines")
     step = ours.chunk_tokens if ours.token_units else ours.block_size
     if start_token % step or end_token <= start_token:
         raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our units")
-    tokens = np.arange(start_token // step, -(-end_token // step), dtype=np.int64) * step
-    local_at = tokens // ours.block_size - start_token // ours.block_size
-    remote_at = tokens // remote.block_size - start_token // remote.block_size
+    small = min(ours.block_size, remote.block_size)
+    cuts = np.arange(start_token // small, -(-end_token // small), dtype=np.int64) * small
+    starts = np.maximum(cuts, start_token)
+    local_at = starts // ours.block_size - start_token // ours.block_size
+    remote_at = starts // remote.block_size - start_token // remote.block_size
     if int(local_at[-1]) >= len(local_blocks) or int(remote_at[-1]) >= len(remote_blocks):
         raise ValueError(f"tokens [{start_token}, {end_token}) need {int(local_at[-1]) + 1} local and "
                          f"{int(remote_at[-1]) + 1} remote blocks; the request has {len(local_blocks)} and "
                          f"{len(remote_blocks)}")
+    units = -(-(np.minimum(cuts + small, end_token) - starts) // step)  # units of one row in each piece
     dst_page = np.asarray(local_blocks, dtype=np.int64)[local_at]
     src_page = np.asarray(remote_blocks, dtype=np.int64)[remote_at]
     out = []
     for source, heads in sorted(head_sources(ours, rank, remote).items()):
-        src, dst = [], []
+        parts = []
         for remote_head, local_head in heads:
             if ours.token_units:
-                src.append(_token_units(remote, src_page, remote_head, tokens % remote.block_size))
-                dst.append(_token_units(ours, dst_page, local_head, tokens % ours.block_size))
+                parts += _piece_runs(remote, src_page, remote_head, starts % remote.block_size, ours, dst_page,
+                                     local_head, starts % ours.block_size, units)
             else:  # a unit is one head of one block: the pages line up one to one
-                src.append(src_page * remote.num_kv_heads + remote_head)
-                dst.append(dst_page * ours.num_kv_heads + local_head)
-        src_all, dst_all = np.concatenate(src), np.concatenate(dst)
-        order = np.argsort(dst_all, kind="stable")  # by destination: consecutive pairs merge into one run
-        out.append(UnitPull(source, src_all[order].astype(np.uint64), dst_all[order].astype(np.uint64)))
+                one = np.ones_like(src_page)
+                parts.append((src_page * remote.num_kv_heads + remote_head, dst_page * ours.num_kv_heads + local_head,
+                               one, one, one, one))
+        out.append(UnitPull(source, _merged_runs([np.concatenate(c) for c in zip(*parts, strict=True)])))
     return out
+
+
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: int, src_offset: np.ndarray, ours: KvLayout,
+                dst_page: np.ndarray, local_head: int, dst_offset: np.ndarray, units: np.ndarray) -> list[_Columns]:
+    """The runs of one head of each piece (token units; offsets are tokens into the pieces' blocks).
+
+    A head's K is [head_size, block_size] (one unit per dimension and chunk, a row of `block_size / chunk` units per
+    dimension); V (and MLA's latent cache) is [block_size, head_size] (a chunk is `head_size` consecutive units)."""
+    size = ours.head_size
+    src_base, src_row = _head_base(remote, src_page, remote_head), remote.block_size // remote.chunk_tokens
+    dst_base, dst_row = _head_base(ours, dst_page, local_head), ours.block_size // ours.chunk_tokens
+    src_chunk, dst_chunk = src_offset // remote.chunk_tokens, dst_offset // ours.chunk_tokens
+    one = np.ones_like(units)
+    token_major = (src_base + (remote.kv_parts - 1) * src_row * size + src_chunk * size,
+                   dst_base + (ours.kv_parts - 1) * dst_row * size + dst_chunk * size, units * size, one, one, one)
+    if ours.memory == MEMORY_MLA:
+        return [token_major]
+    dim_major = (src_base + src_chunk, dst_base + dst_chunk, units, one * size, one * src_row, one * dst_row)
+    return [dim_major, token_major]
+
+
+def _head_base(layout: KvLayout, pages: np.ndarray, head: int) -> np.ndarray:
+    return pages * layout.units_per_block + head * layout.kv_parts * layout.block_size * layout.head_size // (
+        layout.chunk_tokens)
+
+
+def _merged_runs(columns: list[np.ndarray]) -> Runs:
+    """Runs by destination, a repeated run whose repetitions touch on both sides written as one, and plain runs
+    that continue each other joined."""
+    src, dst, length, count, src_stride, dst_stride = columns
+    solid = (count > 1) & (length == src_stride) & (length == dst_stride)
+    length = np.where(solid, length * count, length)
+    count = np.where(solid, 1, count)
+    order = np.argsort(dst, kind="stable")
+    src, dst, length, count = src[order], dst[order], length[order], count[order]
+    src_stride, dst_stride = src_stride[order], dst_stride[order]
+    plain = count == 1
+    joined = plain[1:] & plain[:-1] & (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    first = np.flatnonzero(np.concatenate(([True], ~joined)))
+    total = np.add.reduceat(length, first)
+    keep = count[first] > 1
+    u64 = np.uint64
+    return Runs(src[first].astype(u64), dst[first].astype(u64), total.astype(u64), count[first].astype(u64),
+                np.where(keep, src_stride[first], 0).astype(u64), np.where(keep, dst_stride[first], 0).astype(u64))
 
 
 def plan_state(ours: KvLayout, rank: int, remote: KvLayout, local_block: int, remote_block: int) -> list[UnitPull]:
@@ -157,26 +220,15 @@ def plan_state(ours: KvLayout, rank: int, remote: KvLayout, local_block: int, re
     if ours.unit_bytes != remote.unit_bytes or ours.state_bytes != remote.state_bytes:
         raise ValueError(f"Mamba state of {remote.state_bytes} bytes in units of {remote.unit_bytes} does not map "
                          f"onto {ours.state_bytes} bytes in units of {ours.unit_bytes}")
-    units = np.arange(ours.state_units, dtype=np.uint64)
-    return [UnitPull(rank, np.uint64(remote_block * remote.units_per_block) + units,
-                     np.uint64(local_block * ours.units_per_block) + units)]
+    one, zero = np.ones(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64)
+    src, dst = one * (remote_block * remote.units_per_block), one * (local_block * ours.units_per_block)
+    return [UnitPull(rank, Runs(src, dst, one * ours.state_units, one, zero, zero))]
 
 
-def _token_units(layout: KvLayout, pages: np.ndarray, head: int, offsets: np.ndarray) -> np.ndarray:
-    """Units (of `chunk_tokens` elements) holding the chunks that start at token `offsets` of `pages`, for one head.
-
-    A head's K is [head_size, block_size]: a chunk is one unit per dimension, `block_size / chunk` units apart. V
-    (and MLA's latent cache) is [block_size, head_size]: a chunk is `head_size` consecutive units."""
-    chunk, size = layout.chunk_tokens, layout.head_size
-    per_token_row = layout.block_size // chunk  # units of one dimension of K (or one row of tokens)
-    head_base = pages * layout.units_per_block + head * layout.kv_parts * layout.block_size * size // chunk
-    c = offsets // chunk
-    dims = np.arange(size, dtype=np.int64)
-    token_major: np.ndarray = (head_base + (layout.kv_parts - 1) * per_token_row * size + c * size)[:, None] + dims
-    if layout.memory == MEMORY_MLA:
-        return token_major.reshape(-1)
-    dim_major = (head_base + c)[:, None] + dims[None, :] * per_token_row
-    return np.concatenate([dim_major.reshape(-1), token_major.reshape(-1)])
+def merged(pulls: Sequence[UnitPull]) -> UnitPull:
+    """Several pulls from one remote rank (of distinct blocks: several KV cache groups) as one."""
+    columns = [np.concatenate([getattr(p.runs, f) for p in pulls]) for f in Runs.__slots__]
+    return UnitPull(pulls[0].remote_rank, Runs(*columns))
 
 
 def blocks_of_units(layout: KvLayout, units: Sequence[int]) -> frozenset[int]:

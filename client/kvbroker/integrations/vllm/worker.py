@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvbroker._client import Client
@@ -35,7 +34,7 @@ from kvbroker.integrations.vllm.params import (
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, plan_pull, plan_state, refusal
+from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, merged, plan_pull, plan_state, refusal
 from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -75,12 +74,7 @@ def _merged(plans: Iterable[list[UnitPull]]) -> list[UnitPull]:
     for plan in plans:
         for one in plan:
             by_rank.setdefault(one.remote_rank, []).append(one)
-    out = []
-    for rank, pulls in sorted(by_rank.items()):
-        src, dst = np.concatenate([p.src_units for p in pulls]), np.concatenate([p.dst_units for p in pulls])
-        order = np.argsort(dst, kind="stable")
-        out.append(UnitPull(rank, src[order], dst[order]))
-    return out
+    return [merged(pulls) for _, pulls in sorted(by_rank.items())]
 
 
 class WorkerSide:
@@ -278,8 +272,7 @@ class WorkerSide:
             self.transfers.record_recompute("block_mismatch")
             return None
         # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
-        return [PullItem(spec.request_id, remote.cluster_id, remote.grant, one.remote_rank, dst,
-                         one.dst_units, src_blocks=one.src_units,
+        return [PullItem(spec.request_id, remote.cluster_id, remote.grant, one.remote_rank, dst, (), runs=one.runs,
                          ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
