@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, Client, DataType, ParamInvalidError, SessionPull
+from kvbroker import CacheDesc, CacheIndex, Client, DataType, ParamInvalidError, SessionPull, blockruns
 from kvbroker import convert as cv
 from kvbroker._local import LocalDaemon
 from kvbroker.shm import Cache
@@ -156,9 +156,9 @@ def test_runs_pulls_of_one_session_message_run_as_one_plan_and_a_guilty_one_fail
     halves = [(SRC[:len(SRC) // 2], DST[:len(DST) // 2]), (SRC[len(SRC) // 2:], DST[len(DST) // 2:])]
     for src, dst in halves:
         expected = expected_pull(env.src, expected, src.tolist(), dst.tolist(), range(2), range(2))
-    runs = [cv.blockruns.find(src, dst, min_pairs=1) for src, dst in halves]
-    overlapping = cv.blockruns.find(SRC[:4096], DST[:4096], min_pairs=1)
-    guilty = cv.blockruns.check([0, 1], [70_000, 70_000], [4, 4])  # units 70,000-70,003 written twice
+    runs = [blockruns.find(src, dst, min_pairs=1) for src, dst in halves]
+    overlapping = blockruns.find(SRC[:4096], DST[:4096], min_pairs=1)
+    guilty = blockruns.check([0, 1], [70_000, 70_000], [4, 4])  # units 70,000-70,003 written twice
     assert all(r is not None for r in runs) and overlapping is not None
     with env.dc.open_pull_session() as session:
         done = session.submit([SessionPull(env.index(), env.dst.cache_id, (), (), block_runs=r) for r in
