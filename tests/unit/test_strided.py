@@ -286,3 +286,26 @@ def test_a_plan_of_runs_writes_its_destination_blocks_out_only_when_asked() -> N
     both = concatenated([lazy, _strided_plan()])  # a merged group: written out
     assert not both.strided and both.dst_runs is None and np.array_equal(both.dst_blocks, np.concatenate([dst, dst]))
     assert both.total_bytes == 2 * lazy.total_bytes
+
+
+@pytest.mark.parametrize("shape", [(64, 8), (64, 12)])  # 16-byte blocks, and 24 (not a power of two)
+def test_a_remaps_claim_is_its_merged_ranges_whatever_the_block_size(shape: tuple[int, int]) -> None:
+    desc = CacheDesc(2, shape)
+    runs = blockruns.check([0, 16], [0, 1], [1, 1], [16, 16], [1, 1], [2, 2])  # two sources fill alternate blocks
+    plan = strided.plan_runs(desc, desc, runs, None, LayerSelection())
+    spans = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count, plan.dst_stride,
+                                     plan.block_nbytes, 64)
+    assert spans is not None and (list(spans.lo), list(spans.hi)) == ([0, 64], [32, 96])
+
+
+def test_a_duplicate_check_too_long_for_the_event_loop_says_so_and_is_made_off_it() -> None:
+    """4,096 runs that interleave at two steps: their duplicate check writes out 2^20 repetitions, which the daemon's
+    event loop does not do (the manager plans them on its executor)."""
+    n = 4096
+    first = np.arange(n, dtype=np.uint64)
+    step = (n * (np.arange(n) % 2 + 1)).astype(np.uint64)
+    runs = blockruns.check(first, first, np.ones(n, np.uint64), np.full(n, 256, np.uint64), step, step)
+    desc = CacheDesc(2, (1 << 22, 16))
+    with pytest.raises(strided.TooLongForTheLoop):
+        strided.plan_runs(desc, desc, runs, None, LayerSelection(), loop_budget=1 << 14)
+    assert strided.plan_runs(desc, desc, runs, None, LayerSelection()).num_copies == 2 * n * 256

@@ -103,7 +103,8 @@ def strided_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, co
         return Spans([], [])
     start, size, times, step = (a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64)
                                 for a in (offset, length, count, stride))
-    if bool(((start | size | step) % block_nbytes != 0).any()):  # not whole blocks: cells are not counted so
+    # not whole blocks (each apart: an OR of multiples of a block size that is not a power of two is not one)
+    if bool((((start % block_nbytes) | (size % block_nbytes) | (step % block_nbytes)) != 0).any()):
         return None
     base = tensor.astype(np.int64) * np.int64(num_blocks)
     lo = base + start // block_nbytes

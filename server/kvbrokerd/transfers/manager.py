@@ -205,7 +205,12 @@ class TransferManager:
         it). Lists left empty by `check_blocks` (not `written_out`) are the runs': written out only if needed."""
         lazy = runs is not None and not len(dst_blocks)
         if runs is not None and strided.worth_it(runs):
-            return strided.plan_runs(src, dst, runs, None if lazy else dst_blocks, layers)
+            written = None if lazy else dst_blocks
+            try:
+                return strided.plan_runs(src, dst, runs, written, layers, loop_budget=PLAN_ON_LOOP_MAX_BLOCKS)
+            except strided.TooLongForTheLoop:  # runs that interleave at different steps: checked one by one
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._executor, strided.plan_runs, src, dst, runs, written, layers)
         if runs is not None and segments is None:
             segments = blockruns.segments(runs)
         if segments is not None:

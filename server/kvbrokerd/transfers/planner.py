@@ -87,14 +87,6 @@ class Plan:
         return self.length if self.count is None else self.length * self.count
 
     @functools.cached_property
-    def dst_extent(self) -> np.ndarray:
-        """Bytes from an entry's first destination byte to past its last (its bounding range)."""
-        if self.count is None or self.dst_stride is None:
-            return self.length
-        extent: np.ndarray = (self.count - np.uint64(1)) * self.dst_stride + self.length
-        return extent
-
-    @functools.cached_property
     def total_bytes(self) -> int:
         # Asked several times per transfer (limits, inline choice, accounting); the arrays never change.
         return int(self.run_bytes.sum())

@@ -23,13 +23,18 @@ MAX_STRIDED_RUNS = 4096
 per-run pass, and the plan to this many entries per tensor."""
 
 
+class TooLongForTheLoop(Exception):
+    """The duplicate check would write out more repetitions than the event loop may spend time on
+    (`plan_runs(..., loop_budget=...)`): plan off the loop."""
+
+
 def worth_it(runs: blockruns.Runs | None) -> bool:
     """Whether a request's runs are planned here: some repeat, and they are few."""
     return runs is not None and 0 < len(runs.length) <= MAX_STRIDED_RUNS and bool((runs.count > 1).any())
 
 
 def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: np.ndarray | None,
-              layers: LayerSelection) -> Plan:
+              layers: LayerSelection, loop_budget: int | None = None) -> Plan:
     """`plan_blocks` of checked runs (`worth_it`), without writing their repetitions out: the same checks, in the
     same order, with the same messages. `dst_blocks`: the pairs' destination blocks if written out already (for
     failure reports); None: the plan keeps the runs (`Plan.dst_runs`) instead."""
@@ -43,7 +48,7 @@ def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: 
         param_invalid(f"src block {src_max} is out of range: the source cache has {src.num_blocks} blocks")
     if dst_max >= dst.num_blocks:
         param_invalid(f"dst block {dst_max} is out of range: the destination cache has {dst.num_blocks} blocks")
-    if dst_overlaps(d_first, size, times, d_step):
+    if dst_overlaps(d_first, size, times, d_step, loop_budget):
         param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
     if src.block_nbytes != dst.block_nbytes:
         param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
@@ -78,7 +83,8 @@ def plan_runs(src: CacheDesc, dst: CacheDesc, runs: blockruns.Runs, dst_blocks: 
 _NONE = np.zeros(0, dtype=np.uint64)
 
 
-def dst_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray) -> bool:
+def dst_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray,
+                 loop_budget: int | None = None) -> bool:
     """Whether two pairs of these runs (int64: first, length, count, stride) name one block: exact.
 
     A run meets itself when it repeats at a step shorter than its length. Two runs can only meet where their bounding
@@ -107,7 +113,7 @@ def dst_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: n
     starts = np.flatnonzero(np.concatenate(([True], c[1:] != c[:-1])))
     same_step = (m_step == np.repeat(m_step[starts], np.diff(np.append(starts, len(c))))) & (m_times > 1)
     if not bool(same_step.all()):
-        return _written_out_overlaps(m_first, m_size, m_times, m_step)
+        return _written_out_overlaps(m_first, m_size, m_times, m_step, loop_budget)
     residue = m_first % m_step
     by = np.lexsort((residue, c))
     c, residue, m_size, m_step = c[by], residue[by], m_size[by], m_step[by]
@@ -118,12 +124,16 @@ def dst_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: n
     last_of = np.append(first_of[1:] - 1, len(c) - 1)
     wraps = (first_of != last_of) & (residue[last_of] + m_size[last_of] > residue[first_of] + m_step[first_of])
     if shared or bool(wraps.any()):  # sharing residues, they may still miss each other: count
-        return _written_out_overlaps(first[members], size[members], times[members], step[members])
+        return _written_out_overlaps(first[members], size[members], times[members], step[members], loop_budget)
     return False
 
 
-def _written_out_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray) -> bool:
-    """Exact, per stretch: the runs' repetitions written out (bounded: at most the request's pairs) and sorted."""
+def _written_out_overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray,
+                          loop_budget: int | None = None) -> bool:
+    """Exact, per stretch: the runs' repetitions written out (bounded: at most the request's pairs) and sorted.
+    TooLongForTheLoop when they are more than `loop_budget`."""
+    if loop_budget is not None and int(times.sum()) > loop_budget:
+        raise TooLongForTheLoop
     k = np.arange(int(times.sum()), dtype=np.int64) - np.repeat(np.cumsum(times) - times, times)
     lo = np.repeat(first, times) + k * np.repeat(step, times)
     order = np.argsort(lo, kind="stable")
