@@ -293,6 +293,7 @@ def test_a_remaps_claim_is_its_merged_ranges_whatever_the_block_size(shape: tupl
     desc = CacheDesc(2, shape)
     runs = blockruns.check([0, 16], [0, 1], [1, 1], [16, 16], [1, 1], [2, 2])  # two sources fill alternate blocks
     plan = strided.plan_runs(desc, desc, runs, None, LayerSelection())
+    assert plan.count is not None and plan.dst_stride is not None
     spans = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count, plan.dst_stride,
                                      plan.block_nbytes, 64)
     assert spans is not None and (list(spans.lo), list(spans.hi)) == ([0, 64], [32, 96])
