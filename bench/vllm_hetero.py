@@ -8,7 +8,8 @@ size 128). Each case runs the connector's own plan (`remap.plan_pull`) as a deco
 region: one pull by grant per prefill rank read, side by side in one message of a pull session, naming the units of
 that rank's cache as the plan's runs (`block_runs`). It is timed against a homogeneous pull (TP=1, blocks of 32 ->
 TP=1, blocks of 32) of the same number of bytes, made the same way: for a decode rank that takes half the heads, the
-baseline is a homogeneous pull of half the tokens. The figure is the median of `--rounds` pulls, after one warm-up;
+baseline is a homogeneous pull of half the tokens. Each round makes the baseline's pull, then the case's, so that
+both see the same moments of a noisy machine; the figures are the medians of `--rounds` rounds after one warm-up,
 `ratio` = heterogeneous / homogeneous.
 """
 
@@ -65,23 +66,26 @@ def main() -> None:
         d.link_clusters([ClusterInfo(p_daemon.cluster_id, p_daemon.peer_address)], timeout=10)
 
         session = d.open_pull_session()
+        ext = KvCacheExtParam(tensor_num_per_layer=1)
 
-        def timed(grant: Grant, dst: int, plan: Callable[[], list[UnitPull]]) -> float:
-            """Median time of planning the pull and making it, as the connector's worker does: its plan's runs,
-            one pull per prefill rank, side by side in one message of its pull session."""
-            times = []
-            ext = KvCacheExtParam(tensor_num_per_layer=1)
-            for i in range(args.rounds + 1):
-                started = time.perf_counter()
-                futures = session.submit([SessionPull(CacheIndex(p_daemon.cluster_id, 0), dst, (), (), ext, grant,
-                                                      one.remote_rank, block_runs=one.runs) for one in plan()])
-                for f in futures:
-                    f.result(timeout=60)
-                if i:
-                    times.append(time.perf_counter() - started)
-            return statistics.median(times)
+        def pull(grant: Grant, dst: int, plan: Callable[[], list[UnitPull]]) -> float:
+            """One request's pull as the connector's worker makes it: the plan, then its runs, one pull per prefill
+            rank, side by side in one message of its pull session."""
+            started = time.perf_counter()
+            futures = session.submit([SessionPull(CacheIndex(p_daemon.cluster_id, 0), dst, (), (), ext, grant,
+                                                  one.remote_rank, block_runs=one.runs) for one in plan()])
+            for f in futures:
+                f.result(timeout=60)
+            return time.perf_counter() - started
 
-        homogeneous: dict[int, float] = {}
+        def granted(caches: list[int], blocks: list[int], units: int) -> Grant:
+            grant = p.create_grant(caches, blocks, 600.0, units_per_block=units)
+            # As the connector's grant keeper does from the request's arrival: renewed through the decode daemon,
+            # which then knows the grant's blocks and pulls without redeeming it first.
+            d.renew_grant(grant, 600.0, cluster_id=p_daemon.cluster_id)
+            return grant
+
+        baselines: dict[int, tuple[Grant, int, Callable[[], list[UnitPull]]]] = {}
         for name, p_tp, p_block, d_tp, d_block, rank, fine in cases:
             theirs = layout(p_tp, p_block, blocks, layers, heads, fine)
             ours = layout(d_tp, d_block, blocks, layers, heads, fine)
@@ -91,29 +95,30 @@ def main() -> None:
             d_blocks = list(range(1, tokens // d_block + 1))
             plan = plan_pull(ours, rank, theirs, d_blocks, p_blocks, 0, tokens)
             nbytes = sum(int((u.runs.length * u.runs.count).sum()) for u in plan) * ours.unit_bytes * layers
-            grant = p.create_grant([c.cache_id for c in src], p_blocks, 600.0,
-                                   units_per_block=theirs.grant_units)
-            seconds = timed(grant, dst.cache_id, functools.partial(plan_pull, ours, rank, theirs, d_blocks, p_blocks,
-                                                                   0, tokens))
-            p.release_grant(grant)
-            if nbytes not in homogeneous:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
+            grant = granted([c.cache_id for c in src], p_blocks, theirs.grant_units)
+            if nbytes not in baselines:  # the same bytes, homogeneous: TP 1, blocks of 32, fewer tokens
                 same = layout(1, 32, blocks, layers, heads)
                 h_src, h_dst = p.allocate_cache(same.desc()), d.allocate_cache(same.desc())
                 n_tokens = nbytes // (same.page_bytes * layers) * 32
-                h_grant = p.create_grant([h_src.cache_id], list(range(1, n_tokens // 32 + 1)), 600.0,
-                                         units_per_block=same.grant_units)
                 h_blocks = list(range(1, n_tokens // 32 + 1))
-                homogeneous[nbytes] = timed(h_grant, h_dst.cache_id, functools.partial(
-                    plan_pull, same, 0, same, h_blocks, h_blocks, 0, n_tokens))
-                p.release_grant(h_grant)
-                p.deallocate_cache(h_src.cache_id)
-                d.deallocate_cache(h_dst.cache_id)
+                baselines[nbytes] = (granted([h_src.cache_id], h_blocks, same.grant_units), h_dst.cache_id,
+                                     functools.partial(plan_pull, same, 0, same, h_blocks, h_blocks, 0, n_tokens))
+            # Round by round, the baseline's pull then the case's: both see the same moments of a noisy machine.
+            times: tuple[list[float], list[float]] = ([], [])
+            for i in range(args.rounds + 1):
+                base = pull(*baselines[nbytes])
+                this = pull(grant, dst.cache_id, functools.partial(plan_pull, ours, rank, theirs, d_blocks, p_blocks,
+                                                                   0, tokens))
+                if i:
+                    times[0].append(base)
+                    times[1].append(this)
+            p.release_grant(grant)
+            seconds, baseline = statistics.median(times[1]), statistics.median(times[0])
             rows.append({"case": name, "MiB": round(nbytes / 2**20, 1), "units_per_layer": sum(
                 len(u.dst_units) for u in plan), "runs_per_layer": sum(
                 _runs(u.src_units.tolist(), u.dst_units.tolist()) for u in plan), "wire_runs": sum(
                 len(u.runs.length) for u in plan), "ms": round(seconds * 1e3, 2),
-                "homogeneous_ms": round(homogeneous[nbytes] * 1e3, 2),
-                "ratio": round(seconds / homogeneous[nbytes], 2)})
+                "homogeneous_ms": round(baseline * 1e3, 2), "ratio": round(seconds / baseline, 2)})
             print(json.dumps(rows[-1]), flush=True)
             for c in src:
                 p.deallocate_cache(c.cache_id)
