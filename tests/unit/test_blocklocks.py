@@ -4,6 +4,7 @@ never wait."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -188,3 +189,23 @@ def test_many_ranges_are_seen_busy_exactly_when_a_cell_is(ranges: list[tuple[int
     apart = [s for i, s in enumerate(ordered) if i == 0 or s[0] >= ordered[i - 1][1]]
     for case in (spans, apart):
         assert blocklocks._any_busy(busy, case) == any(busy[a:b].any() for a, b in case)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=1, max_size=60),
+       st.integers(50, 1000), st.lists(st.integers(0, 999), max_size=5))
+def test_folded_and_joined_ranges_hold_exactly_the_slots_of_the_cells(
+        ranges: list[tuple[int, int]], folded_to: int, taken: list[int]) -> None:
+    """A claim's cell ranges as slots: folded onto a smaller table (wrapping), sorted and joined, they cover the same
+    slots as folding each cell, and are seen busy exactly when one of those slots is."""
+    cells = blocklocks.Spans([a for a, _ in ranges], [a + n for a, n in ranges])
+    want = {c % folded_to for a, n in ranges for c in range(a, a + n)}
+    for folded in (blocklocks._slot_spans(cells, folded_to), blocklocks._union(blocklocks._slot_spans(cells,
+                                                                                                     folded_to))):
+        assert {s for a, b in folded for s in range(a, b)} == want
+    folded = blocklocks._slot_spans(cells, folded_to)
+    joined = blocklocks._union(folded)
+    if len(folded) > 8:  # (a few ranges are checked one by one, as they are)
+        assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(joined))
+    busy = np.zeros(folded_to, dtype=bool)
+    busy[[t % folded_to for t in taken]] = True
+    assert blocklocks._any_busy(busy, joined) == bool(want & {t % folded_to for t in taken})

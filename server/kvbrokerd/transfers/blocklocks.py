@@ -164,7 +164,7 @@ class BlockLocks:
                 self._caches[key] = state
             folded = len(state.busy) < num_tensors * num_blocks
             if isinstance(cells, Spans):
-                spans = _slot_spans(cells, len(state.busy) if folded else 0)
+                spans = _union(_slot_spans(cells, len(state.busy) if folded else 0))
                 if _any_busy(state.busy, spans):
                     if wake is not None:
                         state.waiters.append(wake)
@@ -233,6 +233,15 @@ def _slot_spans(cells: Spans, folded_to: int) -> list[tuple[int, int]]:
     once, or covers every slot)."""
     if not folded_to:
         return list(zip(cells.lo, cells.hi, strict=True))
+    if len(cells.lo) > 8:  # a TP rank's share of a long pull: a range per block and tensor, folded at once
+        first, past = np.asarray(cells.lo, dtype=np.int64), np.asarray(cells.hi, dtype=np.int64)
+        if bool((past - first >= folded_to).any()):
+            return [(0, folded_to)]
+        start = first % folded_to
+        end = start + (past - first)
+        wraps = end > folded_to
+        return list(zip(np.concatenate((start, np.zeros(int(wraps.sum()), dtype=np.int64))).tolist(),
+                        np.concatenate((np.minimum(end, folded_to), end[wraps] - folded_to)).tolist(), strict=True))
     out = []
     for lo, hi in zip(cells.lo, cells.hi, strict=True):
         if hi - lo >= folded_to:
@@ -241,6 +250,21 @@ def _slot_spans(cells: Spans, folded_to: int) -> list[tuple[int, int]]:
         b = a + (hi - lo)
         out.extend([(a, b)] if b <= folded_to else [(a, folded_to), (0, b - folded_to)])
     return out
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The slot ranges sorted, empty ones dropped, overlapping or touching ones joined: the same slots, and in the
+    order `_any_busy` checks in one call (folded slots of a long claim wrap and may meet)."""
+    if len(spans) <= 8:
+        return spans
+    arr = np.asarray(spans, dtype=np.int64)
+    arr = arr[arr[:, 1] > arr[:, 0]]
+    if not len(arr):
+        return []
+    arr = arr[np.argsort(arr[:, 0], kind="stable")]
+    lo, hi = arr[:, 0], arr[:, 1]
+    first = np.flatnonzero(np.concatenate(([True], lo[1:] > np.maximum.accumulate(hi)[:-1])))
+    return list(zip(lo[first].tolist(), np.maximum.reduceat(hi, first).tolist(), strict=True))
 
 
 def _any_busy(busy: np.ndarray, spans: list[tuple[int, int]]) -> bool:
