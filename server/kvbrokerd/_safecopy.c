@@ -105,7 +105,9 @@ static uintptr_t page_up(uintptr_t a, uintptr_t page) {
     return a > UINTPTR_MAX - (page - 1) ? UINTPTR_MAX : page_down(a + page - 1, page);
 }
 
-static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n) {
+/* Raises FaultError for run `run` of a copy (and, when `repeat` >= 0, its repetition `repeat`). */
+static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n, Py_ssize_t run,
+                             Py_ssize_t repeat) {
     int source = in_range(guard->fault_address, guard->src_lo, guard->src_hi);
     PyObject *error = PyObject_CallFunction(
         FaultError, "s", source ? "the source's memory vanished under the copy"
@@ -117,10 +119,16 @@ static PyObject *raise_fault(const struct guard *guard, size_t copied, size_t n)
     PyObject *total = PyLong_FromSize_t(n);
     PyObject *address = PyLong_FromUnsignedLongLong(guard->fault_address);
     PyObject *sig = PyLong_FromLong(guard->fault_signal);
-    if (side && done && total && address && sig && PyObject_SetAttrString(error, "side", side) == 0 &&
+    PyObject *at = PyLong_FromSsize_t(run);
+    PyObject *rep = repeat >= 0 ? PyLong_FromSsize_t(repeat) : Py_NewRef(Py_None);
+    if (side && done && total && address && sig && at && rep && PyObject_SetAttrString(error, "side", side) == 0 &&
         PyObject_SetAttrString(error, "copied", done) == 0 && PyObject_SetAttrString(error, "size", total) == 0 &&
-        PyObject_SetAttrString(error, "address", address) == 0 && PyObject_SetAttrString(error, "signal", sig) == 0)
+        PyObject_SetAttrString(error, "address", address) == 0 && PyObject_SetAttrString(error, "signal", sig) == 0 &&
+        PyObject_SetAttrString(error, "run", at) == 0 &&
+        (repeat < 0 || PyObject_SetAttrString(error, "repeat", rep) == 0))
         PyErr_SetObject(FaultError, error);
+    Py_XDECREF(at);
+    Py_XDECREF(rep);
     Py_XDECREF(side);
     Py_XDECREF(done);
     Py_XDECREF(total);
@@ -235,15 +243,7 @@ static PyObject *safecopy_copy_runs(PyObject *module, PyObject *const *args, Py_
     }
     PyEval_RestoreThread(released);
     if (faulted_at >= 0) {
-        raise_fault(&guard, copied, (size_t)len[faulted_at]);
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        PyObject *run = PyLong_FromSsize_t(faulted_at);
-        if (value != NULL && run != NULL)
-            PyObject_SetAttrString(value, "run", run);
-        Py_XDECREF(run);
-        PyErr_Restore(type, value, tb);
+        raise_fault(&guard, copied, (size_t)len[faulted_at], faulted_at, -1);
         goto done;
     }
     result = Py_NewRef(Py_None);
@@ -449,19 +449,7 @@ static PyObject *safecopy_copy_strided(PyObject *module, PyObject *const *args, 
     }
     PyEval_RestoreThread(released);
     if (faulted_at >= 0) {
-        raise_fault(&guard, copied, (size_t)len[faulted_at]);
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        PyObject *run = PyLong_FromSsize_t(faulted_at);
-        PyObject *rep = PyLong_FromSize_t(repeat);
-        if (value != NULL && run != NULL && rep != NULL) {
-            PyObject_SetAttrString(value, "run", run);
-            PyObject_SetAttrString(value, "repeat", rep);
-        }
-        Py_XDECREF(run);
-        Py_XDECREF(rep);
-        PyErr_Restore(type, value, tb);
+        raise_fault(&guard, copied, (size_t)len[faulted_at], faulted_at, (Py_ssize_t)repeat);
         goto done;
     }
     result = Py_NewRef(Py_None);
