@@ -39,6 +39,11 @@ class Runs:
         return int((self.length * self.count).sum())
 
 
+def concatenated(runs: Sequence[Runs]) -> Runs:
+    """Several requests' runs as one's (their pairs, all of them)."""
+    return Runs(*(np.concatenate([getattr(r, f) for r in runs]) for f in Runs.__slots__))
+
+
 class RunsError(ValueError):
     """Malformed runs (the daemon answers LLM_PARAM_INVALID)."""
 

@@ -180,9 +180,8 @@ async def _check(manager: TransferManager, m: _Member) -> None:
 
 def _joined(members: Sequence[_Member]) -> blockruns.Runs | None:
     """The runs of several pulls as one request's (None unless every one came as runs)."""
-    if any(m.runs is None for m in members):
-        return None
-    return blockruns.Runs(*(np.concatenate([getattr(m.runs, f) for m in members]) for f in blockruns.Runs.__slots__))
+    runs = [m.runs for m in members if m.runs is not None]
+    return blockruns.concatenated(runs) if len(runs) == len(members) else None
 
 
 def _earliest(members: Sequence[_Member]) -> Deadline:

@@ -377,9 +377,8 @@ def _state_of(spec: Any, page: int) -> str:
     if int(spec.page_size_bytes) != page:
         raise UnsupportedLayoutError(f"the Mamba state's page ({spec.page_size_bytes} bytes) is not the attention "
                                      f"page ({page} bytes); vLLM pads them to one size")
-    if state_nbytes(state) > page:
-        raise UnsupportedLayoutError(f"a Mamba state of {state_nbytes(state):,} bytes does not fit its page of "
-                                     f"{page:,} bytes")
+    if (nbytes := state_nbytes(state)) > page:
+        raise UnsupportedLayoutError(f"a Mamba state of {nbytes:,} bytes does not fit its page of {page:,} bytes")
     return state
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.blockruns import Runs, expand
+from kvbroker.blockruns import Runs, concatenated, expand
 from kvbroker.integrations.vllm.layout import LAYOUT_VERSION, MEMORY_MLA, MUST_MATCH, KvLayout, layout_of_tag, parse_tag
 
 MAX_TP = 1024
@@ -227,8 +227,7 @@ def plan_state(ours: KvLayout, rank: int, remote: KvLayout, local_block: int, re
 
 def merged(pulls: Sequence[UnitPull]) -> UnitPull:
     """Several pulls from one remote rank (of distinct blocks: several KV cache groups) as one."""
-    columns = [np.concatenate([getattr(p.runs, f) for p in pulls]) for f in Runs.__slots__]
-    return UnitPull(pulls[0].remote_rank, Runs(*columns))
+    return UnitPull(pulls[0].remote_rank, concatenated([p.runs for p in pulls]))
 
 
 def blocks_of_units(layout: KvLayout, units: Sequence[int]) -> frozenset[int]:
