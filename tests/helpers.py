@@ -4,17 +4,19 @@ one way tests wait for something to happen (`wait_until`, `wait_until_async`).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from kvbroker import Cache, CacheDesc, Client
+from kvbroker import Cache, CacheDesc, CacheIndex, Client
+from kvbroker._local import LocalDaemon
 
 T = TypeVar("T")
 
@@ -124,3 +126,47 @@ def remove_dir(path: Path) -> None:
     for entry in path.iterdir():
         entry.unlink()
     path.rmdir()
+
+
+class LinkedCaches:
+    """A source cache on daemon `p`, filled from `seed`, and a destination cache on daemon `d`, which linked `p`."""
+
+    def __init__(self, p: LocalDaemon, d: LocalDaemon, desc: CacheDesc, seed: int) -> None:
+        self.p, self.d, self.seed = p, d, seed
+        self.pc: Client = p.client()
+        self.dc: Client = d.client()
+        self.src: Cache = self.pc.allocate_cache(desc)
+        self.dst: Cache = self.dc.allocate_cache(desc)
+        fill(self.src, seed)
+
+    def index(self) -> CacheIndex:
+        return CacheIndex(self.p.cluster_id, self.src.cache_id)
+
+    def fresh(self) -> list[np.ndarray]:
+        """The destination refilled (from `seed + 1`), as it is now."""
+        fill(self.dst, self.seed + 1)
+        return snapshot(self.dst)
+
+    def close(self) -> None:
+        self.pc.close()
+        self.dc.close()
+
+
+L = TypeVar("L", bound=LinkedCaches)
+
+
+@contextlib.contextmanager
+def linked_caches(root: Path, first_cluster: int, desc: CacheDesc, seed: int, kind: type[L],
+                  backends: Sequence[str] | None = None) -> Iterator[L]:
+    """Two daemons (clusters `first_cluster` and the next), the second linked to the first, and their caches."""
+    from tests.conftest import cluster_of
+
+    with LocalDaemon(root, first_cluster, backends=backends) as p, \
+            LocalDaemon(root, first_cluster + 1, backends=backends) as d:
+        with d.client() as c:
+            assert c.link_clusters([cluster_of(p)])[0].ok
+        caches = kind(p, d, desc, seed)
+        try:
+            yield caches
+        finally:
+            caches.close()

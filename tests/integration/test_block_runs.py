@@ -4,7 +4,6 @@ pull session and in a push; every malformed form refused with LLM_PARAM_INVALID 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -12,8 +11,6 @@ import pytest
 
 from kvbroker import (
     CacheDesc,
-    CacheIndex,
-    Client,
     Grant,
     KvCacheExtParam,
     LlmStatus,
@@ -25,12 +22,9 @@ from kvbroker import (
 from kvbroker import convert as cv
 from kvbroker._client import _batch_request
 from kvbroker._errors import error_from_rpc
-from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
-from kvbroker.shm import Cache
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from tests.conftest import cluster_of
-from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot, wait_until
+from tests.helpers import LinkedCaches, assert_bytes_equal, expected_pull, fill, linked_caches, snapshot, wait_until
 
 BLOCKS = 6000
 DESC = CacheDesc(num_tensors=2, shape=(BLOCKS, 8))
@@ -41,38 +35,15 @@ SRC = np.concatenate([np.where(_D % 4 < 2, 100 + (_D // 4) * 2 + _D % 2, 2000 + 
 DST = np.concatenate([_D + 10, np.arange(2100, 4148)]).astype(np.uint64)
 
 
-class Env:
-    def __init__(self, p: LocalDaemon, d: LocalDaemon) -> None:
-        self.p, self.d = p, d
-        self.pc: Client = p.client()
-        self.dc: Client = d.client()
-        self.src: Cache = self.pc.allocate_cache(DESC)
-        self.dst: Cache = self.dc.allocate_cache(DESC)
-        fill(self.src, 21)
-
-    def index(self) -> CacheIndex:
-        return CacheIndex(self.p.cluster_id, self.src.cache_id)
-
-    def fresh(self) -> list[np.ndarray]:
-        fill(self.dst, 22)
-        return snapshot(self.dst)
-
+class Env(LinkedCaches):
     def expected(self, before: list[np.ndarray], src: np.ndarray = SRC, dst: np.ndarray = DST) -> list[np.ndarray]:
         return expected_pull(self.src, before, src.tolist(), dst.tolist(), range(2), range(2))
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    root: Path = tmp_path_factory.mktemp("runs")
-    with LocalDaemon(root, 71) as p, LocalDaemon(root, 72) as d:
-        with d.client() as c:
-            assert c.link_clusters([cluster_of(p)])[0].ok
-        e = Env(p, d)
-        try:
-            yield e
-        finally:
-            e.pc.close()
-            e.dc.close()
+    with linked_caches(tmp_path_factory.mktemp("runs"), 71, DESC, 21, Env) as env:
+        yield env
 
 
 def test_the_lists_used_here_go_as_a_few_runs() -> None:

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvbroker import CacheDesc, CacheIndex, Client, DataType, ParamInvalidError, SessionPull, blockruns
+from kvbroker import CacheDesc, DataType, ParamInvalidError, SessionPull, blockruns
 from kvbroker import convert as cv
-from kvbroker._local import LocalDaemon
-from kvbroker.shm import Cache
 from kvbroker.v1 import broker_pb2
-from tests.conftest import cluster_of
-from tests.helpers import assert_bytes_equal, expected_pull, fill, snapshot
+from tests.helpers import LinkedCaches, assert_bytes_equal, expected_pull, linked_caches
 
 UNITS = 80_000
 DESC = CacheDesc(num_tensors=2, shape=(UNITS, 64), data_type=DataType.UINT8)  # a unit of 64 bytes: whole lines
@@ -56,35 +52,11 @@ def rank_pairs(rank: int) -> tuple[np.ndarray, np.ndarray]:
     return src.astype(np.uint64), dst.astype(np.uint64)
 
 
-class Env:
-    def __init__(self, p: LocalDaemon, d: LocalDaemon) -> None:
-        self.p, self.d = p, d
-        self.pc: Client = p.client()
-        self.dc: Client = d.client()
-        self.src: Cache = self.pc.allocate_cache(DESC)
-        self.dst: Cache = self.dc.allocate_cache(DESC)
-        fill(self.src, 31)
-
-    def index(self) -> CacheIndex:
-        return CacheIndex(self.p.cluster_id, self.src.cache_id)
-
-    def fresh(self) -> list[np.ndarray]:
-        fill(self.dst, 32)
-        return snapshot(self.dst)
-
-
 @pytest.fixture(scope="module", params=["shm", "tcp"])
-def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    root: Path = tmp_path_factory.mktemp("strided")
-    with LocalDaemon(root, 81, backends=(request.param,)) as p, LocalDaemon(root, 82, backends=(request.param,)) as d:
-        with d.client() as c:
-            assert c.link_clusters([cluster_of(p)])[0].ok
-        e = Env(p, d)
-        try:
-            yield e
-        finally:
-            e.pc.close()
-            e.dc.close()
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LinkedCaches]:
+    with linked_caches(tmp_path_factory.mktemp("strided"), 81, DESC, 31, LinkedCaches,
+                       backends=(request.param,)) as env:
+        yield env
 
 
 def test_the_pairs_go_as_a_few_strided_runs() -> None:
@@ -95,7 +67,7 @@ def test_the_pairs_go_as_a_few_strided_runs() -> None:
         assert len(runs.src_first) <= 4 * BLOCKS and max(runs.count) > 1, runs
 
 
-def test_a_strided_remap_lands_every_byte(env: Env) -> None:
+def test_a_strided_remap_lands_every_byte(env: LinkedCaches) -> None:
     before = env.fresh()
     result = env.dc.pull_kv_blocks(env.index(), env.dst, SRC, DST)
     assert result.bytes_moved == len(SRC) * DESC.block_nbytes * 2
@@ -103,7 +75,7 @@ def test_a_strided_remap_lands_every_byte(env: Env) -> None:
                                                       range(2)))
 
 
-def test_a_strided_remap_by_grant_and_in_a_session_lands_every_byte(env: Env) -> None:
+def test_a_strided_remap_by_grant_and_in_a_session_lands_every_byte(env: LinkedCaches) -> None:
     expected = expected_pull(env.src, env.fresh(), SRC.tolist(), DST.tolist(), range(2), range(2))
     grant = env.pc.create_grant([env.src.cache_id], sorted(set((SRC // np.uint64(4)).tolist())), 30.0,
                                 units_per_block=4)
@@ -123,7 +95,7 @@ def test_a_strided_remap_by_grant_and_in_a_session_lands_every_byte(env: Env) ->
     assert_bytes_equal(env.dst.tensors, expected)
 
 
-def test_two_ranks_pull_into_interleaved_units_of_the_same_blocks_at_once(env: Env) -> None:
+def test_two_ranks_pull_into_interleaved_units_of_the_same_blocks_at_once(env: LinkedCaches) -> None:
     expected = env.fresh()
     for rank in range(2):
         src, dst = rank_pairs(rank)
@@ -139,7 +111,7 @@ def test_two_ranks_pull_into_interleaved_units_of_the_same_blocks_at_once(env: E
     assert_bytes_equal(env.dst.tensors, expected)
 
 
-def test_a_strided_duplicate_is_refused_and_nothing_is_written(env: Env) -> None:
+def test_a_strided_duplicate_is_refused_and_nothing_is_written(env: LinkedCaches) -> None:
     before = env.fresh()
     dst = DST.copy()
     dst[:2 * ROWS] += np.uint64(1)  # source block 0's K units now land one unit later: onto block 1's, twice
@@ -148,7 +120,7 @@ def test_a_strided_duplicate_is_refused_and_nothing_is_written(env: Env) -> None
     assert_bytes_equal(env.dst.tensors, before)
 
 
-def test_runs_pulls_of_one_session_message_run_as_one_plan_and_a_guilty_one_fails_alone(env: Env) -> None:
+def test_runs_pulls_of_one_session_message_run_as_one_plan_and_a_guilty_one_fails_alone(env: LinkedCaches) -> None:
     """A step's pulls from one cache into one cache, each as runs, are planned together without being written out.
     One that writes a unit twice makes that plan refused and is then refused alone; one that writes units another
     pull writes runs after it (same bytes); the others land."""
