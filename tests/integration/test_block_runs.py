@@ -78,6 +78,10 @@ def test_a_pull_by_grant_as_runs_lands_the_same_bytes_and_is_refused_outside_the
         outside = SRC + np.uint64(1)  # 5148 is not granted
         with pytest.raises(ParamInvalidError, match="does not cover src blocks"):
             env.dc.pull_granted_kv_blocks(env.p.cluster_id, grant, env.dst, DST, src_blocks=outside)
+        runs = blockruns.find(SRC, DST)
+        assert runs is not None
+        with pytest.raises(ParamInvalidError, match="block_runs name their source blocks: leave it 0"):
+            env.dc.pull_granted_kv_blocks(env.p.cluster_id, grant, env.dst, (), first_block=1, block_runs=runs)
         assert_bytes_equal(env.dst.tensors, before)
     finally:
         env.pc.release_grant(grant)

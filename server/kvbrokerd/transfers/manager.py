@@ -243,6 +243,9 @@ class TransferManager:
         dst_blocks = block_array(req.dst_blocks, "dst_blocks") if req.runs is None else _NO_BLOCKS
         if req.runs is None and not len(dst_blocks):
             param_invalid("dst_blocks is empty")
+        if req.runs is not None and claim.first_block:
+            param_invalid("first_block says where in the grant's own blocks a pull that names no source blocks "
+                          "starts; block_runs name their source blocks: leave it 0")
         self._registry.get(req.local_cache_id)
         link = self._links.get_ready(req.remote_cluster_id)
         granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
