@@ -5,9 +5,10 @@ memory layout, head size, layers, the model's KV heads) must be equal; what only
 block size, heads per rank) is mapped where one size divides the other, and refused otherwise. A refusal names its
 field, before any byte moves.
 
-The plan is a list of (source unit, destination unit) pairs per prefill rank, where a unit is `chunk_tokens` tokens
-of one head's K or V in one block (`KvLayout.desc`): the daemon executes it as strided runs over the caches it
-already serves, merging consecutive units into one run, with no staging copy.
+The plan maps (source unit, destination unit) pairs per prefill rank, where a unit is `chunk_tokens` tokens of one
+head's K or V in one block (`KvLayout.desc`). It is built as runs (`kvbroker.blockruns`: a few hundred, some repeated
+at a stride), never as the pairs themselves, and the daemon checks, claims and copies those runs as they are over the
+caches it already serves, with no staging copy. A Mamba layer's state moves whole (`plan_state`).
 
 - TP: a rank holds the model's KV heads `rank_heads(rank, tp, total)`; a decode rank takes each of its heads from one
   prefill rank holding it (several prefill ranks when prefill TP is larger; a slice of one when it is smaller; each
