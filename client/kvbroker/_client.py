@@ -899,7 +899,7 @@ class Client(_Calls):
         try:
             return getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, method) from None
 
     def _run(self, call: _Call[_R]) -> _R:
         return call.decode(self._call(call.method, call.request, call.timeout))
@@ -985,7 +985,7 @@ class Client(_Calls):
                     return item
                 on_layer(item)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, "PullKvBlocksStream") from None
         raise LlmError(LlmStatus.LLM_FAILED, "the progress stream ended without a terminal state")
 
     def open_pull_session(self, *, timeout: float | None = None) -> PullSession:
@@ -1035,7 +1035,7 @@ class AsyncClient(_Calls):
         try:
             return await getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, method) from None
 
     async def _run(self, call: _Call[_R]) -> _R:
         return call.decode(await self._call(call.method, call.request, call.timeout))
@@ -1131,4 +1131,4 @@ class AsyncClient(_Calls):
             async for msg in call:
                 yield _progress(msg)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, "PullKvBlocksStream") from None

@@ -11,13 +11,21 @@ from kvbroker.convert import runs_to_blocks
 from kvbroker.status import LlmError, make_error, read_failure, status_for_grpc_code
 from kvbroker.v1 import errors_pb2
 
+TRANSFER_METHODS = frozenset({"PullKvBlocks", "PullKvBlocksStream", "PullKvCache", "PushKvBlocks", "PushKvCache",
+                              "CopyKvBlocks", "TransferKvBlocksBatch"})
+"""Calls that write into caches: a failure of one that the daemon did not describe may have left any block changed."""
 
-def error_from_rpc(err: grpc.RpcError) -> LlmError:
-    """Decodes google.rpc.Status details (ErrorInfo, TransferReport); falls back on the gRPC code alone."""
+
+def error_from_rpc(err: grpc.RpcError, method: str = "") -> LlmError:
+    """Decodes google.rpc.Status details (ErrorInfo, TransferReport); falls back on the gRPC code alone. A transfer
+    (`method`) that failed without the daemon's word (its deadline passed in transit, the daemon froze or died) gets
+    a report that trusts no requested block: the daemon may still be finishing the chunk it was copying."""
     failure = read_failure(err)
     details: dict[str, Any] = {"grpc_code": failure.code.name, **failure.metadata}
     if failure.report is not None:
         details["transfer_report"] = with_block_lists(failure.report)
+    elif failure.status is None and method in TRANSFER_METHODS:
+        details["transfer_report"] = errors_pb2.TransferReport(stage="unknown", block_lists_omitted=True)
     if failure.status is None:
         message = f"{failure.code.name}: {failure.text}" if failure.text else failure.code.name
         return make_error(status_for_grpc_code(failure.code), message, details)

@@ -55,6 +55,7 @@ class Pd:
                           **kwargs: object) -> None:
         """The pull is refused with `exc` and the destination holds exactly what it held."""
         before = snapshot(self.dst)
+        kwargs.setdefault("timeout", 2.0)  # a redeemed pull's blocks stay held until its deadline (plus a margin)
         with pytest.raises(exc, match=match):
             self.dc.pull_granted_kv_blocks(self.p.cluster_id, grant, self.dst, dst_blocks,
                                            **kwargs)  # type: ignore[arg-type]
@@ -97,15 +98,20 @@ def test_a_grant_of_units_covers_every_unit_of_its_blocks_and_no_other(pd: Pd) -
     for the caches' blocks 2b and 2b + 1."""
     grant = pd.grant([3, 1], units_per_block=2)
     before = snapshot(pd.dst)
-    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0, 4, 5], src_blocks=[7, 2, 3])
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0, 4, 5], src_blocks=[7, 2, 3], timeout=2.0)
     assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src, before, [7, 2, 3], [0, 4, 5], range(2), range(2)))
     before = snapshot(pd.dst)  # without src_blocks: the units of the granted blocks, in the grant's order
-    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [1, 2, 6], first_block=1, cache_slot=1)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [1, 2, 6], first_block=1, cache_slot=1, timeout=2.0)
     assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src2, before, [7, 2, 3], [1, 2, 6], range(2), range(2)))
-    pd.refused_untouched(ParamInvalidError, r"does not cover src blocks \[4, 5\]", grant, [0, 1], src_blocks=[4, 5])
-    pd.refused_untouched(ParamInvalidError, "covers 4 blocks; 2 from its block 3", grant, [0, 1], first_block=3)
+    pd.refused_untouched(ParamInvalidError, r"does not cover src blocks \[4, 5\]", grant, [0, 1], src_blocks=[4, 5],
+                         timeout=2.0)
+    pd.refused_untouched(ParamInvalidError, "covers 4 blocks; 2 from its block 3", grant, [0, 1], first_block=3,
+                         timeout=2.0)
+    # A release here cannot know that the redeemed pulls are over: their blocks stay until their holds end.
     pd.pc.release_grant(grant)
-    assert [e.outcome for _, e in pd.events()] == ["released"]
+    pd.refused_untouched(KvCacheNotExistError, "released", grant, [0, 1], src_blocks=[7], timeout=2.0)
+    assert [e.outcome for _, e in wait_until(pd.events, what="the release's event, once the holds are over")] == [
+        "released"]
 
 
 def test_pulls_a_grant_does_not_cover_are_refused_before_any_byte_moves(pd: Pd) -> None:
@@ -135,7 +141,8 @@ def test_pulls_a_grant_does_not_cover_are_refused_before_any_byte_moves(pd: Pd) 
     pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", grant, [0])
     with pytest.raises(KvCacheNotExistError):
         pd.dc.release_grant(grant, cluster_id=pd.p.cluster_id)
-    assert [e.outcome for _, e in pd.events()] == ["released"]
+    # The refused pulls had redeemed it: the blocks stay held until their deadlines (plus a margin) are over.
+    assert [e.outcome for _, e in wait_until(pd.events, what="the release's event")] == ["released"]
 
 
 def test_a_grant_lapses_unless_renewed_and_its_end_is_posted(pd: Pd) -> None:
@@ -146,7 +153,7 @@ def test_a_grant_lapses_unless_renewed_and_its_end_is_posted(pd: Pd) -> None:
     pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", lapsing, [0])
     with pytest.raises(KvCacheNotExistError):
         pd.dc.renew_grant(lapsing, cluster_id=pd.p.cluster_id)
-    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, renewed, pd.dst, [0])
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, renewed, pd.dst, [0], timeout=2.0)
     pd.pc.release_grant(renewed)
     # The decode daemon's renewal was told the grant lives 5 s more (it may pull on that answer): the creator's
     # release frees the blocks only then (test_grant_cache.py).

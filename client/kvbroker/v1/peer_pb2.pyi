@@ -582,10 +582,16 @@ class PeerReleaseGrantRequest(_message.Message):
     PROOF_FIELD_NUMBER: _builtins.int
     GRANT_ID_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
     grant_id: _builtins.bytes
     """The grant's id (16 bytes)."""
     secret: _builtins.bytes
     """The grant's secret (32 bytes)."""
+    hold_ms: _builtins.int
+    """How long the caller's pulls by this grant still read its blocks (at most 600000 ms; 0: none): the blocks are
+    freed only after that, and after every other link's hold. Added without a protocol bump: an older caller sends
+    0, which frees the blocks at once as before.
+    """
     @_builtins.property
     def proof(self) -> Global___LinkProof:
         """The caller's proof of its link."""
@@ -596,10 +602,11 @@ class PeerReleaseGrantRequest(_message.Message):
         proof: Global___LinkProof | None = ...,
         grant_id: _builtins.bytes = ...,
         secret: _builtins.bytes = ...,
+        hold_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "proof", b"proof", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant_id", b"grant_id", "hold_ms", b"hold_ms", "proof", b"proof", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

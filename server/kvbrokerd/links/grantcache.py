@@ -29,7 +29,7 @@ import hmac
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAX_ENTRIES = 4096
@@ -38,6 +38,9 @@ used is forgotten and its pull redeems)."""
 MAX_BLOCKS = 1 << 18
 """Granted blocks remembered per link, over all its entries (8 bytes each: 2 MiB; beyond: the least recently used
 entries are forgotten; one answer larger than that is not remembered)."""
+HOLD_MARGIN_S = 2.0
+"""A peer holds granted blocks this much past our pull's deadline (asked for in a redeem, stated in a release): the
+two daemons' clocks and schedules differ a little, and the blocks must outlast every read of the pull."""
 SAFETY_S = 0.5
 """Taken off every remembered lease: the two daemons' clocks may run at slightly different rates, and a renewal's
 answer may have been delayed on its way."""
@@ -135,4 +138,33 @@ class GrantCache:
             self._blocks -= len(entry.blocks)
 
 
-__all__ = ["MAX_ENTRIES", "SAFETY_S", "GrantCache", "Remembered"]
+class GrantReaders:
+    """Our pulls by grant that may still read a peer's blocks, per grant, each until its deadline: a release we send
+    through the link tells the peer how long they still read (the peer keeps the blocks until then, however the
+    release came about: the connector's abort path releases while a pull of the same request may still run)."""
+
+    def __init__(self) -> None:
+        self._reading: dict[bytes, dict[int, float]] = {}
+        self._ids = itertools.count()
+
+    def begin(self, grant_id: bytes, until: float) -> Callable[[], None]:
+        """Records a pull by `grant_id` that reads until `until` (time.monotonic()); returns what ends it early."""
+        key, ident = bytes(grant_id), next(self._ids)
+        self._reading.setdefault(key, {})[ident] = until
+
+        def end() -> None:
+            pulls = self._reading.get(key)
+            if pulls is not None:
+                pulls.pop(ident, None)
+                if not pulls:
+                    del self._reading[key]
+
+        return end
+
+    def hold_s(self, grant_id: bytes) -> float:
+        """How long our pulls by `grant_id` may still read (0: none reads)."""
+        now = time.monotonic()
+        return max(0.0, max(self._reading.get(bytes(grant_id), {}).values(), default=now) - now)
+
+
+__all__ = ["HOLD_MARGIN_S", "MAX_ENTRIES", "SAFETY_S", "GrantCache", "GrantReaders", "Remembered"]

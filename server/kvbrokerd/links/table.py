@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -43,7 +44,7 @@ from kvbrokerd.backends.base import (
 )
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.links import linkauth
-from kvbrokerd.links.grantcache import GrantCache
+from kvbrokerd.links.grantcache import HOLD_MARGIN_S, SAFETY_S, GrantCache, GrantReaders
 from kvbrokerd.links.inbound import (
     MAX_EPOCH_BYTES,
     PROTOCOL_VERSION,
@@ -91,6 +92,8 @@ class Link:
     heartbeat: asyncio.Task[None] | None = None
     grants: GrantCache = field(default_factory=GrantCache)
     """What the peer said about the grants we renewed on it (grantcache.py)."""
+    readers: GrantReaders = field(default_factory=GrantReaders)
+    """Our pulls by the peer's grants that may still read its blocks (a release we send says how long)."""
     grant_answers: Counter[str] = field(default_factory=Counter)
     """Pulls by grant answered from `grants` ("remembered") or by a RedeemGrant call ("redeemed"); the link table
     passes its own counter, so that the counts outlive the link."""
@@ -112,10 +115,11 @@ class Link:
             fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id}'s answer to {method} failed "
                  "authentication (a relay rewrote it?)")
 
-    async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+    async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float, reads_until: float
                       ) -> peer_pb2.RedeemGrantResponse:
         """What `redeem_grant` answers, without the round trip when a renewal told us and the grant surely lives
-        `hold_s` more: see grantcache.py for why that is safe."""
+        `hold_s` more: see grantcache.py for why that is safe. Either way, the grant surely lives past `reads_until`
+        (time.monotonic(): the pull's deadline, after which it reads nothing), or the pull is refused."""
         known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None and (renewal := self.renewing.get(grant_id)) is not None:
             # A decode engine pulls a request as soon as it is scheduled, usually while the first renewal of its grant
@@ -130,18 +134,21 @@ class Link:
             timeout = max(0.001, timeout - (time.monotonic() - started))
             known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None:
-            return await self.redeem_grant(grant_id, secret, hold_s, timeout)
+            return await self.redeem_grant(grant_id, secret, hold_s, timeout, reads_until)
         self.grant_answers["remembered"] += 1
         return peer_pb2.RedeemGrantResponse(cache_ids=known.cache_ids, blocks=known.blocks,
                                             units_per_block=known.units_per_block, instance_epoch=self.remote_epoch)
 
-    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
-                           ) -> peer_pb2.RedeemGrantResponse:
-        """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive for `hold_s`)."""
+    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float,
+                           reads_until: float) -> peer_pb2.RedeemGrantResponse:
+        """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive, and its blocks
+        held for us, for `hold_s`, within the grant's cap): refused when the answer says the grant ends before
+        `reads_until` (its cap is near), since the blocks may then be reused under the pull."""
         assert self.stub is not None
         self.grant_answers["redeemed"] += 1
         req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
             grant_id=grant_id, secret=secret, hold_ms=max(0, min(600_000, int(hold_s * 1000)))))
+        sent_at = time.monotonic()
         try:
             resp = await self.stub.RedeemGrant(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -153,6 +160,12 @@ class Link:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
                  "to its previous incarnation")
+        # The peer counted from when it answered, after we sent: the grant lives at least this long from `sent_at`.
+        lives_until = sent_at + answer.expires_in_ms / 1000 - SAFETY_S
+        if lives_until < reads_until:
+            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"the grant ends in {answer.expires_in_ms} ms (its max hold is "
+                 f"near), before this pull's deadline in {int((reads_until - sent_at) * 1000)} ms: its blocks may be "
+                 "reused under the pull, so nothing was pulled (pull sooner, or with a shorter timeout)")
         # Not remembered: the peer promises its blocks to a link only in a renewal's answer (GrantTable.promise).
         return answer
 
@@ -181,9 +194,14 @@ class Link:
             renewal.set()
 
     async def release_grant(self, grant_id: bytes, secret: bytes, timeout: float) -> None:
+        """Ends the grant; the peer keeps its blocks while our pulls by it may still read them (`readers`)."""
         assert self.stub is not None
         self.grants.forget(grant_id, secret)  # first: a release that fails on its way may still have ended the grant
-        req = self.signed("ReleaseGrant", peer_pb2.PeerReleaseGrantRequest(grant_id=grant_id, secret=secret))
+        hold_ms = math.ceil(self.readers.hold_s(grant_id) * 1000)
+        if hold_ms:
+            hold_ms = min(600_000, hold_ms + int(HOLD_MARGIN_S * 1000))
+        req = self.signed("ReleaseGrant", peer_pb2.PeerReleaseGrantRequest(grant_id=grant_id, secret=secret,
+                                                                           hold_ms=hold_ms))
         try:
             resp = await self.stub.ReleaseGrant(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:

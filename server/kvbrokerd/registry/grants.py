@@ -7,12 +7,20 @@ ends when it is released, when its lease lapses (its holder died or forgot it), 
 cap, or when one of its caches is removed; each end is posted once, as a GrantEvent, on the topics the creator named,
 so the creator frees the blocks then and only then.
 
+The promise a pull relies on is kept here, in one place: every peer link that may read a grant's blocks (a redeemed
+pull, until its deadline plus a margin; a renewal's answer, until the lease it stated) holds them (`Grant.holds`).
+No end of the grant frees blocks that a link holds: a lapse or the cap cannot come first (a redeem extends the
+lease to its hold, and the puller refuses an answer whose grant ends before its deadline), and a release, by anyone,
+ends the grant for new uses at once but posts its event (which lets the creator free the blocks) only when the last
+hold is over. The link a release comes through states how long its own pulls still read (`release(hold_s=)`).
+
 The table holds only a digest of each secret (compared in constant time), so nothing it lists or logs lets anyone
 use a grant. A wrong secret reads exactly like an unknown grant: the answer is no oracle for which ids exist.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import hashlib
@@ -42,9 +50,11 @@ MAX_HOLD_S = 86400.0
 MAX_REDEEM_HOLD_S = 600.0
 MAX_UNITS_PER_BLOCK = 1 << 16
 SWEEP_INTERVAL_S = 0.1
-MAX_PROMISES = 16
-"""Links a grant's renewals may describe it to (one per decode daemon that renews it; beyond: renewals still renew,
-but describe nothing, so those peers redeem before they pull)."""
+MAX_HOLDERS = 16
+"""Links that may hold one grant's blocks at once (one per decode daemon that renews or redeems it; beyond: renewals
+still renew, but describe nothing, and a redeem is refused)."""
+MAX_GRANTED_BLOCKS = 1 << 22
+"""Blocks that all grants together may cover (4 bytes each: 16 MiB), unless the daemon is told otherwise."""
 STALL_S = 0.25
 """A sweep this much later than planned means the daemon did not run in between (see sessions.py)."""
 
@@ -54,8 +64,8 @@ class Grant:
     grant_id: bytes
     digest: bytes
     cache_ids: tuple[int, ...]
-    blocks: tuple[int, ...]
-    block_set: frozenset[int]
+    blocks: array.array[int]
+    """Compact (4 or 8 bytes a block): a grant may cover 65,536 blocks, and thousands of grants may live."""
     lease_s: float
     expires: float  # time.monotonic()
     cap: float  # time.monotonic(): renewals never move `expires` past it
@@ -63,9 +73,9 @@ class Grant:
     event_topics: tuple[str, ...]
     units_per_block: int = 1
     """Each granted block stands for this many consecutive blocks of the caches."""
-    promised: dict[object, float] = field(default_factory=dict)
-    """Peer link -> time.monotonic() until which a renewal's answer told that peer the grant lives (the peer may
-    pull until then without redeeming): a release by anyone else keeps the blocks until then (see `release`)."""
+    holds: dict[object, float] = field(default_factory=dict)
+    """Peer link -> time.monotonic() until which that link may read the blocks: a redeemed pull's hold, or the lease
+    a renewal's answer stated (the peer may pull until then without redeeming). No end frees the blocks earlier."""
 
     def expires_in_ms(self) -> int:
         return max(0, min(0xFFFFFFFF, int((self.expires - time.monotonic()) * 1000)))
@@ -73,6 +83,16 @@ class Grant:
 
 def _digest(secret: bytes) -> bytes:
     return hashlib.sha256(b"kvbroker grant v1\0" + secret).digest()
+
+
+def _block_array(blocks: Sequence[int]) -> array.array[int]:
+    """The blocks, 4 bytes each where they fit (8 otherwise); a negative block is refused."""
+    if not blocks:
+        return array.array("I")
+    try:
+        return array.array("I" if max(blocks) < 1 << 32 else "Q", blocks)
+    except (OverflowError, TypeError):
+        param_invalid("blocks must be integers in [0, 2^64)")
 
 
 def lease_of(lease_ms: int, *, optional: bool = False) -> float | None:
@@ -87,12 +107,16 @@ def lease_of(lease_ms: int, *, optional: bool = False) -> float | None:
 class GrantTable:
     """Runs on the event loop. `on_end(grant, outcome)` posts the grant's events (it must not raise)."""
 
-    def __init__(self, on_end: Callable[[Grant, str], None], *, max_grants: int = MAX_GRANTS) -> None:
+    def __init__(self, on_end: Callable[[Grant, str], None], *, max_grants: int = MAX_GRANTS,
+                 max_blocks: int = MAX_GRANTED_BLOCKS) -> None:
         self._grants: dict[bytes, Grant] = {}
         self._draining: dict[bytes, Grant] = {}
-        """Released grants whose blocks a peer was promised (`Grant.promised`): unusable, ended at `expires`."""
+        """Released grants whose blocks a peer link still holds (`Grant.holds`): unusable, ended at `expires`."""
         self._on_end = on_end
         self.max_grants = max_grants
+        self.max_blocks = max_blocks
+        self.covered_blocks = 0
+        """Blocks of every live or draining grant (bounded by `max_blocks`)."""
         self._sweeper: asyncio.Task[None] | None = None
         self.ended: dict[str, int] = {}
         """Grants ended so far, by outcome (for metrics and tests)."""
@@ -117,13 +141,13 @@ class GrantTable:
             param_invalid("cache_ids repeat a cache")
         if not 1 <= len(blocks) <= MAX_BLOCKS:
             param_invalid(f"a grant covers 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
-        block_set = frozenset(int(b) for b in blocks)
-        if len(block_set) != len(blocks):
+        block_list = _block_array(blocks)
+        if len(set(block_list)) != len(block_list):
             param_invalid("blocks repeat a block")
+        top = max(block_list)
         for cache_id in cache_ids:
-            if (max(block_set) + 1) * units > (n := num_blocks_of(cache_id)):
-                param_invalid(f"block {max(block_set)} (of {units} blocks each) is out of range for cache "
-                              f"{cache_id} ({n} blocks)")
+            if (top + 1) * units > (n := num_blocks_of(cache_id)):
+                param_invalid(f"block {top} (of {units} blocks each) is out of range for cache {cache_id} ({n} blocks)")
         lease_s = lease_of(lease_ms)
         assert lease_s is not None
         hold_s = max_hold_ms / 1000 if max_hold_ms else MAX_HOLD_S
@@ -137,11 +161,15 @@ class GrantTable:
                 param_invalid(f"an event topic must be 1..{MAX_TOPIC_BYTES} bytes")
         if len(self._grants) + len(self._draining) >= self.max_grants:
             fail(LlmStatus.LLM_OUT_OF_MEMORY, f"grant limit reached ({self.max_grants}); release grants first")
+        if self.covered_blocks + len(block_list) > self.max_blocks:
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"grants cover {self.covered_blocks} blocks; {len(block_list)} more "
+                 f"would pass max_granted_blocks={self.max_blocks}: release grants first")
         grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
         now = time.monotonic()
-        grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), tuple(int(b) for b in blocks),
-                      block_set, lease_s, now + lease_s, now + hold_s, label, tuple(event_topics), units)
+        grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), block_list, lease_s,
+                      now + lease_s, now + hold_s, label, tuple(event_topics), units)
         self._grants[grant_id] = grant
+        self.covered_blocks += len(block_list)
         return grant, secret
 
     def get(self, grant_id: bytes, secret: bytes) -> Grant:
@@ -162,38 +190,49 @@ class GrantTable:
         grant.expires = min(grant.cap, max(grant.expires, time.monotonic() + grant.lease_s))
         return grant
 
-    def redeem(self, grant_id: bytes, secret: bytes, hold_ms: int) -> Grant:
-        """The grant, kept alive at least `hold_ms` (within its cap): a pull that began in time never reads blocks
-        that were freed under it."""
+    def redeem(self, grant_id: bytes, secret: bytes, hold_ms: int, by: object = None) -> Grant:
+        """The grant, its lease extended to at least `hold_ms` (within its cap), and its blocks held for link `by`
+        as long: a pull that began in time never reads blocks that were freed under it. The answer's
+        `expires_in_ms` says when the grant ends at the latest; the puller refuses one that ends before its pull."""
         grant = self.get(grant_id, secret)
+        now = time.monotonic()
+        until = min(grant.cap, now + min(hold_ms / 1000, MAX_REDEEM_HOLD_S))
+        if by is not None and not self._hold(grant, by, until, now):
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{MAX_HOLDERS} links read this grant already; retry later")
         self.redeemed += 1
-        hold_s = min(hold_ms / 1000, MAX_REDEEM_HOLD_S)
-        grant.expires = min(grant.cap, max(grant.expires, time.monotonic() + hold_s))
+        grant.expires = max(grant.expires, until)
         return grant
 
     def promise(self, grant: Grant, to: object) -> bool:
-        """Records that `to` (a peer's link) is told the grant lives until its current `expires`; False when the
-        grant has promised too many links already (then `to` must not be told)."""
-        now = time.monotonic()
-        for key in [k for k, until in grant.promised.items() if until <= now]:
-            del grant.promised[key]
-        if to not in grant.promised and len(grant.promised) >= MAX_PROMISES:
+        """Holds the blocks for `to` (a peer's link) until the grant's current `expires`, which a renewal's answer
+        tells it; False when too many links hold the grant already (then `to` must not be told)."""
+        return self._hold(grant, to, grant.expires, time.monotonic())
+
+    def _hold(self, grant: Grant, by: object, until: float, now: float) -> bool:
+        for key in [k for k, t in grant.holds.items() if t <= now]:
+            del grant.holds[key]
+        if by not in grant.holds and len(grant.holds) >= MAX_HOLDERS:
             return False
-        grant.promised[to] = grant.expires
+        grant.holds[by] = max(grant.holds.get(by, 0.0), until)
         return True
 
-    def release(self, grant_id: bytes, secret: bytes, by: object = None) -> None:
-        """Ends the grant at once for every use; its blocks are freed (its event posted) at once too, unless a
-        renewal told another peer link than `by` (the link the release came over; None: a local client) that the
-        grant lives longer: that peer may pull without asking again, so the blocks stay until then."""
+    def release(self, grant_id: bytes, secret: bytes, by: object = None, hold_s: float = 0.0) -> None:
+        """Ends the grant at once for every use; its blocks are freed (its event posted) when no link holds them
+        any more. `by`: the peer link the release came through (None: a local client), whose pulls by the grant
+        still read for `hold_s` (its own word replaces what it held: it knows its pulls; every other link's holds
+        stand, whoever releases)."""
         grant = self.get(grant_id, secret)
         now = time.monotonic()
-        promised = max((until for key, until in grant.promised.items() if key is not by), default=now)
-        if promised <= now:
+        if by is not None:
+            grant.holds.pop(by, None)
+            if hold_s > 0:
+                grant.holds[by] = min(grant.cap, now + min(hold_s, MAX_REDEEM_HOLD_S))
+        until = max(grant.holds.values(), default=now)
+        if until <= now:
             self._end(grant, "released")
             return
         del self._grants[grant.grant_id]
-        grant.expires = grant.cap = promised
+        grant.expires = grant.cap = until
         self._draining[grant.grant_id] = grant
 
     # -- ends the holder did not ask for ------------------------------------------------------------------------
@@ -211,7 +250,7 @@ class GrantTable:
             self._drained(grant)
 
     def _drained(self, grant: Grant) -> None:
-        """A released grant's last promise is over (or its cache gone): its blocks are freed now."""
+        """A released grant's last hold is over (or its cache gone): its blocks are freed now."""
         if self._draining.pop(grant.grant_id, None) is not None:
             self._grants[grant.grant_id] = grant
             self._end(grant, "released")
@@ -221,10 +260,13 @@ class GrantTable:
         for grant in [*self._grants.values(), *self._draining.values()]:
             grant.expires += stalled_s
             grant.cap += stalled_s
+            for key in grant.holds:
+                grant.holds[key] += stalled_s
 
     def _end(self, grant: Grant, outcome: str) -> None:
         if self._grants.pop(grant.grant_id, None) is None:
             return
+        self.covered_blocks -= len(grant.blocks)
         self.ended[outcome] = self.ended.get(outcome, 0) + 1
         if outcome != "released":
             log.info("grant %s (%s) ended: %s", grant.grant_id.hex()[:8], grant.label, outcome)

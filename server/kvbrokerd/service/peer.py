@@ -109,7 +109,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def RedeemGrant(self, request: peer_pb2.RedeemGrantRequest, context: grpc.aio.ServicerContext
                           ) -> peer_pb2.RedeemGrantResponse:
         link = self.node.links.inbound.authorize("RedeemGrant", request, request.proof)
-        grant = self.node.grants.redeem(request.grant_id, request.secret, request.hold_ms)
+        grant = self.node.grants.redeem(request.grant_id, request.secret, request.hold_ms, by=link)
         return _sealed(peer_pb2.RedeemGrantResponse(
             cache_ids=grant.cache_ids, blocks=grant.blocks, expires_in_ms=grant.expires_in_ms(),
             units_per_block=grant.units_per_block,
@@ -134,7 +134,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def ReleaseGrant(self, request: peer_pb2.PeerReleaseGrantRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.PeerReleaseGrantResponse:
         link = self.node.links.inbound.authorize("ReleaseGrant", request, request.proof)
-        self.node.grants.release(request.grant_id, request.secret, by=link)
+        self.node.grants.release(request.grant_id, request.secret, by=link, hold_s=request.hold_ms / 1000)
         return _sealed(peer_pb2.PeerReleaseGrantResponse(), "ReleaseGrant", link, request.proof)
 
 

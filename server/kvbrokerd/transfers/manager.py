@@ -32,6 +32,7 @@ from kvbroker.types import CacheDesc, TransferResult
 from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
+from kvbrokerd.links.grantcache import HOLD_MARGIN_S
 from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
@@ -59,9 +60,6 @@ GRACE_S = 1.0
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
 PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
-GRANT_HOLD_MARGIN_S = 2.0
-"""A redeemed grant is held this much past our pull's deadline: a pull that began in time ends before the granting
-side may free (and reuse) the blocks."""
 
 
 class Direction(enum.Enum):
@@ -232,8 +230,9 @@ class TransferManager:
     async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
         """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
         names (never what the caller names): redeemed over the link, before any byte moves (or as a renewal through
-        us described it, links/grantcache.py). The granting daemon keeps the grant alive past our deadline, so the
-        blocks cannot be freed under the pull."""
+        us described it, links/grantcache.py). The granting daemon holds the blocks for us past our deadline
+        (registry/grants.py says how, whatever ends the grant meanwhile), and every copy stops writing at the
+        deadline (its fence): a pull that succeeds read only blocks that were still granted."""
         claim = req.grant
         assert claim is not None
         if direction != Direction.PULL:
@@ -248,8 +247,10 @@ class TransferManager:
                           "starts; block_runs name their source blocks: leave it 0")
         self._registry.get(req.local_cache_id)
         link = self._links.get_ready(req.remote_cluster_id)
-        granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + GRANT_HOLD_MARGIN_S,
-                                     deadline.remaining())  # a renewal's answer, or a RedeemGrant round trip
+        # From here until the pull is over, a release of the grant through this link keeps the blocks for it.
+        deadline.when_over(link.readers.begin(claim.grant_id, deadline.at))
+        granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + HOLD_MARGIN_S,
+                                     deadline.remaining(), deadline.at)  # a renewal's answer, or a RedeemGrant
         if claim.cache_slot >= len(granted.cache_ids):
             param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
                           f"{claim.cache_slot}")

@@ -372,6 +372,60 @@ class Pieces:
                       self.dst_offset[index], self.length[index], cut(self.count), cut(self.src_stride),
                       cut(self.dst_stride), cut(self.first_repeat))
 
+    def bounded(self, max_bytes: int) -> Pieces:
+        """The same pieces, those over `max_bytes` cut into pieces of at most that (a strided one between
+        repetitions, keeping at least one repetition a piece): a copy checks its fence between pieces, so that a
+        copy that resumes after its deadline (a frozen daemon) writes at most one piece more."""
+        nbytes = self.nbytes
+        big = np.flatnonzero(nbytes > np.uint64(max_bytes))
+        if not len(big):
+            return self
+        parts: list[Pieces] = []
+        start = 0
+        for i in big.tolist():
+            if start < i:
+                parts.append(self.take(slice(start, i)))
+            parts.append(self.take(slice(i, i + 1))._cut(max_bytes))
+            start = i + 1
+        if start < len(self):
+            parts.append(self.take(slice(start, None)))
+        return Pieces.concatenated(parts)
+
+    def _cut(self, max_bytes: int) -> Pieces:
+        """This one piece as consecutive pieces of at most `max_bytes` (whole repetitions, when strided)."""
+        length = int(self.length[0])
+        repeats = 1 if self.count is None else int(self.count[0])
+        if repeats > 1:
+            step = max(1, max_bytes // length)
+            k = np.arange(0, repeats, step, dtype=np.uint64)
+            assert self.src_stride is not None and self.dst_stride is not None and self.first_repeat is not None
+            return Pieces(np.repeat(self.run, len(k)), np.repeat(self.src_tensor, len(k)),
+                          self.src_offset[0] + k * self.src_stride[0], np.repeat(self.dst_tensor, len(k)),
+                          self.dst_offset[0] + k * self.dst_stride[0], np.repeat(self.length, len(k)),
+                          np.minimum(np.uint64(step), np.uint64(repeats) - k), np.repeat(self.src_stride, len(k)),
+                          np.repeat(self.dst_stride, len(k)), self.first_repeat[0] + k)
+
+        def same(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.repeat(a, len(at))
+
+        at = np.arange(0, length, max_bytes, dtype=np.uint64)
+        return Pieces(np.repeat(self.run, len(at)), np.repeat(self.src_tensor, len(at)), self.src_offset[0] + at,
+                      np.repeat(self.dst_tensor, len(at)), self.dst_offset[0] + at,
+                      np.minimum(np.uint64(max_bytes), np.uint64(length) - at), same(self.count),
+                      same(self.src_stride), same(self.dst_stride), same(self.first_repeat))
+
+    @staticmethod
+    def concatenated(parts: Sequence[Pieces]) -> Pieces:
+        def join(name: str) -> np.ndarray | None:
+            arrays = [getattr(p, name) for p in parts]
+            return None if arrays[0] is None else np.concatenate(arrays)
+
+        run, src_tensor, src_offset, dst_tensor, dst_offset, length = (
+            np.concatenate([getattr(p, name) for p in parts])
+            for name in ("run", "src_tensor", "src_offset", "dst_tensor", "dst_offset", "length"))
+        return Pieces(run, src_tensor, src_offset, dst_tensor, dst_offset, length, join("count"), join("src_stride"),
+                      join("dst_stride"), join("first_repeat"))
+
     def split(self, parts: int) -> list[Pieces]:
         """`parts` lists of about equal bytes, in order; a run that straddles a boundary is cut there (a strided
         one at the repetition the boundary falls in)."""

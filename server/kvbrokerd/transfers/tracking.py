@@ -9,7 +9,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvbrokerd.errors import LlmError
 from kvbrokerd.logs import LOG_CONTEXT
@@ -31,9 +31,20 @@ class Deadline:
         # 10% of the budget (50-250 ms): on a loaded host a reply sent 50 ms early can still miss a 1 s deadline.
         margin = min(MAX_REPLY_MARGIN_S, max(REPLY_MARGIN_S, budget * 0.1), budget * 0.2)
         self.at = time.monotonic() + budget - margin
+        self._when_over: list[Callable[[], None]] = []
 
     def remaining(self) -> float:
         return max(0.001, self.at - time.monotonic())
+
+    def when_over(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` when the request that has this deadline is over (`over`)."""
+        self._when_over.append(callback)
+
+    def over(self) -> None:
+        """The request reached its terminal state: whatever waited for its end is told (once)."""
+        callbacks, self._when_over = self._when_over, []
+        for callback in callbacks:
+            callback()
 
 
 # Transfer ids: a random per-process prefix and a counter, 12 hex digits for the first 16M transfers and longer
@@ -68,6 +79,7 @@ class Tracked:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.deadline.over()
         if isinstance(exc, LlmError):
             outcome = exc.status.name
             report = exc.details.get("transfer_report")

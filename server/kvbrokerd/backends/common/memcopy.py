@@ -46,7 +46,9 @@ PARALLEL_MIN_BYTES = 8 << 20
 INLINE_MAX_BYTES = 512 << 10
 INLINE_MAX_RUNS = 1024
 # A copy checks its deadline and cancellation between chunks of at most this many bytes or runs (a chunk is one
-# call that releases the GIL once; a run larger than a chunk is one chunk).
+# call that releases the GIL once; a run larger than a chunk is cut into chunks). A chunk that ends after the
+# deadline does not count as landed (the fence): a daemon frozen mid-copy, past its deadline, writes at most the
+# chunk it was in when it resumes, never reports it as landed, and writes nothing after it.
 CHUNK_BYTES = 16 << 20
 CHUNK_RUNS = 4096
 
@@ -155,6 +157,7 @@ def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progres
     """Copies chunk by chunk (deadline and cancellation are checked between chunks) and records each chunk."""
     if pieces.count is not None and not (_safecopy is not None and src.addresses and dst.addresses):
         pieces = pieces.plain()  # only the fault-safe copy takes strided pieces: the others copy run by run
+    pieces = pieces.bounded(CHUNK_BYTES)
     move = _mover(src, dst, pieces)
     nbytes, repeat = pieces.nbytes, pieces.first_repeat
     first, total = 0, len(pieces)
@@ -181,6 +184,8 @@ def _copy_pieces(src: Endpoint, dst: Endpoint, pieces: Pieces, progress: Progres
                 at = slice(first + e.pieces, first + e.pieces + 1)
                 record(pieces.run[at], pieces.length[at] * np.uint64(e.repeats), repeat[at])
             raise e.error from None
+        if time.monotonic() > deadline:  # the fence: bytes copied after the deadline never count as landed
+            fail(LlmStatus.LLM_TIMEOUT, "deadline passed during the memory copy")
         record(pieces.run[chunk], nbytes[chunk], None if repeat is None else repeat[chunk])
         first = last
 

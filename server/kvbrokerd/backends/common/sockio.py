@@ -176,6 +176,7 @@ def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int
     if isinstance(sock, ssl.SSLSocket):
         for k, v in enumerate(views):
             recv_exact(sock, v, watch)
+            fence(watch.deadline)
             on_complete(k)
         return
     views = list(views)
@@ -201,12 +202,20 @@ def recv_views(sock: socket, views: list[memoryview], on_complete: Callable[[int
             raise
         if got == 0:
             raise ConnectionError("peer closed the data connection")
+        fence(deadline)
         done += got
         if not lean:
             watch.progressed(got)
         i, completed = _advance(views, i, got)
         for k in completed:
             on_complete(k)
+
+
+def fence(deadline: float) -> None:
+    """Bytes that arrived after the request's deadline never count as landed: a daemon that resumes from a freeze
+    past the deadline fails the request before it records them (they may have left the peer after its hold ended)."""
+    if time.monotonic() > deadline:
+        raise TimeoutError("the request's deadline passed during a receive")
 
 
 def recv_exact(sock: socket, view: memoryview, watch: Watch) -> None:

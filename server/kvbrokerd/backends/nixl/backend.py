@@ -396,6 +396,8 @@ class NixlChannel(PeerChannel):
             raise
         if op == "READ":
             self._check_live(remote, layout, deadline, " (it was removed during the pull: what landed is discarded)")
+            if time.monotonic() > deadline:  # the fence: what landed late may have been read after the peer's hold
+                fail(LlmStatus.LLM_TIMEOUT, f"{what}: deadline passed before the pull's bytes were checked")
             _mark(progress, plan, 0)
         return plan.total_bytes
 

@@ -116,6 +116,7 @@ def _read_staged(sock: socket.socket, dst: CacheEntry, pieces: Pieces, progress:
         buf = staging.buffer()
         n = int(at[-1] + pieces.length[last - 1])
         sockio.recv_exact(sock, buf.data[:n], watch)
+        sockio.fence(watch.deadline)  # nothing that arrived late is written into the cache
         try:
             memcopy.copy_runs(addresses(dst, pieces.dst_tensor[first:last], pieces.dst_offset[first:last]),
                               staging.address(buf) + at, pieces.length[first:last])
@@ -190,6 +191,7 @@ class TcpChannel(PeerChannel):
                             if e.errno == errno.EFAULT:
                                 _local_memory_gone(dst, "a pull")
                             raise
+                        sockio.fence(deadline)
                         progress.mark(idx, n)
                     trailer = bytearray(TRAILER.size)
                     await _recv_exact_on_loop(loop, sock, memoryview(trailer))
