@@ -65,6 +65,9 @@ class Config:
                 "pooled connection); others queue"})
     max_inflight_bytes: int = field(default=16 << 30, metadata={"help": "most bytes in flight over all transfers"})
     max_links: int = field(default=1024, metadata={"help": "most links (each way)"})
+    max_granted_blocks: int = field(default=1 << 22, metadata={
+        "help": "most blocks that all live grants together cover (4 bytes each in memory); CreateGrant past it is "
+                "refused with LLM_OUT_OF_MEMORY"})
     broken_link_ttl: float = field(default=60.0, metadata={
         "help": "seconds a link we made may stay BROKEN (its peer dead or unreachable) before it is removed and its "
                 "resources freed; a full link table also drops its longest-BROKEN link for a new one (0 = keep "
@@ -99,7 +102,7 @@ class Config:
             if value and not _is_host_port(value):
                 raise ConfigError(f"{name}: {value!r} is not host:port")
         for name in ("max_caches", "data_threads", "max_transfers", "parallel_transfers", "max_inflight_bytes",
-                     "max_links"):
+                     "max_links", "max_granted_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.metrics_listen and not _is_host_port(self.metrics_listen):

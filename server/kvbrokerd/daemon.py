@@ -153,6 +153,7 @@ class Daemon:
             self._links.backends = {b.name: b for b in self._backends}
             node = Node(cfg.cluster_id, epoch, "", cfg.backends, self._registry, self._links, transfers,
                         self._sessions)
+            node.grants.max_blocks = cfg.max_granted_blocks
             node.grants.start()
             loop = asyncio.get_running_loop()
             # Removal hooks run on an executor thread; the grant table lives on the event loop.

@@ -14,6 +14,7 @@ from kvbroker import (
     Grant,
     KvCacheNotExistError,
     LinkFailedError,
+    OutOfMemoryError,
     ParamInvalidError,
 )
 from kvbroker._local import LocalDaemon
@@ -207,3 +208,37 @@ def test_a_grant_needs_a_ready_link_to_the_daemon_that_made_it(pd: Pd) -> None:
         pd.pc.renew_grant(grant, cluster_id=pd.d.cluster_id)  # p never linked to d
     pd.pc.release_grant(grant)
     pd.events()
+
+
+def test_a_redeem_whose_grant_ends_before_the_pulls_deadline_is_refused_untouched(pd: Pd) -> None:
+    """Issue 30, finding 1: near its cap a grant cannot outlive a long pull; the pull is refused before any byte
+    moves (else the engine could reuse the blocks mid-pull and the pull still report success)."""
+    grant = pd.grant([4], lease=3.0, max_hold=3.0)
+    pd.refused_untouched(KvCacheNotExistError, "before this pull's deadline", grant, [0], timeout=10.0)
+    before = snapshot(pd.dst)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0], timeout=0.5)  # this one ends in time
+    assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src, before, [4], [0], range(2), range(2)))
+    pd.pc.release_grant(grant)
+    assert [e.outcome for _, e in wait_until(pd.events, what="the release's event")] == ["released"]
+
+
+def test_a_release_by_the_creator_keeps_the_blocks_while_a_redeemed_pull_may_read_them(pd: Pd) -> None:
+    """Issue 30, finding 2: the creator's release ends the grant for new pulls at once, but its event (after which
+    the engine reuses the blocks) waits for the redeemed pull's deadline and margin."""
+    grant = pd.grant([6])
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [1], timeout=3.0)
+    pd.pc.release_grant(grant)
+    assert pd.events() == [], "the blocks were freed while the pull may still have been reading them"
+    pd.refused_untouched(KvCacheNotExistError, "grant unknown, lapsed or released", grant, [2])
+    assert [e.outcome for _, e in wait_until(pd.events, what="the release's event")] == ["released"]
+
+
+def test_grants_together_cover_at_most_max_granted_blocks(tmp_path: Path) -> None:
+    """Issue 30, finding 8: the blocks of all grants are bounded daemon-wide (an operator's setting)."""
+    with LocalDaemon(tmp_path, 65, extra_args=["--max-granted-blocks", "10"]) as p, p.client() as c:
+        cache = c.allocate_cache(DESC)
+        first = c.create_grant([cache.cache_id], list(range(8)), 30.0)
+        with pytest.raises(OutOfMemoryError, match="max_granted_blocks=10"):
+            c.create_grant([cache.cache_id], [0, 1, 2], 30.0)
+        c.release_grant(first)
+        c.create_grant([cache.cache_id], [0, 1, 2], 30.0)
