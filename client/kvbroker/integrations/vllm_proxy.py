@@ -10,6 +10,10 @@ Each completion or chat completion goes to a prefill server first, as NixlConnec
 serves; its answer goes back to the client as it comes (server-sent events when the client asked for
 `"stream": true`). The proxy only forwards JSON: it does not need vLLM, a tokenizer or kvbroker's daemon.
 
+From the prefill answer the proxy needs only `kv_transfer_params`: the prefill request carries none of the fields that
+only enlarge the answer (logprobs, prompt logprobs, echo, token ids; the decode request keeps them, they are the
+client's to ask for), and at most `--max-prefill-answer-bytes` of the answer are read (a larger one gives 502).
+
 What a client controls stops at the proxy: `kv_transfer_params` a client sends are dropped (only the prefill
 server's reach the decode server), the request id both servers see is the proxy's own (`X-Request-Id: pd-<uuid>`,
 also returned to the client), and a request that would make the prefill server hold KV for several sequences while
@@ -62,7 +66,23 @@ SERVER_NAME = "kvbroker-pd-proxy"
 _FORWARDED_HEADERS = ("Authorization",)
 # Body fields a client may not set: where the KV is comes only from the prefill server, the request id only from us.
 _STRIPPED_FIELDS = ("kv_transfer_params", "request_id")
-# Bodies larger than this are parsed on a worker thread, so that one big request does not stall the others.
+# Fields that only shape the answer the client sees: at the prefill server they would only enlarge an answer the proxy
+# reads nothing from but `kv_transfer_params` (prompt logprobs of a long prompt are tens of MB), and `min_tokens` > 1
+# would be refused next to `max_tokens` 1. `n` and `best_of` are 1 or absent here (see `single_sequence_problem`).
+_PREFILL_DROPPED_FIELDS = (
+    "stream_options",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "n",
+    "best_of",
+)
+# Bodies (and prefill answers) larger than this are parsed on a worker thread, so that one big one does not stall the
+# others.
 _PARSE_INLINE_BYTES = 256 * 1024
 # JSON strings (with their escapes); what is left once they are removed is structure, numbers and literals.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -110,6 +130,8 @@ class ProxyConfig:
     """Seconds the decode server may stay silent: before its first byte, and between two streamed chunks."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted from a client."""
+    max_prefill_answer_bytes: int = 1024 * 1024
+    """Most bytes read of a prefill server's answer: one token and `kv_transfer_params` take a few KiB."""
     max_json_values: int = 2_000_000
     """Most JSON values (objects, arrays, strings, numbers, literals) a request body may hold: parsed JSON takes up to
     ~60 bytes per value, so this, not the body size, bounds the memory a body costs."""
@@ -140,6 +162,21 @@ class UpstreamError(Exception):
         return f"the {self.upstream.role} server {what} (request {request_id}; details in the proxy's log)"
 
 
+class AnswerTooLarge(UpstreamError):
+    """A prefill answer over `max_prefill_answer_bytes`. Not the server's failure (a request may have asked for it),
+    and the same request would give the same answer elsewhere: neither counted towards ejection nor retried."""
+
+    def __init__(self, upstream: Upstream, limit: int, what: str) -> None:
+        super().__init__(upstream, HTTPStatus.BAD_GATEWAY, f"{what}, over --max-prefill-answer-bytes ({limit})")
+        self.limit = limit
+
+    def public_message(self, request_id: str) -> str:
+        return (
+            f"the {self.upstream.role} server's answer is over the proxy's limit of {self.limit} bytes "
+            f"(--max-prefill-answer-bytes; request {request_id})"
+        )
+
+
 class ClientRequestError(Exception):
     def __init__(self, status: HTTPStatus, message: str) -> None:
         super().__init__(message)
@@ -164,15 +201,13 @@ class _ClientStalled(Exception):
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
     answer with one token and where the KV is."""
-    request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
+    dropped = _STRIPPED_FIELDS + _PREFILL_DROPPED_FIELDS
+    request = {key: value for key, value in body.items() if key not in dropped}
     request["kv_transfer_params"] = {"do_remote_decode": True}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
-    # Both only make sense for the answer the client sees, and `min_tokens` > 1 would be refused next to max 1.
-    request.pop("stream_options", None)
-    request.pop("min_tokens", None)
     return request
 
 
@@ -595,6 +630,25 @@ class PdProxy:
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
 
+    @staticmethod
+    async def _read_bounded(server: Upstream, response: aiohttp.ClientResponse, timeout: float, limit: int) -> bytes:
+        """The answer's body, or AnswerTooLarge as soon as it is known to be over `limit` bytes (the rest is never
+        read: leaving `_exchange` with the error closes the connection)."""
+        length = response.content_length
+        if length is not None and length > limit:
+            raise AnswerTooLarge(server, limit, f"answered {response.status} with a body of {length} bytes")
+        raw = bytearray()
+        try:
+            while chunk := await response.content.readany():
+                if len(raw) + len(chunk) > limit:
+                    raise AnswerTooLarge(server, limit, f"answered {response.status} with a body over {limit} bytes")
+                raw.extend(chunk)
+        except aiohttp.ServerTimeoutError:
+            raise UpstreamError(server, HTTPStatus.GATEWAY_TIMEOUT, f"stopped answering for {timeout:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
+        return bytes(raw)
+
     async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
     ) -> tuple[Upstream, dict[str, Any] | None]:
@@ -604,6 +658,8 @@ class PdProxy:
         assert server is not None
         try:
             return server, await self._prefill_on(server, path, body, headers, request_id)
+        except AnswerTooLarge:
+            raise
         except UpstreamError as exc:
             other = self._prefill_pool.pick(exclude=server)
             if other is None:
@@ -616,6 +672,8 @@ class PdProxy:
     ) -> dict[str, Any] | None:
         try:
             params = await self._prefill_answer(server, path, body, headers, request_id)
+        except AnswerTooLarge:
+            raise
         except UpstreamError as exc:
             self._prefill_pool.failed(server, str(exc))
             raise
@@ -627,7 +685,7 @@ class PdProxy:
     ) -> dict[str, Any] | None:
         timeout = self.config.prefill_timeout
         async with self._exchange(server, path, prefill_body(body), headers, timeout) as response:
-            raw = await self._read_all(server, response, timeout)
+            raw = await self._read_bounded(server, response, timeout, self.config.max_prefill_answer_bytes)
             status, content_type = response.status, response.headers.get("Content-Type")
         if 400 <= status < 500:
             # The decode server would refuse the same request: no point in sending it there.
@@ -635,7 +693,10 @@ class PdProxy:
         if status != HTTPStatus.OK:
             raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"answered {status}: {_excerpt(raw)}")
         try:
-            answer = json.loads(raw)
+            if len(raw) <= _PARSE_INLINE_BYTES:
+                answer = json.loads(raw)
+            else:
+                answer = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
         except ValueError:
             raise UpstreamError(
                 server, HTTPStatus.BAD_GATEWAY, f"answered with invalid JSON: {_excerpt(raw)}"
@@ -791,6 +852,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
         help="largest request body accepted (default 32 MiB)",
     )
     parser.add_argument(
+        "--max-prefill-answer-bytes",
+        type=int,
+        default=defaults.max_prefill_answer_bytes,
+        help="most bytes read of a prefill server's answer; a larger one gives 502 (default 1 MiB)",
+    )
+    parser.add_argument(
         "--max-json-values",
         type=int,
         default=defaults.max_json_values,
@@ -835,6 +902,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
         "prefill_timeout",
         "decode_timeout",
         "max_body_bytes",
+        "max_prefill_answer_bytes",
         "max_json_values",
         "client_timeout",
         "max_connections",
@@ -853,6 +921,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
             prefill_timeout=args.prefill_timeout,
             decode_timeout=args.decode_timeout,
             max_body_bytes=args.max_body_bytes,
+            max_prefill_answer_bytes=args.max_prefill_answer_bytes,
             max_json_values=args.max_json_values,
             client_timeout=args.client_timeout,
             max_connections=args.max_connections,
