@@ -997,3 +997,28 @@ def test_an_oversized_prefill_answer_gives_a_502_naming_the_limit_while_other_cl
     assert [body["prompt"] for _, _, body in d.requests] == ["hi", "hi", "hi"]
     assert f"prefill server {p.url} answered 200 with a body" in caplog.text
     assert f"over --max-prefill-answer-bytes ({limit})" in caplog.text
+
+
+def test_a_large_request_is_written_out_to_the_servers_off_the_event_loop(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large bodies are parsed on a worker thread; writing one out for each server (~0.2 s for 32 MiB) must not stall
+    the proxy's loop either."""
+    from kvbroker.integrations import vllm_proxy
+
+    encoded_on: list[tuple[str, str]] = []
+    encode = vllm_proxy._encode_json
+
+    def recording(document: dict[str, Any]) -> bytes:
+        encoded_on.append((document["prompt"][:5], threading.current_thread().name))
+        return encode(document)
+
+    monkeypatch.setattr(vllm_proxy, "_encode_json", recording)
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "small"})[0] == 200
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "large" + "x" * 300_000})[0] == 200
+    assert [(prompt, name == "pd-proxy") for prompt, name in encoded_on] == [
+        ("small", True), ("small", True), ("large", False), ("large", False)
+    ]
+    assert d.requests[1][2]["prompt"] == "large" + "x" * 300_000
