@@ -877,3 +877,148 @@ def test_requests_still_go_out_when_every_server_of_a_role_is_ejected(serve: Any
         wait_for(lambda: get_health(proxy).get("decode_servers_in_service") == 0)
         assert get_health(proxy)["prefill_servers_in_service"] == 0
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+
+
+# ---- issue 30: the proxy reads only kv_transfer_params from a prefill answer ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": "hi", "max_tokens": 16, "logprobs": 5, "echo": True, "prompt_logprobs": 3,
+             "return_token_ids": True, "return_tokens_as_token_ids": True, "n": 1, "best_of": 1},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 16,
+             "logprobs": True, "top_logprobs": 3, "echo": True, "prompt_logprobs": 2, "return_token_ids": True},
+        ),
+    ],
+    ids=["completion", "chat"],
+)
+def test_the_prefill_request_asks_for_no_logprobs_or_echo_and_the_decode_request_keeps_them(
+    serve: Any, path: str, request_body: dict[str, Any]
+) -> None:
+    """Prompt logprobs or an echo of a long prompt make the prefill answer tens of MB, of which the proxy reads only
+    `kv_transfer_params`; the client asked for them, so the decode server (whose answer the client gets) sees them."""
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, path, request_body)[0] == 200
+
+    p_body = p.requests[0][2]
+    kept = {key: value for key, value in request_body.items() if key in ("model", "prompt", "messages")}
+    limits = {"max_tokens": 1} | ({"max_completion_tokens": 1} if "max_completion_tokens" in request_body else {})
+    assert p_body == {**kept, **limits, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert d.requests[0][2] == {**request_body, "kv_transfer_params": KV_PARAMS}
+
+
+def test_the_prefill_answer_limit_is_a_setting_of_1_mib_by_default() -> None:
+    servers = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+    assert _parse_args(servers)[1].max_prefill_answer_bytes == 1024 * 1024
+    assert _parse_args([*servers, "--max-prefill-answer-bytes", "4096"])[1].max_prefill_answer_bytes == 4096
+    with pytest.raises(SystemExit):
+        _parse_args([*servers, "--max-prefill-answer-bytes", "0"])
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversized_prefill_answer_gives_a_502_naming_the_limit_while_other_clients_are_served(
+    serve: Any, framing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill answer over `--max-prefill-answer-bytes` is not read to its end (nor parsed): the proxy hangs up on
+    the server and answers 502; the request is neither retried on another prefill server nor counted against the
+    server, and clients whose answers are small are served meanwhile and after."""
+    limit = 64 * 1024
+    # What `prompt_logprobs` make of a long prompt, in small: valid JSON that carries the kv_transfer_params.
+    logprobs = [{"1": -0.5}] * limit
+    raw = json.dumps({"choices": [{"text": "x", "prompt_logprobs": logprobs}], "kv_transfer_params": KV_PARAMS})
+    pieces = [raw[start : start + limit // 2].encode() for start in range(0, len(raw), limit // 2)]
+    small_served = threading.Event()
+    hung_up = threading.Event()
+
+    def prefill(handler: _FakeHandler, body: dict[str, Any]) -> None:
+        if body.get("prompt") != "big":
+            prefill_ok(handler, body)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        if framing == "content-length":
+            handler.send_header("Content-Length", str(len(raw)))
+        else:
+            handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        try:
+            for index, piece in enumerate(pieces):
+                if framing == "content-length":
+                    handler.wfile.write(piece)
+                    handler.wfile.flush()
+                else:
+                    handler.chunk(piece)
+                if index == 0:  # the rest only once another client was served through the proxy meanwhile
+                    assert small_served.wait(10)
+            if framing == "chunked":
+                handler.chunk(b"")
+        except OSError:
+            hung_up.set()
+            return
+        if handler.client_left(5):  # what was sent fits in the socket buffers: the proxy hangs up all the same
+            hung_up.set()
+
+    p, other_p, d = serve(prefill), serve(prefill), serve(decode_json)
+    config = config_for(
+        [p.url, other_p.url], [d.url], max_prefill_answer_bytes=limit, health_interval=60, eject_after=1
+    )
+    with PdProxy(config, "127.0.0.1", 0) as proxy:
+        wait_for(lambda: p.health_checks == other_p.health_checks == 1)
+        big: list[tuple[int, dict[str, Any]]] = []
+        client = threading.Thread(
+            target=lambda: big.append(post(proxy, "/v1/completions", {"model": "m", "prompt": "big"}))
+        )
+        client.start()
+        try:
+            wait_for(lambda: len(p.requests) == 1)
+            for _ in range(2):
+                assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+        finally:
+            small_served.set()
+            client.join(15)
+        ((status, answer),) = big
+        assert status == 502, answer
+        assert answer["error"]["message"].startswith(
+            f"the prefill server's answer is over the proxy's limit of {limit} bytes (--max-prefill-answer-bytes; "
+            "request pd-"
+        )
+        assert hung_up.wait(5), "the proxy read the prefill answer to its end"
+        assert get_health(proxy)["prefill_servers_in_service"] == 2
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+    big_prefills = [body for s in (p, other_p) for _, _, body in s.requests if body["prompt"] == "big"]
+    assert len(big_prefills) == 1
+    assert [body["prompt"] for _, _, body in d.requests] == ["hi", "hi", "hi"]
+    assert f"prefill server {p.url} answered 200 with a body" in caplog.text
+    assert f"over --max-prefill-answer-bytes ({limit})" in caplog.text
+
+
+def test_a_large_request_is_written_out_to_the_servers_off_the_event_loop(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large bodies are parsed on a worker thread; writing one out for each server (~0.2 s for 32 MiB) must not stall
+    the proxy's loop either."""
+    from kvbroker.integrations import vllm_proxy
+
+    encoded_on: list[tuple[str, str]] = []
+    encode = vllm_proxy._encode_json
+
+    def recording(document: dict[str, Any]) -> bytes:
+        encoded_on.append((document["prompt"][:5], threading.current_thread().name))
+        return encode(document)
+
+    monkeypatch.setattr(vllm_proxy, "_encode_json", recording)
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "small"})[0] == 200
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "large" + "x" * 300_000})[0] == 200
+    assert [(prompt, name == "pd-proxy") for prompt, name in encoded_on] == [
+        ("small", True), ("small", True), ("large", False), ("large", False)
+    ]
+    assert d.requests[1][2]["prompt"] == "large" + "x" * 300_000

@@ -10,6 +10,10 @@ Each completion or chat completion goes to a prefill server first, as NixlConnec
 serves; its answer goes back to the client as it comes (server-sent events when the client asked for
 `"stream": true`). The proxy only forwards JSON: it does not need vLLM, a tokenizer or kvbroker's daemon.
 
+From the prefill answer the proxy needs only `kv_transfer_params`: the prefill request carries none of the fields that
+only enlarge the answer (logprobs, prompt logprobs, echo, token ids; the decode request keeps them, they are the
+client's to ask for), and at most `--max-prefill-answer-bytes` of the answer are read (a larger one gives 502).
+
 What a client controls stops at the proxy: `kv_transfer_params` a client sends are dropped (only the prefill
 server's reach the decode server), the request id both servers see is the proxy's own (`X-Request-Id: pd-<uuid>`,
 also returned to the client), and a request that would make the prefill server hold KV for several sequences while
@@ -62,7 +66,23 @@ SERVER_NAME = "kvbroker-pd-proxy"
 _FORWARDED_HEADERS = ("Authorization",)
 # Body fields a client may not set: where the KV is comes only from the prefill server, the request id only from us.
 _STRIPPED_FIELDS = ("kv_transfer_params", "request_id")
-# Bodies larger than this are parsed on a worker thread, so that one big request does not stall the others.
+# Fields that only shape the answer the client sees: at the prefill server they would only enlarge an answer the proxy
+# reads nothing from but `kv_transfer_params` (prompt logprobs of a long prompt are tens of MB), and `min_tokens` > 1
+# would be refused next to `max_tokens` 1. `n` and `best_of` are 1 or absent here (see `single_sequence_problem`).
+_PREFILL_DROPPED_FIELDS = (
+    "stream_options",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "n",
+    "best_of",
+)
+# Bodies (and prefill answers) larger than this are parsed on a worker thread, so that one big one does not stall the
+# others.
 _PARSE_INLINE_BYTES = 256 * 1024
 # JSON strings (with their escapes); what is left once they are removed is structure, numbers and literals.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -110,6 +130,8 @@ class ProxyConfig:
     """Seconds the decode server may stay silent: before its first byte, and between two streamed chunks."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted from a client."""
+    max_prefill_answer_bytes: int = 1024 * 1024
+    """Most bytes read of a prefill server's answer: one token and `kv_transfer_params` take a few KiB."""
     max_json_values: int = 2_000_000
     """Most JSON values (objects, arrays, strings, numbers, literals) a request body may hold: parsed JSON takes up to
     ~60 bytes per value, so this, not the body size, bounds the memory a body costs."""
@@ -140,6 +162,21 @@ class UpstreamError(Exception):
         return f"the {self.upstream.role} server {what} (request {request_id}; details in the proxy's log)"
 
 
+class AnswerTooLarge(UpstreamError):
+    """A prefill answer over `max_prefill_answer_bytes`. Not the server's failure (a request may have asked for it),
+    and the same request would give the same answer elsewhere: neither counted towards ejection nor retried."""
+
+    def __init__(self, upstream: Upstream, limit: int, what: str) -> None:
+        super().__init__(upstream, HTTPStatus.BAD_GATEWAY, f"{what}, over --max-prefill-answer-bytes ({limit})")
+        self.limit = limit
+
+    def public_message(self, request_id: str) -> str:
+        return (
+            f"the {self.upstream.role} server's answer is over the proxy's limit of {self.limit} bytes "
+            f"(--max-prefill-answer-bytes; request {request_id})"
+        )
+
+
 class ClientRequestError(Exception):
     def __init__(self, status: HTTPStatus, message: str) -> None:
         super().__init__(message)
@@ -164,15 +201,13 @@ class _ClientStalled(Exception):
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
     answer with one token and where the KV is."""
-    request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
+    dropped = _STRIPPED_FIELDS + _PREFILL_DROPPED_FIELDS
+    request = {key: value for key, value in body.items() if key not in dropped}
     request["kv_transfer_params"] = {"do_remote_decode": True}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
-    # Both only make sense for the answer the client sees, and `min_tokens` > 1 would be refused next to max 1.
-    request.pop("stream_options", None)
-    request.pop("min_tokens", None)
     return request
 
 
@@ -209,6 +244,10 @@ def count_json_values(raw: bytes | bytearray) -> int:
     then commas and openers counted (1 + commas + containers; exact for valid JSON without empty containers)."""
     rest = _JSON_STRING.sub(b"", raw)
     return rest.count(b",") + rest.count(b"[") + rest.count(b"{") + 1
+
+
+def _encode_json(document: dict[str, Any]) -> bytes:
+    return json.dumps(document).encode()
 
 
 def _parse_body(raw: bytearray, max_values: int) -> dict[str, Any]:
@@ -487,7 +526,7 @@ class PdProxy:
 
     async def _handle_pd(self, request: web.BaseRequest, request_id: str) -> web.StreamResponse:
         path = request.path
-        body = await self._read_json_body(request)
+        body, body_size = await self._read_json_body(request)
         problem = single_sequence_problem(path, body)
         if problem is not None:
             raise ClientRequestError(HTTPStatus.BAD_REQUEST, problem)
@@ -498,13 +537,14 @@ class PdProxy:
         wants_stream = bool(body.get("stream", False))
 
         started = time.perf_counter()
-        prefill_server, kv_params = await self._prefill(path, body, headers, request_id)
+        prefill_request = await self._encode(prefill_body(body), body_size)
+        prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
         prefilled = time.perf_counter()
 
         decode = self._decode_pool.pick()
         assert decode is not None
-        answer = await self._decode(request, decode, path, decode_body(body, kv_params), headers, wants_stream,
-                                    request_id)
+        decode_request = await self._encode(decode_body(body, kv_params), body_size)
+        answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id)
         _log.info(
             "%s %s: prefill %.1f ms on %s, decode %.1f ms on %s",
             request_id,
@@ -516,7 +556,16 @@ class PdProxy:
         )
         return answer
 
-    async def _read_json_body(self, request: web.BaseRequest) -> dict[str, Any]:
+    @staticmethod
+    async def _encode(document: dict[str, Any], body_size: int) -> bytes:
+        """`document` (a client's body of `body_size` bytes, rewritten) as JSON: off the event loop when it is large,
+        as it was parsed (32 MiB of JSON takes ~0.2 s to write)."""
+        if body_size <= _PARSE_INLINE_BYTES:
+            return _encode_json(document)
+        return await asyncio.get_running_loop().run_in_executor(None, _encode_json, document)
+
+    async def _read_json_body(self, request: web.BaseRequest) -> tuple[dict[str, Any], int]:
+        """The client's body and its size in bytes."""
         cfg = self.config
         length = request.content_length
         if length is not None and length > cfg.max_body_bytes:
@@ -541,17 +590,18 @@ class PdProxy:
                 HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {cfg.client_timeout:g} s"
             ) from None
         if len(raw) <= _PARSE_INLINE_BYTES:
-            return _parse_body(raw, cfg.max_json_values)
-        return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw, cfg.max_json_values)
+            return _parse_body(raw, cfg.max_json_values), len(raw)
+        body = await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw, cfg.max_json_values)
+        return body, len(raw)
 
     async def _post(
-        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], timeout: float
     ) -> aiohttp.ClientResponse:
         assert self._session is not None
         try:
             return await self._session.post(
                 server.url + path,
-                data=json.dumps(body).encode(),
+                data=data,
                 headers={**headers, "Content-Type": "application/json", "Accept": "application/json"},
                 timeout=aiohttp.ClientTimeout(
                     total=None, connect=None, sock_connect=self.config.connect_timeout, sock_read=timeout
@@ -573,11 +623,11 @@ class PdProxy:
 
     @contextlib.asynccontextmanager
     async def _exchange(
-        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], timeout: float
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request to `server`: its connection is reused only when the answer was read to its end; anything
         else (the client left, an error) closes it, which also aborts the request on the server."""
-        response = await self._post(server, path, body, headers, timeout)
+        response = await self._post(server, path, data, headers, timeout)
         try:
             yield response
         except BaseException:
@@ -595,27 +645,50 @@ class PdProxy:
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
 
+    @staticmethod
+    async def _read_bounded(server: Upstream, response: aiohttp.ClientResponse, timeout: float, limit: int) -> bytes:
+        """The answer's body, or AnswerTooLarge as soon as it is known to be over `limit` bytes (the rest is never
+        read: leaving `_exchange` with the error closes the connection)."""
+        length = response.content_length
+        if length is not None and length > limit:
+            raise AnswerTooLarge(server, limit, f"answered {response.status} with a body of {length} bytes")
+        raw = bytearray()
+        try:
+            while chunk := await response.content.readany():
+                if len(raw) + len(chunk) > limit:
+                    raise AnswerTooLarge(server, limit, f"answered {response.status} with a body over {limit} bytes")
+                raw.extend(chunk)
+        except aiohttp.ServerTimeoutError:
+            raise UpstreamError(server, HTTPStatus.GATEWAY_TIMEOUT, f"stopped answering for {timeout:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"broke off its answer: {exc!r}") from None
+        return bytes(raw)
+
     async def _prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self, path: str, data: bytes, headers: dict[str, str], request_id: str
     ) -> tuple[Upstream, dict[str, Any] | None]:
         """The prefill server used and its answer's `kv_transfer_params`; a failed prefill is tried once more on
         another server."""
         server = self._prefill_pool.pick()
         assert server is not None
         try:
-            return server, await self._prefill_on(server, path, body, headers, request_id)
+            return server, await self._prefill_on(server, path, data, headers, request_id)
+        except AnswerTooLarge:
+            raise
         except UpstreamError as exc:
             other = self._prefill_pool.pick(exclude=server)
             if other is None:
                 raise
             _log.warning("%s: %s; trying %s", request_id, exc, other.url)
-        return other, await self._prefill_on(other, path, body, headers, request_id)
+        return other, await self._prefill_on(other, path, data, headers, request_id)
 
     async def _prefill_on(
-        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str
     ) -> dict[str, Any] | None:
         try:
-            params = await self._prefill_answer(server, path, body, headers, request_id)
+            params = await self._prefill_answer(server, path, data, headers, request_id)
+        except AnswerTooLarge:
+            raise
         except UpstreamError as exc:
             self._prefill_pool.failed(server, str(exc))
             raise
@@ -623,11 +696,11 @@ class PdProxy:
         return params
 
     async def _prefill_answer(
-        self, server: Upstream, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str
     ) -> dict[str, Any] | None:
         timeout = self.config.prefill_timeout
-        async with self._exchange(server, path, prefill_body(body), headers, timeout) as response:
-            raw = await self._read_all(server, response, timeout)
+        async with self._exchange(server, path, data, headers, timeout) as response:
+            raw = await self._read_bounded(server, response, timeout, self.config.max_prefill_answer_bytes)
             status, content_type = response.status, response.headers.get("Content-Type")
         if 400 <= status < 500:
             # The decode server would refuse the same request: no point in sending it there.
@@ -635,7 +708,10 @@ class PdProxy:
         if status != HTTPStatus.OK:
             raise UpstreamError(server, HTTPStatus.BAD_GATEWAY, f"answered {status}: {_excerpt(raw)}")
         try:
-            answer = json.loads(raw)
+            if len(raw) <= _PARSE_INLINE_BYTES:
+                answer = json.loads(raw)
+            else:
+                answer = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
         except ValueError:
             raise UpstreamError(
                 server, HTTPStatus.BAD_GATEWAY, f"answered with invalid JSON: {_excerpt(raw)}"
@@ -658,14 +734,14 @@ class PdProxy:
         request: web.BaseRequest,
         server: Upstream,
         path: str,
-        body: dict[str, Any],
+        data: bytes,
         headers: dict[str, str],
         wants_stream: bool,
         request_id: str,
     ) -> web.StreamResponse:
         timeout = self.config.decode_timeout
         try:
-            async with self._exchange(server, path, body, headers, timeout) as response:
+            async with self._exchange(server, path, data, headers, timeout) as response:
                 if response.status != HTTPStatus.OK or not wants_stream:
                     raw = await self._read_all(server, response, timeout)
                     if response.status >= 500:
@@ -791,6 +867,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
         help="largest request body accepted (default 32 MiB)",
     )
     parser.add_argument(
+        "--max-prefill-answer-bytes",
+        type=int,
+        default=defaults.max_prefill_answer_bytes,
+        help="most bytes read of a prefill server's answer; a larger one gives 502 (default 1 MiB)",
+    )
+    parser.add_argument(
         "--max-json-values",
         type=int,
         default=defaults.max_json_values,
@@ -835,6 +917,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
         "prefill_timeout",
         "decode_timeout",
         "max_body_bytes",
+        "max_prefill_answer_bytes",
         "max_json_values",
         "client_timeout",
         "max_connections",
@@ -853,6 +936,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
             prefill_timeout=args.prefill_timeout,
             decode_timeout=args.decode_timeout,
             max_body_bytes=args.max_body_bytes,
+            max_prefill_answer_bytes=args.max_prefill_answer_bytes,
             max_json_values=args.max_json_values,
             client_timeout=args.client_timeout,
             max_connections=args.max_connections,
