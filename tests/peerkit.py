@@ -3,8 +3,12 @@ the deployment token), so tests can send what no honest daemon would."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +72,51 @@ def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, e
     resp = stub.Authenticate(peer_pb2.AuthenticateRequest(
         challenge_id=challenge.challenge_id, caller_proof=linkauth.handshake_proof(key, b"caller", bound)), timeout=5)
     return FakePeerLink(linkauth.derive_link_secret(key, bound), resp, channel)
+
+
+@contextlib.contextmanager
+def from_host(target: str, source_ip: str) -> Iterator[str]:
+    """An address to dial instead of `target` ("host:port") so that the daemon there sees the calls come from the
+    host `source_ip` (on Linux any 127.x.y.z is this machine): a TCP relay whose connections onward are made from
+    that address. Lets one test play peers on several hosts."""
+    host, _, port = target.rpartition(":")
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (a, b):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        while True:
+            try:
+                caller, _ = listener.accept()
+                onward = socket.create_connection((host, int(port)), timeout=5, source_address=(source_ip, 0))
+            except OSError:
+                return
+            onward.settimeout(None)
+            held.extend((caller, onward))
+            for a, b in ((caller, onward), (onward, caller)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 class FakePeer(peer_pb2_grpc.PeerServicer):

@@ -36,12 +36,13 @@ class Node:
 
     def _grant_ended(self, grant: Grant, outcome: str) -> None:
         """Posts the grant's end on its topics, as from our own cluster id: no linked peer can claim that id (the
-        handshake refuses it), so a client that fetches these topics can tell our events from a peer's notes."""
+        handshake refuses it), so a client that fetches these topics can tell our events from a peer's notes. Posted
+        outside every peer's budget: no flood refuses it (the prefill engine frees the blocks on it)."""
         payload = broker_pb2.GrantEvent(grant_id=grant.grant_id, label=grant.label,
                                         outcome=outcome).SerializeToString()
         for topic in grant.event_topics:
             try:
-                self.notifications.put(self.cluster_id, topic, payload)
-            except LlmError as e:
+                self.notifications.post_own(self.cluster_id, topic, payload)
+            except LlmError as e:  # only a malformed topic, which CreateGrant refused already
                 log.error("grant %s (%s) ended (%s) but its event could not be posted on %r: %s",
                           grant.grant_id.hex()[:8], grant.label, outcome, topic, e.message)

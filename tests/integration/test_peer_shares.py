@@ -4,20 +4,23 @@ stranger exhausts only its own share, and replies never exceed what gRPC can sen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from pathlib import Path
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvbroker import CacheDesc, CacheIndex, DataType
+from kvbroker._client import Client
 from kvbroker._local import LocalDaemon
-from kvbroker.v1 import peer_pb2
+from kvbroker.v1 import broker_pb2, peer_pb2
 from kvbrokerd.links import notifications
 from tests import dataport
 from tests.conftest import cluster_of
 from tests.helpers import fill, snapshot, wait_until
-from tests.peerkit import link_as, token_of
+from tests.peerkit import FakePeerLink, from_host, link_as, token_of
 
 SMALL = CacheDesc(num_tensors=2, shape=(8, 16 << 10), data_type=DataType.FLOAT32)  # 64 KiB blocks
 
@@ -49,27 +52,118 @@ def test_one_link_hoarding_data_connections_leaves_other_peers_their_share(tmp_p
                 sock.close()
 
 
+def _flood_from(source_ip: str, daemon: LocalDaemon, cluster_ids: list[int], topic: str) -> tuple[int, int]:
+    """A token holder on host `source_ip` links to `daemon` once per claimed cluster id and, on each link, sends 64
+    KiB notes until refused, then empty ones until refused (to fill the last bytes too); (notes, payload bytes)
+    that got in."""
+    notes = sent = 0
+    with from_host(daemon.peer_address, source_ip) as relay:
+        links: list[FakePeerLink] = []
+        try:
+            for cluster_id in cluster_ids:
+                links.append(link := link_as(relay, token_of(daemon.workdir), cluster_id, daemon.cluster_id))
+                for payload in (b"z" * notifications.MAX_PAYLOAD_BYTES, b""):
+                    for _ in range(70000):
+                        if not _notify(link, topic, payload):
+                            break
+                        notes, sent = notes + 1, sent + len(payload)
+        finally:
+            for link in links:
+                link.close()
+    return notes, sent
+
+
+def _notify(link: FakePeerLink, topic: str, payload: bytes) -> bool:
+    """Whether the note got in; a refusal must be for room."""
+    try:
+        link.stub.Notify(link.signed("Notify", peer_pb2.PeerNotifyRequest(topic=topic, payload=payload)), timeout=10)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or "OUT_OF_MEMORY" in str(e.details()), e
+        return False
+    return True
+
+
+TOPIC = "kvbroker.vllm/engine/0/release"
+"""The topic a vLLM prefill engine's rank 0 fetches its grants' events on."""
+
+
+def _grant_events(client: Client, topic: str) -> list[tuple[int, str, str]]:
+    """(sender, label, outcome) of the GrantEvents waiting on `topic`, fetching every note there."""
+    events = []
+    while got := client.fetch_notifications(topic, timeout=30):
+        for note in got:
+            event = broker_pb2.GrantEvent()
+            with contextlib.suppress(DecodeError):
+                event.ParseFromString(note.payload)
+            if event.outcome:
+                events.append((note.cluster_id, event.label, event.outcome))
+    return events
+
+
+def _both_grant_events(client: Client) -> list[tuple[int, str, str]]:
+    """The release's and the lapse's events, waiting for the lapse to be posted."""
+    events: list[tuple[int, str, str]] = []
+
+    def two() -> bool:
+        events.extend(_grant_events(client, TOPIC))
+        return len(events) >= 2
+
+    wait_until(two, timeout=10, what="both grant events")
+    return events
+
+
+# -- issue 30, finding 4: a flood from one host, claiming many cluster ids --------------------------------------------
+
+
+def test_a_token_holder_claiming_many_cluster_ids_leaves_room_for_peers_and_grant_events(tmp_path: Path) -> None:
+    """A token holder on another host links as five cluster ids and floods 64 KiB notes on the prefill engine's
+    grant-event topic from each (the shares were keyed by the claimed id: the five filled the whole 64 MiB box, the
+    honest decode daemon's note was refused and the daemon's own GrantEvents were dropped). Now it gets one host's
+    share; the honest peer's note gets in, and the grant's release and a grant's lapse are both delivered."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as p, LocalDaemon(tmp_path, 2, backends=("tcp",)) as d, \
+            p.client() as pc, d.client() as dc:
+        cache = pc.allocate_cache(SMALL)
+        released = pc.create_grant([cache.cache_id], [0, 1], 30.0, label="released", event_topics=[TOPIC])
+        [linked] = dc.link_clusters([cluster_of(p)])
+        assert linked.ok, linked
+        _, sent = _flood_from("127.0.1.2", p, [71, 72, 73, 74, 75], TOPIC)
+        assert sent <= notifications.MAX_QUEUED_BYTES_PER_PEER
+        dc.send_notification(p.cluster_id, "kv-held", b"request 7 pulled")
+        pc.release_grant(released)
+        pc.create_grant([cache.cache_id], [2], 0.2, label="lapsing", event_topics=[TOPIC])
+        assert [(n.cluster_id, n.payload) for n in pc.fetch_notifications("kv-held", wait=5)] == [
+            (d.cluster_id, b"request 7 pulled")]
+        assert sorted(_both_grant_events(pc)) == [(p.cluster_id, "lapsing", "lapsed"),
+                                                  (p.cluster_id, "released", "released")]
+
+
+def test_the_daemons_grant_events_get_in_when_peers_fill_everything_they_may(tmp_path: Path) -> None:
+    """Token holders on five hosts fill every byte the box gives peers (64 MiB); the daemon's own GrantEvents (a
+    release and a lapse), posted outside the peers' budget, are still delivered and none is dropped."""
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as p, p.client() as pc:
+        cache = pc.allocate_cache(SMALL)
+        released = pc.create_grant([cache.cache_id], [0, 1], 30.0, label="released", event_topics=[TOPIC])
+        for host in range(1, 6):
+            _flood_from(f"127.0.{host}.2", p, [80 + host], TOPIC)
+        with from_host(p.peer_address, "127.0.6.2") as relay:
+            probe = link_as(relay, token_of(p.workdir), 86, p.cluster_id)
+            assert not _notify(probe, TOPIC, b""), "the peers have room left: the flood did not fill the box"
+            probe.close()
+        pc.release_grant(released)
+        pc.create_grant([cache.cache_id], [2], 0.2, label="lapsing", event_topics=[TOPIC])
+        assert sorted(_both_grant_events(pc)) == [(p.cluster_id, "lapsing", "lapsed"),
+                                                  (p.cluster_id, "released", "released")]
+
+
 # -- 7: a fetch never builds a reply gRPC cannot send, and loses nothing --------------------------------------------
 def test_fetching_a_full_topic_delivers_every_notification(tmp_path: Path) -> None:
     """Linked peers queue 64 KiB notifications until refused (64 MiB in all used to fit, and the default fetch then
     built a reply over the 64 MiB send limit: the call failed and what it had dequeued was gone). Fetches with the
     default max_count now return every one of them, each reply under the limit."""
     with LocalDaemon(tmp_path, 1, backends=("tcp",)) as d, d.client() as c:
-        payload = b"z" * notifications.MAX_PAYLOAD_BYTES
-        sent = 0
-        for cluster_id in (71, 72, 73, 74, 75):
-            link = link_as(d.peer_address, token_of(d.workdir), cluster_id, d.cluster_id)
-            try:
-                for _ in range(1100):
-                    try:
-                        note = peer_pb2.PeerNotifyRequest(topic="big", payload=payload)
-                        link.stub.Notify(link.signed("Notify", note), timeout=10)
-                    except grpc.RpcError:
-                        break
-                    sent += 1
-            finally:
-                link.close()
-        assert sent * len(payload) > 48 << 20
+        floods = [_flood_from(f"127.0.{host}.2", d, [70 + host], "big") for host in range(1, 6)]
+        sent = sum(notes for notes, _ in floods)
+        assert sum(size for _, size in floods) > 48 << 20
         fetched = 0
         while got := c.fetch_notifications("big", timeout=30):
             fetched += len(got)

@@ -1,5 +1,5 @@
 """The notification box's bounds: what linked peers (token holders, possibly hostile) can make a daemon hold, per
-sending peer and in all."""
+sending host and in all; and the daemon's own grant events, which no peer's notes can refuse or drop."""
 
 from __future__ import annotations
 
@@ -15,35 +15,31 @@ from kvbrokerd.links import notifications
 _CHARGE_1000 = 1000 + 1 + notifications.NOTE_OVERHEAD_BYTES  # a 1000-byte payload on a one-letter topic
 
 
+def host(peer: int) -> str:
+    """The host a test's peer `peer` links from (one host per peer unless a test says otherwise)."""
+    return f"10.0.{peer}.1"
+
+
 def test_queued_bytes_are_bounded_and_freed_by_fetching(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(notifications, "MAX_QUEUED_BYTES", 3 * _CHARGE_1000)
     box = notifications.NotificationBox()
     for topic in ("a", "b", "c"):
-        box.put(7, topic, b"x" * 1000)
+        box.put(7, topic, b"x" * 1000, source=host(7))
     with pytest.raises(LlmError) as err:
-        box.put(7, "d", b"x")
+        box.put(7, "d", b"x", source=host(7))
     assert err.value.status == LlmStatus.LLM_OUT_OF_MEMORY
     got = asyncio.run(box.fetch("b", 10, 0.0))
     assert [n.payload for n in got] == [b"x" * 1000] and box.queued_bytes == 2 * _CHARGE_1000
-    box.put(7, "d", b"y" * 1000)  # room again
-
-
-def test_a_full_topic_drops_its_oldest_and_keeps_the_count_of_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(notifications, "MAX_QUEUED_PER_TOPIC", 2)
-    box = notifications.NotificationBox()
-    for i in range(3):
-        box.put(7, "t", bytes([i]) * 10)
-    assert box.dropped == 1 and box.queued_bytes == 2 * (10 + 1 + notifications.NOTE_OVERHEAD_BYTES)
-    assert [n.payload[0] for n in asyncio.run(box.fetch("t", 10, 0.0))] == [1, 2]
-    assert box.queued_bytes == 0 and box.share_of(7) == (0, 0)
+    box.put(7, "d", b"y" * 1000, source=host(7))  # room again
 
 
 def _flood(box: notifications.NotificationBox, cluster_id: int, topic: str | Callable[[int], str], payload: bytes,
-           most: int) -> int:
-    """Puts until refused (or `most`); how many got in. A refusal must say the sender is out of memory."""
+           most: int, source: str = "") -> int:
+    """Puts until refused (or `most`); how many got in. A refusal must say the sender is out of memory. `source`:
+    the sending host (by default, one of the peer's own)."""
     for i in range(most):
         try:
-            box.put(cluster_id, topic(i) if callable(topic) else topic, payload)
+            box.put(cluster_id, topic(i) if callable(topic) else topic, payload, source=source or host(cluster_id))
         except LlmError as e:
             assert e.status == LlmStatus.LLM_OUT_OF_MEMORY, e
             return i
@@ -57,8 +53,8 @@ def test_one_peer_filling_the_bytes_leaves_other_peers_room() -> None:
     box = notifications.NotificationBox()
     got = _flood(box, 7, "release", b"x" * notifications.MAX_PAYLOAD_BYTES, 2000)
     assert got < 1024, "one peer took the whole notification budget"
-    box.put(8, "release", b"freed 42")
-    assert box.share_of(8)[1] == 1
+    box.put(8, "release", b"freed 42", source=host(8))
+    assert box.share_of(host(8))[1] == 1
 
 
 def test_empty_notifications_are_charged_and_bounded_per_peer() -> None:
@@ -66,11 +62,11 @@ def test_empty_notifications_are_charged_and_bounded_per_peer() -> None:
     them to fresh topics (it used to take all 1024) and to one shared topic (it used to push peer 8's notification out
     of it); peer 8 still gets its notifications in, and they stay."""
     box = notifications.NotificationBox()
-    box.put(8, "shared", b"mine")
+    box.put(8, "shared", b"mine", source=host(8))
     topics = _flood(box, 7, lambda i: f"t{i}", b"", 2000)
     assert topics < notifications.MAX_TOPICS, "one peer took every topic"
     assert box.queued_bytes >= topics * notifications.NOTE_OVERHEAD_BYTES
-    box.put(8, "fresh", b"also mine")
+    box.put(8, "fresh", b"also mine", source=host(8))
     _flood(box, 7, "shared", b"", 70000)
     assert box.dropped == 0
     got = asyncio.run(box.fetch("shared", 1, 0.0))
@@ -83,7 +79,7 @@ def test_the_global_limits_still_hold_over_many_peers(monkeypatch: pytest.Monkey
     box = notifications.NotificationBox()
     assert sum(_flood(box, peer, "t", b"", 3) for peer in range(5)) == 10
     with pytest.raises(LlmError) as err:
-        box.put(99, "t", b"")
+        box.put(99, "t", b"", source=host(99))
     assert err.value.status == LlmStatus.LLM_OUT_OF_MEMORY and "the most this daemon holds" in err.value.message
 
 
@@ -98,3 +94,36 @@ def test_a_fetch_is_bounded_by_bytes_and_leaves_the_rest_queued() -> None:
         assert sum(n.wire_bytes for n in got) <= notifications.MAX_FETCH_REPLY_BYTES
         fetched += len(got)
     assert fetched == sent and box.queued == 0 and box.queued_bytes == 0
+
+
+# -- issue 30, finding 4: shares by sending host; the daemon's own events outside every peer's budget ---------------
+def test_one_host_claiming_many_cluster_ids_fills_only_its_share() -> None:
+    """One token holder links from one host as five cluster ids and floods from each (the shares used to be keyed by
+    the claimed id: five shares filled the whole box); what it gets in is one host's share, and a peer on another
+    host still gets its note in."""
+    box = notifications.NotificationBox()
+    payload = b"x" * notifications.MAX_PAYLOAD_BYTES
+    got = sum(_flood(box, claimed, "release", payload, 2000, source="10.9.9.9") for claimed in range(71, 76))
+    assert got * len(payload) <= notifications.MAX_QUEUED_BYTES_PER_PEER
+    box.put(8, "release", b"freed 42", source=host(8))
+    assert box.share_of(host(8))[1] == 1
+
+
+def test_the_daemons_own_events_are_kept_whatever_peers_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers on many hosts fill every byte, count and topic the box gives peers; the daemon's own events (a grant's
+    release and lapse) still get in, on a topic no peer used as well as on a full one, and are all delivered."""
+    monkeypatch.setattr(notifications, "MAX_QUEUED", 40)
+    monkeypatch.setattr(notifications, "MAX_TOPICS", 2)
+    box = notifications.NotificationBox()
+    got = sum(_flood(box, peer, f"t{peer}-0", b"z" * 50, 50) + _flood(box, peer, f"t{peer}-1", b"z" * 50, 50)
+              for peer in range(10))
+    assert got == 40  # every note and topic peers may hold
+    for topic in ("t0-0", "new"):
+        with pytest.raises(LlmError):
+            box.put(99, topic, b"", source=host(99))
+    box.post_own(1, "t0-0", b"released")
+    box.post_own(1, "grant-events", b"lapsed")
+    assert box.own_waiting()[1] == 2 and box.dropped == 0
+    assert [n.payload for n in asyncio.run(box.fetch("grant-events", 0, 0.0))] == [b"lapsed"]
+    assert [n.payload for n in asyncio.run(box.fetch("t0-0", 0, 0.0)) if n.source is None] == [b"released"]
+    assert box.own_waiting() == (0, 0)

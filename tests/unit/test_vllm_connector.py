@@ -554,3 +554,89 @@ def test_recomputes_failures_and_expired_holds_are_counted_by_bounded_reason() -
     assert [reason_of(s) for s in (LlmStatus.LLM_LINK_FAILED, LlmStatus.LLM_NOT_YET_LINK, LlmStatus.LLM_TIMEOUT,
                                    LlmStatus.LLM_PARAM_INVALID)] == [
         "unreachable", "unreachable", "timeout", "refused_by_daemon"]
+
+
+# -- issue 30, finding 4: a hold never outlives its grant, even where the grant's event is lost ----------------------
+class _Clock:
+    """time.monotonic() of the worker module, moved by the test."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_held_request_is_freed_past_its_grants_cap_even_if_no_event_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grant's event is lost (a notification flood, a bug): the blocks used to stay held until the engine
+    restarted. Past the grant's cap plus the margin they are freed, and counted; not a moment before (the daemon lets
+    no pull read a grant past its cap, so nothing reads them after)."""
+    from kvbroker.integrations.vllm import worker as worker_module
+
+    clock = _Clock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    worker = _worker(release_timeout_s=120.0, hold_lease_s=30.0)
+    worker.start([], {"lost": 30.0})
+    clock.now += 60.0
+    worker.start([], {"later": 30.0})
+    clock.now += 60.0 + worker_module.CAP_MARGIN_S - 1.0
+    assert worker.finished() == (set(), set())  # "lost" is 1 s short of its cap plus the margin
+    clock.now += 1.0
+    assert worker.finished() == ({"lost"}, set())
+    clock.now += 60.0
+    assert worker.finished() == ({"later"}, set())
+    counted = worker.transfers.take()
+    assert counted is not None and counted["expired_holds"] == {"no_event": 2}
+    worker.shutdown()
+
+
+def test_a_daemon_restart_frees_every_hold_granted_before_it(caplog: pytest.LogCaptureFixture) -> None:
+    """The sidecar restarts: the grants lived in its memory, so no event will ever come for them (FAILURE_MODEL said
+    to restart the engine). The release poller's fetch fails, the daemon answers again with a new instance epoch,
+    and every request held before is freed; a hold made after stays held until its own grant ends."""
+    from kvbroker.status import LlmError
+
+    worker = _worker()
+    epochs = ["epoch-1"]
+    fetches: list[str] = []
+
+    class Daemon:
+        def get_cluster_info(self) -> Any:
+            return SimpleNamespace(instance_epoch=epochs[-1])
+
+        def fetch_notifications(self, topic: str, **_: Any) -> list[Any]:
+            fetches.append(topic)
+            if len(fetches) == 1:
+                epochs.append("epoch-2")  # the daemon dies under this fetch, and a new instance starts
+                raise LlmError(LlmStatus.LLM_FAILED, "UNAVAILABLE: the daemon went away")
+            worker._stop.wait(0.01)
+            return []
+
+        def close(self) -> None:
+            pass
+
+    worker.client = Daemon()
+    worker._epoch = "epoch-1"  # as _serve learns it
+    worker.start([], {"a": 30.0, "b": 30.0})
+    poller = threading.Thread(target=worker._poll_releases, daemon=True)
+    poller.start()
+    freed: set[str] = set()
+
+    def both_freed() -> bool:
+        freed.update(worker.finished()[0])
+        return freed == {"a", "b"}
+
+    wait_until(both_freed, what="the stranded holds freed")
+    assert "the daemon restarted (instance epoch-2, was epoch-1)" in caplog.text
+    worker.start([], {"c": 30.0})
+    assert worker.finished() == (set(), set())
+    worker._stop.set()
+    poller.join(timeout=10)
+    counted = worker.transfers.take()
+    assert counted is not None and counted["expired_holds"] == {"daemon_restarted": 2}
+    worker.shutdown()

@@ -11,7 +11,8 @@ histograms):
     vllm:kvbroker_pull_failures{reason}  counter: pulls tried that failed (hold_expired, unreachable, timeout, ...)
     vllm:kvbroker_recomputes{reason}     counter: requests whose KV was computed here instead of pulled, failed pulls
                                          and refusals (layout, untrusted, bad_params, ...) alike
-    vllm:kvbroker_expired_holds{outcome} counter: prefill side, holds that ended without a release (lapsed, capped)
+    vllm:kvbroker_expired_holds{outcome} counter: prefill side, holds that ended without a release
+                                         (lapsed, capped, no_event, ...)
 
 Every reason and outcome of `stats.RECOMPUTE_REASONS` / `stats.HOLD_OUTCOMES` is created at zero, so that a rate
 over it exists before the first failure and the label values stay that bounded set.

@@ -101,8 +101,10 @@ could not be reached (link failed, not linked), the pull passed its deadline, th
 engines' KV layouts or TP sizes differ, the prefill daemon is not trusted, the blocks did not line up, the request's
 kv_transfer_params were malformed, this engine's workers had not reported their caches yet, a bug. Bounded: each is a
 Prometheus label value."""
-HOLD_OUTCOMES = ("lapsed", "capped", "cache_removed", "other")
-"""How a hold ended without a release: its lease lapsed (no renewal), its cap passed, its cache went away."""
+HOLD_OUTCOMES = ("lapsed", "capped", "cache_removed", "no_event", "daemon_restarted", "other")
+"""How a hold ended without a release: its lease lapsed (no renewal), its cap passed, its cache went away; or the
+engine let it go itself: no event came by the grant's cap plus a margin, or its daemon restarted (and the grant with
+it)."""
 REFUSED_FIELDS = ("version", "model", "dtype", "memory", "phys", "head", "layers", "total_kv_heads", "units", "tp",
                   "block", "kv_heads", "page", "cluster", "engine", "other")
 """The fields a refusal names (layout.MUST_MATCH and MAPPED, the prefill cluster, this engine): bounded labels."""

@@ -7,7 +7,10 @@ grant: the daemon redeems it with the prefill daemon (a trusted one: `kvbroker_p
 cache and blocks. The scheduler side releases the grant.
 
 Prefill role: a finished request's blocks stay allocated until its grant ends (released by the decode node, lapsed,
-or capped), which this node's own daemon posts on the rank's topic; notes from anyone else there are ignored.
+or capped), which this node's own daemon posts on the rank's topic; notes from anyone else there are ignored. No
+hold outlives its grant even where that event never comes: past the grant's cap (`kvbroker_release_timeout_s`) plus
+a margin the blocks are freed anyway (the daemon lets no pull read a grant past its cap), and when the daemon
+restarts (a new instance epoch) every hold made before is freed at once (its grants died with the old instance).
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ _ONE_TENSOR_PER_LAYER = KvCacheExtParam(tensor_num_per_layer=1)
 _POLL_WAIT_S = 1.0
 _RELEASED_KEPT_S = 600.0
 """A grant's end for a request this rank does not (yet) hold is kept this long (the daemon's notification age)."""
+CAP_MARGIN_S = 10.0
+"""Past its grant's cap by this much a hold is freed without the grant's event: the hold is noted after the grant was
+made, so this is later than the daemon's cap, and no pull reads a grant past its cap."""
+_EPOCH_CHECK_S = 5.0
+"""How often the release poller asks whether its daemon restarted (and at once after a failed fetch)."""
+_DAEMON_RESTARTED = "daemon restarted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +109,9 @@ class WorkerSide:
         self.loads = StepLoads(self.client, self.links, self._loaded)
         self._loading: dict[str, _Loading] = {}
         self._held: dict[str, float] = {}
+        """Requests whose blocks are held for a decode node -> when (time.monotonic()) they go without an event."""
+        self._epoch = ""
+        """The instance epoch of the daemon this rank's grants live on."""
         self._released: dict[str, tuple[float, str]] = {}
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -155,6 +167,7 @@ class WorkerSide:
     def _serve(self) -> None:
         assert self.cache is not None
         info = self.client.get_cluster_info()
+        self._epoch = info.instance_epoch
         self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
                                        cache_id=self.cache.cache_id, layout_tag=self.layout.tag())
@@ -167,8 +180,10 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------------------------------------
     def start(self, pulls: Iterable[PullSpec], holds: dict[str, float]) -> None:
         pulls = list(pulls)
+        give_up = time.monotonic() + self.config.release_timeout_s + CAP_MARGIN_S
         with self._lock:
-            self._held.update(holds)
+            for req_id in holds:
+                self._held.setdefault(req_id, give_up)
             self._in_flight += len(pulls)
         items: list[PullItem] = []
         for spec in pulls:
@@ -198,15 +213,22 @@ class WorkerSide:
             for outcome in pulled:
                 self._load_errors |= outcome.failed_blocks
             sending = set()
-            for req_id in list(self._held):
+            for req_id, give_up in list(self._held.items()):
                 if req_id in self._released:
                     _, ended = self._released.pop(req_id)
                     if ended != "released":
                         log.warning("request %s: its grant ended (%s) before a decode node released it; freeing its "
                                     "KV blocks", req_id, ended)
                         self.transfers.record_expired_hold(ended.replace(" ", "_"))
-                    del self._held[req_id]
-                    sending.add(req_id)
+                elif now >= give_up:
+                    log.warning("request %s: no event for its grant by its cap (kvbroker_release_timeout_s = %g s) "
+                                "plus %g s; freeing its KV blocks", req_id, self.config.release_timeout_s,
+                                CAP_MARGIN_S)
+                    self.transfers.record_expired_hold("no_event")
+                else:
+                    continue
+                del self._held[req_id]
+                sending.add(req_id)
             # Ends of grants this worker never held (or no longer holds) are forgotten after a while.
             for req_id, (at, _) in list(self._released.items()):
                 if now - at > _RELEASED_KEPT_S:
@@ -311,8 +333,12 @@ class WorkerSide:
     def _poll_releases(self) -> None:
         topic = release_topic(self.engine_id, self.rank)
         failing_since = 0.0
+        epoch_checked = time.monotonic()
         while not self._stop.is_set():
             try:
+                if failing_since or time.monotonic() - epoch_checked >= _EPOCH_CHECK_S:
+                    self.check_daemon_epoch()
+                    epoch_checked = time.monotonic()
                 notes = self.client.fetch_notifications(
                     topic, wait=_POLL_WAIT_S, timeout=_POLL_WAIT_S + 10.0)
                 failing_since = 0.0
@@ -337,6 +363,23 @@ class WorkerSide:
                     log.warning("kvbroker connector: ignoring a malformed grant event")
                     continue
                 self.note_release(req_id, outcome, now)
+
+    def check_daemon_epoch(self) -> None:
+        """Frees every hold made before, where the daemon is a new instance: the grants lived in the old one's memory
+        (no event will ever come for them, and no pull can read them). Raises LlmError where the daemon does not
+        answer."""
+        epoch = self.client.get_cluster_info().instance_epoch
+        with self._lock:
+            if epoch == self._epoch or not self._epoch:  # (none yet: no grants were made before)
+                self._epoch = epoch
+                return
+            old, self._epoch = self._epoch, epoch
+            now = time.monotonic()
+            for req_id in self._held:
+                self._released[req_id] = (now, _DAEMON_RESTARTED)
+            stranded = len(self._held)
+        log.warning("kvbroker connector: the daemon restarted (instance %s, was %s); freeing the KV blocks of the %d "
+                    "requests granted before", epoch, old, stranded)
 
     def note_release(self, request_id: str, outcome: str, at: float | None = None) -> None:
         """A request's grant ended (the event may arrive before the hold itself)."""
