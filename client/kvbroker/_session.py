@@ -1,10 +1,12 @@
 """Pull sessions (`Client.open_pull_session`, `AsyncClient.open_pull_session`): one long-lived
 KvBroker.PullKvBlocksSession stream that carries many pulls and their completions, with no call set-up per pull.
 
-`submit` sends its pulls as one message (the daemon runs them as one step) and returns one future per pull, which
+`submit` sends its pulls as one message (the daemon runs them as one step; pulls that name more block pairs in all
+than the daemon takes per message, `MAX_PAIRS_PER_MESSAGE`, go as several) and returns one future per pull, which
 ends with the pull's TransferResult or raises the LlmError that `pull_kv_blocks` would have raised (same status,
-message, details and `failed_dst_blocks`). If the stream itself ends (the daemon stopped, the session was refused),
-every pull still pending fails with that error, and so does every later `submit`.
+message, details and `failed_dst_blocks`). If the stream itself ends (the daemon stopped, the session was refused, or
+the daemon ended it over a message it cannot answer pull by pull: LLM_PARAM_INVALID naming the bound), every pull
+still pending fails with that error, and so does every later `submit`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from kvbroker import blockruns
 from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc, with_block_lists
 from kvbroker.status import LlmError, LlmStatus, ParamInvalidError, make_error
@@ -31,6 +34,9 @@ Metadata = tuple[tuple[str, str], ...]
 
 MAX_PULLS_PER_SUBMIT = 256
 """The daemon's limit of pulls per message (a larger `submit` is refused before anything is sent)."""
+MAX_PAIRS_PER_MESSAGE = blockruns.MAX_PAIRS
+"""The daemon's default budget of block pairs per message (`--max-session-message-pairs`): a `submit` whose pulls
+name more goes as several messages."""
 
 
 def _add_pull(msg: broker_pb2.PullSessionRequest, pull: SessionPull, pull_id: int, default_timeout: float | None
@@ -58,19 +64,32 @@ def _add_pull(msg: broker_pb2.PullSessionRequest, pull: SessionPull, pull_id: in
         req.grant.first_block = pull.first_block
 
 
-def _message(pulls: Sequence[SessionPull], ids: Iterator[int], default_timeout: float | None
-             ) -> tuple[list[int], broker_pb2.PullSessionRequest]:
+def _pairs(pull: SessionPull) -> int:
+    if pull.block_runs is not None:
+        return pull.block_runs.num_pairs
+    return max(len(pull.src_blocks), len(pull.dst_blocks))
+
+
+def _messages(pulls: Sequence[SessionPull], ids: Iterator[int], default_timeout: float | None
+              ) -> tuple[list[int], list[broker_pb2.PullSessionRequest]]:
+    """The pulls' ids, and the pulls as messages within the daemon's budget of pairs (one, unless they name more)."""
     if not pulls:
         raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, "submit needs at least one pull")
     if len(pulls) > MAX_PULLS_PER_SUBMIT:
         raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"{len(pulls)} pulls in one submit; at most "
                                 f"{MAX_PULLS_PER_SUBMIT}")
-    msg = broker_pb2.PullSessionRequest()
+    messages = [broker_pb2.PullSessionRequest()]
     ids_used = []
+    pairs = 0
     for p in pulls:
+        n = _pairs(p)
+        if messages[-1].pulls and pairs + n > MAX_PAIRS_PER_MESSAGE:
+            messages.append(broker_pb2.PullSessionRequest())
+            pairs = 0
+        pairs += n
         ids_used.append(next(ids))
-        _add_pull(msg, p, ids_used[-1], default_timeout)
-    return ids_used, msg
+        _add_pull(messages[-1], p, ids_used[-1], default_timeout)
+    return ids_used, messages
 
 
 def outcome_of(c: broker_pb2.PullCompletion) -> TransferResult | LlmError:
@@ -113,7 +132,8 @@ class PullSession:
             yield msg
 
     def submit(self, pulls: Sequence[SessionPull]) -> list[concurrent.futures.Future[TransferResult]]:
-        """Sends `pulls` as one message (the daemon runs them as one step).
+        """Sends `pulls` as one message (the daemon runs them as one step; as several if they name more than
+        `MAX_PAIRS_PER_MESSAGE` block pairs in all).
 
         Args:
             pulls: 1..256 pulls, each with its own deadline (`SessionPull.timeout`).
@@ -130,10 +150,11 @@ class PullSession:
                 raise make_error(self._ended.status, self._ended.message, self._ended.details)
             if self._closing:
                 raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
-            ids, msg = _message(pulls, self._ids, self._default_timeout)
+            ids, messages = _messages(pulls, self._ids, self._default_timeout)
             futures = [concurrent.futures.Future[TransferResult]() for _ in ids]
             self._pending.update(zip(ids, futures, strict=True))
-            self._requests.put(msg)
+            for msg in messages:
+                self._requests.put(msg)
         return futures
 
     def _read(self) -> None:
@@ -202,7 +223,8 @@ class AsyncPullSession:
         self._reader = asyncio.ensure_future(self._read())
 
     async def submit(self, pulls: Sequence[SessionPull]) -> list[asyncio.Future[TransferResult]]:
-        """Sends `pulls` as one message (the daemon runs them as one step).
+        """Sends `pulls` as one message (the daemon runs them as one step; as several if they name more than
+        `MAX_PAIRS_PER_MESSAGE` block pairs in all).
 
         Args:
             pulls: 1..256 pulls, each with its own deadline (`SessionPull.timeout`).
@@ -218,12 +240,13 @@ class AsyncPullSession:
             raise make_error(self._ended.status, self._ended.message, self._ended.details)
         if self._closing:
             raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
-        ids, msg = _message(pulls, self._ids, self._default_timeout)
+        ids, messages = _messages(pulls, self._ids, self._default_timeout)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in ids]
         self._pending.update(zip(ids, futures, strict=True))
         try:
-            await self._call.write(msg)
+            for msg in messages:
+                await self._call.write(msg)
         except (grpc.RpcError, asyncio.InvalidStateError) as err:
             # The stream ended: the reader fails every pending pull (these too) with its status.
             await asyncio.wait({self._reader})

@@ -44,6 +44,17 @@ def concatenated(runs: Sequence[Runs]) -> Runs:
     return Runs(*(np.concatenate([getattr(r, f) for r in runs]) for f in Runs.__slots__))
 
 
+def pairs_named(length: Sequence[int] | np.ndarray, count: Sequence[int] | np.ndarray = ()) -> int:
+    """How many pairs runs of these lengths (and repetitions, where `count` has one per run) name, from their sizes
+    alone: before `check`, and without writing a pair out. Exact for runs that `check` would take; a run over its
+    bounds counts as MAX_PAIRS + 1, which is over every budget anyway."""
+    cap = float(MAX_PAIRS + 1)
+    sizes = np.minimum(np.fromiter(length, dtype=np.float64, count=len(length)), cap)
+    if len(count) == len(length):
+        sizes *= np.minimum(np.fromiter(count, dtype=np.float64, count=len(count)), cap)
+    return int(sizes.sum())  # float64: exact far past any budget (each term <= 2^42)
+
+
 class RunsError(ValueError):
     """Malformed runs (the daemon answers LLM_PARAM_INVALID)."""
 

@@ -22,6 +22,7 @@ else:  # pragma: no cover
 
 from kvbrokerd import backends as _backends
 from kvbrokerd.backends.base import BackendSettings, DaemonFacts
+from kvbrokerd.limits import DEFAULT_SESSION_MESSAGE_PAIRS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -68,6 +69,9 @@ class Config:
     max_granted_blocks: int = field(default=1 << 22, metadata={
         "help": "most blocks that all live grants together cover (4 bytes each in memory); CreateGrant past it is "
                 "refused with LLM_OUT_OF_MEMORY"})
+    max_session_message_pairs: int = field(default=DEFAULT_SESSION_MESSAGE_PAIRS, metadata={
+        "help": "most block pairs the pulls of one PullKvBlocksSession message may name in all; a message with more "
+                "has every pull refused (clients split a larger submit)"})
     broken_link_ttl: float = field(default=60.0, metadata={
         "help": "seconds a link we made may stay BROKEN (its peer dead or unreachable) before it is removed and its "
                 "resources freed; a full link table also drops its longest-BROKEN link for a new one (0 = keep "
@@ -102,7 +106,7 @@ class Config:
             if value and not _is_host_port(value):
                 raise ConfigError(f"{name}: {value!r} is not host:port")
         for name in ("max_caches", "data_threads", "max_transfers", "parallel_transfers", "max_inflight_bytes",
-                     "max_links", "max_granted_blocks"):
+                     "max_links", "max_granted_blocks", "max_session_message_pairs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.metrics_listen and not _is_host_port(self.metrics_listen):

@@ -152,7 +152,7 @@ class Daemon:
                 self._registry.on_remove.append(backend.forget_cache)  # engines drop their registrations
             self._links.backends = {b.name: b for b in self._backends}
             node = Node(cfg.cluster_id, epoch, "", cfg.backends, self._registry, self._links, transfers,
-                        self._sessions)
+                        self._sessions, max_session_message_pairs=cfg.max_session_message_pairs)
             node.grants.max_blocks = cfg.max_granted_blocks
             node.grants.start()
             loop = asyncio.get_running_loop()

@@ -21,6 +21,10 @@ MAX_LEASE_TTL_S = 86400.0
 MAX_CACHE_LISTING_BYTES = 48 << 20
 """All CacheInfo messages together, i.e. the ListCaches reply: below the 64 MiB message limit of the daemon and the
 Python client, with room to spare. A cache that would push the listing past it is refused (LLM_OUT_OF_MEMORY)."""
+DEFAULT_SESSION_MESSAGE_PAIRS = 1 << 20
+"""Block pairs that the pulls of one PullKvBlocksSession message may name in all, by default
+(`--max-session-message-pairs`): as many as one PullKvBlocks may, so that a message costs what one request does. A
+message with more has every pull refused (LLM_PARAM_INVALID), counted before any pair is written out."""
 
 
 def check_text(field: str, value: str, max_bytes: int, *, required: bool = False) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvbroker.v1 import broker_pb2
 from kvbrokerd.errors import LlmError
+from kvbrokerd.limits import DEFAULT_SESSION_MESSAGE_PAIRS
 from kvbrokerd.links.notifications import NotificationBox
 from kvbrokerd.links.table import LinkTable
 from kvbrokerd.registry.caches import Registry
@@ -28,6 +29,8 @@ class Node:
     transfers: TransferManager
     sessions: SessionTable
     metrics_address: str = ""
+    max_session_message_pairs: int = DEFAULT_SESSION_MESSAGE_PAIRS
+    """Block pairs the pulls of one PullKvBlocksSession message may name in all (`--max-session-message-pairs`)."""
     notifications: NotificationBox = field(default_factory=NotificationBox)
     grants: GrantTable = field(init=False)
 

@@ -221,8 +221,9 @@ def test_a_frozen_peer_fails_its_pulls_by_their_deadline_and_delays_no_one(trio:
 
 
 def test_bounds_pulls_per_message_duplicate_ids_and_pulls_in_flight(trio: Trio) -> None:
-    """A message over the limit has every pull refused; an id already in flight is refused; a pull past the limit
-    of pulls in flight is refused with LLM_OUT_OF_MEMORY, while the ones in flight are untouched."""
+    """A message over the limit ends the stream once (LLM_PARAM_INVALID); an id already in flight is refused; a
+    pull past the limit of pulls in flight is refused with LLM_OUT_OF_MEMORY, while the ones in flight are
+    untouched."""
     def pull(i: int, dst: int = 0, timeout_ms: int = 20_000, grant: bool = False) -> broker_pb2.SessionPull:
         req = broker_pb2.PullKvBlocksRequest(
             src_cache_index=types_pb2.CacheIndex(cluster_id=trio.p.cluster_id, cache_id=trio.src.cache_id),
@@ -237,9 +238,12 @@ def test_bounds_pulls_per_message_duplicate_ids_and_pulls_in_flight(trio: Trio) 
 
     too_many = broker_pb2.PullSessionRequest(pulls=[pull(i + 1, i % 64) for i in range(MAX_SESSION_PULLS_PER_MESSAGE
                                                                                          + 1)])
-    completions = _raw_session(trio, [too_many], MAX_SESSION_PULLS_PER_MESSAGE + 1)
-    assert {c.status for c in completions} == {"LLM_PARAM_INVALID"}
-    assert "at most 256" in completions[0].message
+    channel, stub = trio.stub()
+    with channel, pytest.raises(grpc.RpcError) as ended:
+        for resp in stub.PullKvBlocksSession(iter([too_many]), metadata=_CALL_METADATA, timeout=60):
+            assert not resp.completions  # no pull of it was looked at
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 256" in ended.value.details()
 
     # The frozen peer keeps granted pulls in flight until their deadline.
     trio.q.signal(signal.SIGSTOP)

@@ -222,3 +222,13 @@ def test_strided_groups_runs_as_the_greedy_loop_does(steps: list[tuple[int, int,
     if got is not None and want is not None:
         for name in ("src_first", "dst_first", "length", "count", "src_stride", "dst_stride"):
             assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_pairs_named_counts_from_the_sizes_alone() -> None:
+    """A session message's budget is checked with it before `check`: exact for runs `check` takes, over
+    MAX_PAIRS for runs it refuses (however large the numbers)."""
+    runs = blockruns.check([0, 100], [0, 100], [3, 5], [2, 4], [10, 20], [10, 20])
+    assert blockruns.pairs_named([3, 5], [2, 4]) == runs.num_pairs == 26
+    assert blockruns.pairs_named([7, 1]) == 8
+    assert blockruns.pairs_named([1 << 20], [1 << 20]) > blockruns.MAX_PAIRS
+    assert blockruns.pairs_named([2**64 - 1] * 3, [2**64 - 1] * 3) > blockruns.MAX_PAIRS

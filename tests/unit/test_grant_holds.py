@@ -3,12 +3,12 @@ frees blocks that a peer link holds for a pull, and grants are stored compactly 
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import pytest
 
 from kvbrokerd.errors import LlmError, LlmStatus
-from kvbrokerd.registry import grants
 from kvbrokerd.registry.grants import Grant, GrantTable
 
 
@@ -23,7 +23,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     c = _Clock()
-    monkeypatch.setattr(grants.time, "monotonic", c)
+    monkeypatch.setattr(time, "monotonic", c)  # the table reads time.monotonic()
     return c
 
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import itertools
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def test_a_run_larger_than_a_chunk_is_copied_in_pieces_and_the_late_one_never_co
     dst = np.zeros(nbytes, dtype=np.uint8)
     plan = _one_run(nbytes)
     progress = Progress(plan)
-    monkeypatch.setattr(memcopy.time, "monotonic", _Clock(1))  # the check before the first chunk passes, no other
+    monkeypatch.setattr(time, "monotonic", _Clock(1))  # the check before the first chunk passes, no other
     with concurrent.futures.ThreadPoolExecutor(1) as pool, pytest.raises(LlmError) as err:
         memcopy.copy_plan(_endpoint(src, "src"), _endpoint(dst, "dst"), plan, progress, 100.0, pool, threads=1)
     assert err.value.status == LlmStatus.LLM_TIMEOUT
@@ -69,7 +70,7 @@ def test_chunks_that_ended_before_the_deadline_count_and_the_rest_is_reported() 
     clock = _Clock(4)  # before chunk 1, after it, before chunk 2, after it: then frozen past the deadline
     with pytest.MonkeyPatch.context() as mp, concurrent.futures.ThreadPoolExecutor(1) as pool, \
             pytest.raises(LlmError):
-        mp.setattr(memcopy.time, "monotonic", clock)
+        mp.setattr(time, "monotonic", clock)
         memcopy.copy_plan(_endpoint(src, "src"), _endpoint(dst, "dst"), plan, progress, 100.0, pool, threads=1)
     assert progress.bytes_moved == 2 * CHUNK
     assert (dst[: 2 * CHUNK] == 9).all() and not dst[2 * CHUNK:].any()
@@ -117,7 +118,7 @@ def test_a_receive_that_ends_after_the_deadline_marks_no_view(monkeypatch: pytes
         target = bytearray(len(payload))
         views = [memoryview(target)[i : i + 4096] for i in range(0, len(payload), 4096)]
         landed: list[int] = []
-        monkeypatch.setattr(sockio.time, "monotonic", _Clock(2))  # the watch, the check; frozen in the receive
+        monkeypatch.setattr(time, "monotonic", _Clock(2))  # the watch, the check; frozen in the receive
         with pytest.raises(TimeoutError):
             sockio.recv_views(right, views, landed.append, sockio.Watch(100.0))
         assert landed == []

@@ -295,9 +295,12 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             return
         self._pull_sessions += 1
         try:
-            session = PullSession(self.node.transfers, _pull_blocks, time_remaining(context))
+            session = PullSession(self.node.transfers, _pull_blocks, time_remaining(context),
+                                  self.node.max_session_message_pairs)
             async for msg in session.serve(request_iterator):
                 yield msg
+        except LlmError as err:  # a bound that no completion can answer: the stream ends with it
+            await context.abort_with_status(to_rpc_status(err))
         finally:
             self._pull_sessions -= 1
 

@@ -264,14 +264,16 @@ def _chunks(members: list[_Member], bytes_per_block: int, max_bytes: int) -> Ite
 
 
 def _disjoint(members: list[_Member]) -> list[list[_Member]]:
-    """Groups in which no two members write one destination block (first fit, in order)."""
-    groups: list[tuple[list[_Member], set[int]]] = []
+    """Groups in which no two members write one destination block (first fit, in order). The blocks stay in numpy
+    arrays (8 bytes each; a Python set would cost ~70): a message's pairs are bounded, not small."""
+    groups: list[tuple[list[_Member], np.ndarray]] = []
     for m in members:
-        blocks = set(m.pairs()[1].tolist())
-        for group, taken in groups:
-            if taken.isdisjoint(blocks):
+        blocks = np.sort(m.pairs()[1])  # a planned pull's destination blocks are distinct
+        for i, (group, taken) in enumerate(groups):
+            at = np.searchsorted(taken, blocks)
+            if not (taken[np.minimum(at, len(taken) - 1)] == blocks).any():
                 group.append(m)
-                taken |= blocks
+                groups[i] = (group, np.union1d(taken, blocks))
                 break
         else:
             groups.append(([m], blocks))
