@@ -3,8 +3,11 @@ the deployment token), so tests can send what no honest daemon would."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +57,12 @@ def hello(cluster_id: int, expected: int, epoch: str = "fake-epoch") -> peer_pb2
                                      expected_cluster_id=expected, caller_nonce=linkauth.new_nonce())
 
 
-def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, epoch: str = "fake-epoch"
-            ) -> FakePeerLink:
-    """Runs both handshake steps against `address` with `token` (None: as a peer of an --insecure-peers daemon).
-    Raises grpc.RpcError where the daemon refuses."""
+def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, epoch: str = "fake-epoch",
+            credentials: grpc.ChannelCredentials | None = None) -> FakePeerLink:
+    """Runs both handshake steps against `address` with `token` (None: as a peer of an --insecure-peers daemon, or
+    of a mutual-TLS one, presenting `credentials`). Raises grpc.RpcError where the daemon refuses."""
     key = linkauth.token_key(token)
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     stub = peer_pb2_grpc.PeerStub(channel)
     req = hello(cluster_id, expected, epoch)
     challenge = stub.Handshake(req, timeout=5)
@@ -68,6 +71,62 @@ def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, e
     resp = stub.Authenticate(peer_pb2.AuthenticateRequest(
         challenge_id=challenge.challenge_id, caller_proof=linkauth.handshake_proof(key, b"caller", bound)), timeout=5)
     return FakePeerLink(linkauth.derive_link_secret(key, bound), resp, channel)
+
+
+class SourceRelays:
+    """TCP relays on loopback that reach `target` from chosen source addresses (loopback answers for all of
+    127.0.0.0/8), so that one test can be many hosts to a daemon. A context manager."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host.strip("[]"), int(port))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="source-relays", daemon=True)
+        self._servers: list[asyncio.Server] = []
+        self._thread.start()
+
+    def via(self, source: str) -> str:
+        """An address on 127.0.0.1 whose connections reach the target from `source`."""
+        async def start() -> int:
+            server = await asyncio.start_server(functools.partial(self._relay, source), "127.0.0.1", 0)
+            self._servers.append(server)
+            return int(server.sockets[0].getsockname()[1])
+
+        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)}"
+
+    async def _relay(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self._target, local_addr=(source, 0))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pump(reader, upstream_writer), _pump(upstream_reader, writer), return_exceptions=True)
+
+    def __enter__(self) -> SourceRelays:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
 
 
 class FakePeer(peer_pb2_grpc.PeerServicer):
