@@ -20,6 +20,7 @@ fewer, that network's quietest link gives way ("fair share"); then
 - a full table refuses the newcomer (LLM_OUT_OF_MEMORY): its network holds as many as any. One network alone cannot
   fill it while `--peer-links-per-network` is below `--max-links`.
 """
+
 from __future__ import annotations
 
 import hmac
