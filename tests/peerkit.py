@@ -3,10 +3,11 @@ the deployment token), so tests can send what no honest daemon would."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import itertools
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,12 +59,12 @@ def hello(cluster_id: int, expected: int, epoch: str = "fake-epoch") -> peer_pb2
                                      expected_cluster_id=expected, caller_nonce=linkauth.new_nonce())
 
 
-def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, epoch: str = "fake-epoch"
-            ) -> FakePeerLink:
-    """Runs both handshake steps against `address` with `token` (None: as a peer of an --insecure-peers daemon).
-    Raises grpc.RpcError where the daemon refuses."""
+def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, epoch: str = "fake-epoch",
+            credentials: grpc.ChannelCredentials | None = None) -> FakePeerLink:
+    """Runs both handshake steps against `address` with `token` (None: as a peer of an --insecure-peers daemon, or
+    of a mutual-TLS one, presenting `credentials`). Raises grpc.RpcError where the daemon refuses."""
     key = linkauth.token_key(token)
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     stub = peer_pb2_grpc.PeerStub(channel)
     req = hello(cluster_id, expected, epoch)
     challenge = stub.Handshake(req, timeout=5)
@@ -77,46 +78,65 @@ def link_as(address: str, token: bytes | None, cluster_id: int, expected: int, e
 @contextlib.contextmanager
 def from_host(target: str, source_ip: str) -> Iterator[str]:
     """An address to dial instead of `target` ("host:port") so that the daemon there sees the calls come from the
-    host `source_ip` (on Linux any 127.x.y.z is this machine): a TCP relay whose connections onward are made from
-    that address. Lets one test play peers on several hosts."""
-    host, _, port = target.rpartition(":")
-    listener = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
+    host `source_ip` (on Linux any 127.x.y.z is this machine). Lets one test play peers on several hosts."""
+    with SourceRelays(target) as relays:
+        yield relays.via(source_ip)
 
-    def pump(a: socket.socket, b: socket.socket) -> None:
+
+class SourceRelays:
+    """TCP relays on loopback that reach `target` from chosen source addresses (loopback answers for all of
+    127.0.0.0/8), so that one test can be many hosts to a daemon. A context manager."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host.strip("[]"), int(port))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="source-relays", daemon=True)
+        self._servers: list[asyncio.Server] = []
+        self._thread.start()
+
+    def via(self, source: str) -> str:
+        """An address on 127.0.0.1 whose connections reach the target from `source`."""
+        async def start() -> int:
+            server = await asyncio.start_server(functools.partial(self._relay, source), "127.0.0.1", 0)
+            self._servers.append(server)
+            return int(server.sockets[0].getsockname()[1])
+
+        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)}"
+
+    async def _relay(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while data := a.recv(1 << 16):
-                b.sendall(data)
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self._target, local_addr=(source, 0))
         except OSError:
-            pass
-        finally:
-            for sock in (a, b):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            writer.close()
+            return
+        await asyncio.gather(_pump(reader, upstream_writer), _pump(upstream_reader, writer), return_exceptions=True)
 
-    def accept() -> None:
-        while True:
-            try:
-                caller, _ = listener.accept()
-                onward = socket.create_connection((host, int(port)), timeout=5, source_address=(source_ip, 0))
-            except OSError:
-                return
-            onward.settimeout(None)
-            held.extend((caller, onward))
-            for a, b in ((caller, onward), (onward, caller)):
-                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+    def __enter__(self) -> SourceRelays:
+        return self
 
-    threading.Thread(target=accept, daemon=True).start()
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
     finally:
-        with contextlib.suppress(OSError):
-            listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
-        for sock in held:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        writer.close()
 
 
 class FakePeer(peer_pb2_grpc.PeerServicer):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from kvbrokerd.tls import cluster_uri
 
 
 def _name(cn: str) -> x509.Name:
@@ -38,20 +41,21 @@ class Ca:
         self.path = str(workdir / f"{name}-ca.crt")
         Path(self.path).write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str) -> tuple[str, str]:
-        """(cert path, key path) of a certificate for loopback (127.0.0.1, localhost), usable as client and server."""
+    def issue(self, name: str, cluster_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """(cert path, key path) of a certificate for loopback (127.0.0.1, localhost), usable as client and server,
+        naming `cluster_ids` (URI SANs `kvbroker://cluster/<id>`: the ids its holder may claim)."""
         key = ec.generate_private_key(ec.SECP256R1())
+        names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                         *(x509.UniformResourceIdentifier(cluster_uri(i)) for i in cluster_ids)]
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
                 .sign(self.key, hashes.SHA256()))
         return _write(self.workdir / name, key, cert)
 
-    def flags(self, name: str, data_tls: bool = False) -> list[str]:
-        cert, key = self.issue(name)
+    def flags(self, name: str, data_tls: bool = False, cluster_ids: Sequence[int] = ()) -> list[str]:
+        cert, key = self.issue(name, cluster_ids)
         return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", self.path, *(["--data-tls"] if data_tls else [])]

@@ -72,6 +72,17 @@ class Config:
     max_session_message_pairs: int = field(default=DEFAULT_SESSION_MESSAGE_PAIRS, metadata={
         "help": "most block pairs the pulls of one PullKvBlocksSession message may name in all; a message with more "
                 "has every pull refused (clients split a larger submit)"})
+    peer_links_per_cluster: int = field(default=64, metadata={
+        "help": "most links peers may make to us claiming one cluster id; past it a new one displaces that id's "
+                "least recently active link (a token holder can claim any id: it can churn a peer's link, never "
+                "keep it out)"})
+    peer_links_per_network: int = field(default=256, metadata={
+        "help": "most links peers may make to us from one source network (see peer_network_prefix_v4/v6); past it "
+                "a new one displaces that network's least recently active link; keep it below max_links"})
+    peer_network_prefix_v4: int = field(default=24, metadata={
+        "help": "the IPv4 prefix length of a source network, which inbound link shares are counted by"})
+    peer_network_prefix_v6: int = field(default=64, metadata={
+        "help": "the IPv6 prefix length of a source network, which inbound link shares are counted by"})
     broken_link_ttl: float = field(default=60.0, metadata={
         "help": "seconds a link we made may stay BROKEN (its peer dead or unreachable) before it is removed and its "
                 "resources freed; a full link table also drops its longest-BROKEN link for a new one (0 = keep "
@@ -106,9 +117,13 @@ class Config:
             if value and not _is_host_port(value):
                 raise ConfigError(f"{name}: {value!r} is not host:port")
         for name in ("max_caches", "data_threads", "max_transfers", "parallel_transfers", "max_inflight_bytes",
-                     "max_links", "max_granted_blocks", "max_session_message_pairs"):
+                     "max_links", "max_granted_blocks", "max_session_message_pairs", "peer_links_per_cluster",
+                     "peer_links_per_network"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 1")
+        for name, bits in (("peer_network_prefix_v4", 32), ("peer_network_prefix_v6", 128)):
+            if not 0 <= getattr(self, name) <= bits:
+                raise ConfigError(f"{name}: {getattr(self, name)} must be a prefix length from 0 to {bits}")
         if self.metrics_listen and not _is_host_port(self.metrics_listen):
             raise ConfigError(f"metrics_listen: {self.metrics_listen!r} is not host:port")
         tls = [self.tls_cert, self.tls_key, self.tls_ca]

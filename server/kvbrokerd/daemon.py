@@ -25,6 +25,7 @@ from kvbrokerd.backends.base import Backend, LocalContext
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.config import Config
 from kvbrokerd.links import linkauth
+from kvbrokerd.links.inbound import InboundShares
 from kvbrokerd.links.table import LinkTable
 from kvbrokerd.listen import ListenError, check_tcp_free, claim_unix_socket, in_use, unix_path
 from kvbrokerd.metrics import Metrics
@@ -127,7 +128,9 @@ class Daemon:
                 token=linkauth.load_token(cfg.peer_token_file) if cfg.peer_token_file else None,
                 credentials=tls.channel_credentials() if tls else None,
                 max_links=cfg.max_links, auto_relink=cfg.auto_relink, inbound_ttl_s=cfg.peer_link_ttl,
-                broken_link_ttl_s=cfg.broken_link_ttl, idle_link_ttl_s=cfg.idle_link_ttl)
+                broken_link_ttl_s=cfg.broken_link_ttl, idle_link_ttl_s=cfg.idle_link_ttl,
+                inbound_shares=InboundShares(cfg.peer_links_per_cluster, cfg.peer_links_per_network,
+                                             cfg.peer_network_prefix_v4, cfg.peer_network_prefix_v6))
             links = self._links
             self.metrics = metrics = Metrics(linked=lambda peer: peer.isdigit() and int(peer) in links.links)
             links.on_removed.append(lambda cluster_id: metrics.forget_peer(str(cluster_id)))

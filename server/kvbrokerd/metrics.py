@@ -4,8 +4,8 @@ Names (all prefixed kvbroker_): transfer_bytes_total and transfers_total {op, ba
 transfer_seconds {op, backend, peer, stage=queue|wire|total}; and, read from the daemon when scraped: links {state}
 (the links this daemon made), inbound_links (those peers made to it), links_reclaimed_total {side=outbound|inbound,
 reason} (links removed without an unlink: outbound `broken`, `idle`, `room`; inbound `expired`, `silent`,
-`fair_share`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions, grants, grants_ended_total
-{outcome=released|lapsed|capped|cache_removed} (holds of this daemon's blocks that ended, and how),
+`fair_share`, `displaced`), caches, registered_bytes, transfers_in_flight, inflight_bytes, sessions, grants,
+grants_ended_total {outcome=released|lapsed|capped|cache_removed} (holds of this daemon's blocks that ended, and how),
 grants_redeemed_total (RedeemGrant calls answered) and grant_pulls_total {source=remembered|redeemed} (pulls by grant
 made, and whether a renewal's answer spared the RedeemGrant round trip).
 

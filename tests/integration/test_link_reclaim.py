@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvbroker import CacheDesc, CacheIndex, ClusterInfo, LinkState, LlmStatus
@@ -164,7 +163,7 @@ def _port(d: LocalDaemon) -> int:
 @needs_ipv6
 def test_impostors_claiming_a_peers_cluster_id_do_not_lock_it_out(dual_stack: LocalDaemon, tmp_path: Path) -> None:
     """Finding 8: 64 live links claiming a real peer's cluster id (made by a token holder on another host) locked
-    that peer out with LLM_OUT_OF_MEMORY; now the real peer's host holds fewer and gets in, and the impostors can
+    that peer out with LLM_OUT_OF_MEMORY; now the real peer's network holds fewer and gets in, and the impostors can
     never push the real peer out."""
     d = dual_stack
     token = peerkit.token_of(tmp_path)
@@ -175,9 +174,10 @@ def test_impostors_claiming_a_peers_cluster_id_do_not_lock_it_out(dual_stack: Lo
             assert c.link_clusters([ClusterInfo(d.cluster_id, f"[::1]:{_port(d)}")])[0].ok
             _pull_ok(d, real)
             assert _keep_alive(impostors) == 63  # one gave way to the real peer
-            for i in range(3):  # more impostors: refused, never at the real peer's expense
-                with pytest.raises(grpc.RpcError):
-                    peerkit.link_as(f"127.0.0.1:{_port(d)}", token, 7, d.cluster_id, epoch=f"more{i}")
+            # More impostors displace their own network's links (issue 30 finding 5), never the real peer's.
+            impostors += [peerkit.link_as(f"127.0.0.1:{_port(d)}", token, 7, d.cluster_id, epoch=f"more{i}")
+                          for i in range(3)]
+            assert _keep_alive(impostors) == 63
             assert [lk.state for lk in c.list_links()] == [LinkState.READY]
             _pull_ok(d, real)
         # A restarted peer (new epoch) gets in as well.
@@ -187,6 +187,50 @@ def test_impostors_claiming_a_peers_cluster_id_do_not_lock_it_out(dual_stack: Lo
     finally:
         for link in impostors:
             link.close()
+
+
+@pytest.mark.parametrize("sources", ["one address", "64 addresses"])
+def test_impostors_on_the_peers_network_cannot_lock_it_out(tmp_path: Path, sources: str) -> None:
+    """Issue 30 finding 5: 64 live links claiming a real peer's cluster id, from the peer's own address or from 64
+    addresses of its network (127.0.0.2-65: shares counted exact addresses), kept the peer out ("already holds 64
+    live links"). Now a full cluster id displaces its least recently active link: the peer links and pulls, the
+    impostors can at worst make its link churn."""
+    with LocalDaemon(tmp_path, 100, backends=("tcp",), extra_args=["--metrics-listen", "127.0.0.1:0"]) as d, \
+            peerkit.SourceRelays(d.peer_address) as relays:
+        token = peerkit.token_of(tmp_path)
+        impostors = [peerkit.link_as(d.peer_address if sources == "one address" else relays.via(f"127.0.0.{2 + i}"),
+                                     token, 7, d.cluster_id, epoch=f"e{i}") for i in range(64)]
+        try:
+            assert _keep_alive(impostors) == 64
+            with LocalDaemon(tmp_path, 7, backends=("tcp",)) as real, real.client() as c:
+                [linked] = c.link_clusters([cluster_of(d)])
+                assert linked.ok, linked
+                _pull_ok(d, real)
+                assert _keep_alive(impostors) == 63
+            with d.client() as cd:
+                assert _reclaimed(cd.get_cluster_info().metrics_address)[("inbound", "displaced")] == 1
+            # The displaced link came from where its impostor was (the relays made 64 hosts of one test).
+            displaced = re.search(r"inbound link of cluster 7 from 127\.0\.0\.(\d+) dropped \(displaced\)",
+                                  d.log_tail(400))
+            assert displaced is not None
+            assert (displaced.group(1) == "1") == (sources == "one address")
+        finally:
+            for link in impostors:
+                link.close()
+
+
+def test_the_per_peer_link_shares_are_settings(tmp_path: Path) -> None:
+    """--peer-links-per-cluster: a smaller share is full sooner and displaces as well."""
+    with LocalDaemon(tmp_path, 100, extra_args=["--peer-links-per-cluster", "2", "--peer-links-per-network", "8",
+                                                "--metrics-listen", "127.0.0.1:0"]) as d, d.client() as cd:
+        token = peerkit.token_of(tmp_path)
+        links = [peerkit.link_as(d.peer_address, token, 7, d.cluster_id, epoch=f"e{i}") for i in range(3)]
+        try:
+            assert _keep_alive(links) == 2
+            assert _reclaimed(cd.get_cluster_info().metrics_address)[("inbound", "displaced")] == 1
+        finally:
+            for link in links:
+                link.close()
 
 
 @needs_ipv6

@@ -62,6 +62,29 @@ def test_peer_with_a_certificate_from_another_ca_cannot_link(tmp_path: Path) -> 
             peer_pb2_grpc.PeerStub(ch).Heartbeat(peer_pb2.HeartbeatRequest(), timeout=2)
 
 
+def test_a_certificate_naming_a_cluster_id_cannot_claim_another(tmp_path: Path) -> None:
+    """Issue 30 finding 5: under mutual TLS any certified peer could claim any cluster id (and with 64 links claiming
+    a real peer's, keep it out). A certificate that names cluster ids (URI SANs kvbroker://cluster/<id>) now claims
+    only those; one that names none claims any, as before."""
+    ca = Ca(tmp_path, "cluster")
+    with LocalDaemon(tmp_path, 1, extra_args=ca.flags("a", cluster_ids=[1])) as a, \
+            LocalDaemon(tmp_path, 2, extra_args=ca.flags("liar", cluster_ids=[3])) as liar, \
+            LocalDaemon(tmp_path, 3, extra_args=ca.flags("named", cluster_ids=[3])) as named, \
+            LocalDaemon(tmp_path, 4, extra_args=ca.flags("unnamed")) as unnamed:
+        with liar.client() as c:
+            [refused] = c.link_clusters([cluster_of(a)], timeout=5.0)
+            assert refused.status == LlmStatus.LLM_LINK_FAILED and "names cluster 3, not 2" in refused.message
+        assert _pull_works(a, named) == "shm"
+        assert _pull_works(a, unnamed) == "shm"
+        # By hand, with the named peer's certificate: its own id links, another does not.
+        cert, key = (Path(p).read_bytes() for p in (tmp_path / "named.crt", tmp_path / "named.key"))
+        credentials = grpc.ssl_channel_credentials(Path(ca.path).read_bytes(), key, cert)
+        peerkit.link_as(a.peer_address, None, 3, a.cluster_id, epoch="again", credentials=credentials).close()
+        with pytest.raises(grpc.RpcError) as info:
+            peerkit.link_as(a.peer_address, None, 2, a.cluster_id, credentials=credentials)
+        assert "names cluster 3, not 2" in (info.value.details() or "")
+
+
 # -- the data port ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:

@@ -77,7 +77,7 @@ def test_example_config_has_every_key_with_its_default(tmp_path: Path) -> None:
     for line in text.splitlines():
         if m := re.match(r"^\[([a-z_.]+)\]$", line):
             table = m.group(1)
-        elif m := re.match(r"^([a-z_]+) = ", line):
+        elif m := re.match(r"^([a-z0-9_]+) = ", line):
             found.setdefault(table, []).append(m.group(1))
     expected = config.keys()
     assert {t: sorted(k) for t, k in found.items()} == {t: sorted(k) for t, k in expected.items() if k}, \

@@ -4,15 +4,21 @@ Nothing here trusts a caller before it proved the deployment token (or, with mut
 handshakes are few, small and short-lived; links are made only by an Authenticate whose proof checks; links that go
 unheard expire; both tables are bounded.
 
-Who may hold how many links. A token holder can claim any cluster id and epoch, so neither proves who a caller is;
-what it cannot choose freely is the host it connects from (its source address). Links are therefore bounded in
-total (`--max-links`), per claimed cluster id (64) and per source host (256), and a full table makes room in this
+Who may hold how many links. A token holder can claim any cluster id and epoch, so neither proves who a caller is
+(a certificate that names cluster ids does: a claim of another id is refused, see `authenticate`); what it cannot
+choose freely is the network it connects from. Shares are therefore counted by source network (`InboundShares`: a
+/24 of IPv4, a /64 of IPv6, where one party's hosts or pods usually sit), not by exact address, which a party with a
+subnet or a few pods has many of. Links are bounded in total (`--max-links`), per claimed cluster id
+(`--peer-links-per-cluster`) and per source network (`--peer-links-per-network`), and a full pool makes room in this
 order: a silent link (unheard for 5 s while real peers heartbeat every second: a dead or restarted peer's) goes
-first; then, only if the newcomer's source holds fewer links (of that cluster id, or in all) than the source holding
-the most, that source's quietest link gives way ("fair share"). So a token holder that fills the table from one
-host, or claims a real peer's cluster id 64 times, can lock out only its own host: a real peer, new or restarted
-with a new epoch, connects from its own host and always gets in. A live link is never replaced by one from the
-same source (that would let an impostor on the peer's own host break it; on one host nothing tells them apart).
+first; then, if the newcomer's network holds fewer links of the pool than the network holding the most, at least two
+fewer, that network's quietest link gives way ("fair share"); then
+- a full cluster id or network never refuses: the newcomer displaces the least recently active link of that pool,
+  one of its own network's where there is one. Nothing tells a peer from an impostor that claims its id from the same
+  network (or, without certificates naming ids, from enough networks), so the impostor can make the peer's link churn
+  (the peer links again), never keep it out;
+- a full table refuses the newcomer (LLM_OUT_OF_MEMORY): its network holds as many as any. One network alone cannot
+  fill it while `--peer-links-per-network` is below `--max-links`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 import time
 import urllib.parse
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
@@ -42,12 +48,31 @@ GetCacheInfo, the grant calls), grants (RedeemGrant, RenewGrant, ReleaseGrant)."
 MAX_EPOCH_BYTES = 64
 MAX_PENDING = 4096
 PENDING_TTL_S = 10.0
-MAX_LINKS_PER_CLUSTER = 64
-MAX_LINKS_PER_SOURCE = 256
-"""Links one source host may hold: a host runs a few daemons; more than this is a host hoarding the table."""
 SILENT_AFTER_S = 5.0
 """A link unheard this long is not live (its peer heartbeats every second): it may make room for a new one."""
 DEFAULT_LINK_TTL_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class InboundShares:
+    """What one party may hold of the inbound links (daemon settings; see the module docstring)."""
+
+    per_cluster: int = 64
+    """Links claiming one cluster id: a peer needs one per restart in flight; more is someone claiming its id."""
+    per_network: int = 256
+    """Links from one source network: a network runs a few daemons per host."""
+    ipv4_prefix: int = 24
+    ipv6_prefix: int = 64
+    """The networks shares are counted by: one party's hosts or pods share such a prefix; another party's rarely."""
+
+    def network_of(self, host: str) -> str:
+        """The network of `host` (an address as `source_host` gives it); a host that is not an address is its own."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host
+        prefix = self.ipv4_prefix if ip.version == 4 else self.ipv6_prefix
+        return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
 @dataclass(eq=False, slots=True)
@@ -59,6 +84,8 @@ class InboundLink:
     last_heard: float
     source: str = ""
     """The host the link was made from (`source_host` of the caller's address); "" where unknown."""
+    network: str = ""
+    """The network of `source` that the shares count by (`InboundShares.network_of`)."""
     replay: linkauth.ReplayWindow = field(default_factory=linkauth.ReplayWindow)
 
 
@@ -97,16 +124,18 @@ def check_hello(req: peer_pb2.HandshakeRequest) -> None:
 
 
 class InboundTable:
-    def __init__(self, cluster_id: int, key: bytes, *, max_links: int, link_ttl_s: float = DEFAULT_LINK_TTL_S
-                 ) -> None:
+    def __init__(self, cluster_id: int, key: bytes, *, max_links: int, link_ttl_s: float = DEFAULT_LINK_TTL_S,
+                 shares: InboundShares = InboundShares()) -> None:
         self.cluster_id = cluster_id
         self._key = key
         self.max_links = max_links
+        self.shares = shares
         self.link_ttl_s = link_ttl_s
         self.links: dict[bytes, InboundLink] = {}
         """By link id. Read by data-plane threads (dict lookups are atomic); changed on the event loop."""
         self.reclaimed: Counter[str] = Counter()
-        """Links dropped by this table, by reason (`expired`, `silent`, `fair_share`), for the metrics."""
+        """Links dropped by this table, by reason (`expired`, `silent`, `fair_share`, `displaced`), for the
+        metrics."""
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
 
     # -- the handshake -----------------------------------------------------------------------------------------
@@ -125,9 +154,12 @@ class InboundTable:
                                           responder_nonce=nonce,
                                           responder_proof=linkauth.handshake_proof(self._key, b"responder", bound))
 
-    def authenticate(self, req: peer_pb2.AuthenticateRequest, source: str = "") -> InboundLink:
-        """Step 2: makes the link if the caller proved the token. Every refusal reads the same. `source`: the host the
-        call came from (`source_host`), which the limits per source count by."""
+    def authenticate(self, req: peer_pb2.AuthenticateRequest, source: str = "",
+                     certified: frozenset[int] | None = None) -> InboundLink:
+        """Step 2: makes the link if the caller proved the token. Every refusal of the proof reads the same. `source`:
+        the host the call came from (`source_host`), which the shares count by; `certified`: the cluster ids the
+        caller's certificate names (`tls.certified_cluster_ids`), None where it names none: a claim of another id is
+        refused."""
         pending = self._pending.pop(bytes(req.challenge_id), None)
         bound = b"" if pending is None else self._binding(pending.req, pending.responder_nonce, self.cluster_id)
         expected = linkauth.handshake_proof(self._key, b"caller", bound)
@@ -137,10 +169,16 @@ class InboundTable:
         hello = pending.req
         if hello.expected_cluster_id != self.cluster_id or hello.cluster_id == self.cluster_id:
             fail(LlmStatus.LLM_LINK_FAILED, "peer authentication failed")  # a valid proof cannot bind these
-        self._make_room(hello.cluster_id, source)
+        if certified is not None and hello.cluster_id not in certified:
+            log.warning("a peer from %s claimed cluster %d, but its certificate names %s; refused", source or "?",
+                        hello.cluster_id, _listed(certified))
+            fail(LlmStatus.LLM_LINK_FAILED, f"this peer's certificate names cluster {_listed(certified)}, not "
+                 f"{hello.cluster_id}")
+        network = self.shares.network_of(source)
+        self._make_room(hello.cluster_id, network)
         now = time.monotonic()
         secret = linkauth.derive_link_secret(self._key, bound)
-        link = InboundLink(hello.cluster_id, hello.instance_epoch, time.time(), secret, now, source)
+        link = InboundLink(hello.cluster_id, hello.instance_epoch, time.time(), secret, now, source, network)
         self.links[linkauth.link_id(secret)] = link
         return link
 
@@ -148,22 +186,30 @@ class InboundTable:
         return linkauth.binding(req.cluster_id, responder_id, req.instance_epoch, bytes(req.caller_nonce),
                                 responder_nonce, PROTOCOL_VERSION)
 
-    def _make_room(self, cluster_id: int, source: str) -> None:
-        """Room for one more link of `cluster_id` from `source`, or LLM_OUT_OF_MEMORY (see the module docstring)."""
+    def _make_room(self, cluster_id: int, network: str) -> None:
+        """Room for one more link of `cluster_id` from `network`, or LLM_OUT_OF_MEMORY (see the module docstring)."""
         self.expire()
-        same_source = [(lid, link) for lid, link in self.links.items() if link.source == source]
-        if len(same_source) >= MAX_LINKS_PER_SOURCE and not self._drop_silent(same_source):
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"{source or 'this host'} already holds {MAX_LINKS_PER_SOURCE} live "
-                 "links to us; unlink some first")
-        same = [(lid, link) for lid, link in self.links.items() if link.remote_cluster_id == cluster_id]
-        if len(same) >= MAX_LINKS_PER_CLUSTER and not self._drop_silent(same) and \
-                not self._drop_fair_share(same, source):
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"cluster {cluster_id} already holds {MAX_LINKS_PER_CLUSTER} live "
-                 "links to us; unlink some first")
+        mine = self._pool(lambda link: link.network == network)
+        if len(mine) >= self.shares.per_network and not self._drop_silent(mine):
+            # A restarted peer's link gives way first: it is the one the newcomer replaces.
+            self._displace([item for item in mine if item[1].remote_cluster_id == cluster_id] or mine)
+        same = self._pool(lambda link: link.remote_cluster_id == cluster_id)
+        if len(same) >= self.shares.per_cluster and not self._drop_silent(same) and \
+                not self._drop_fair_share(same, network):
+            self._displace([item for item in same if item[1].network == network] or same)
         everyone = list(self.links.items())
         if len(everyone) >= self.max_links and not self._drop_silent(everyone) and \
-                not self._drop_fair_share(everyone, source):
-            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({self.max_links})")
+                not self._drop_fair_share(everyone, network):
+            fail(LlmStatus.LLM_OUT_OF_MEMORY, f"inbound link limit reached ({self.max_links}), and "
+                 f"{network or 'this network'} already holds as many as any network")
+
+    def _pool(self, belongs: Callable[[InboundLink], bool]) -> list[tuple[bytes, InboundLink]]:
+        return [(lid, link) for lid, link in self.links.items() if belongs(link)]
+
+    def _displace(self, pool: list[tuple[bytes, InboundLink]]) -> None:
+        """Drops the least recently active link of `pool` (all live) for a newcomer."""
+        lid, _ = min(pool, key=lambda item: item[1].last_heard)
+        self._reclaim(lid, "displaced")
 
     def _drop_silent(self, pool: Iterable[tuple[bytes, InboundLink]]) -> bool:
         """Drops the quietest link of `pool` if it has been silent for SILENT_AFTER_S."""
@@ -173,22 +219,25 @@ class InboundTable:
         self._reclaim(quietest[0], "silent")
         return True
 
-    def _drop_fair_share(self, pool: list[tuple[bytes, InboundLink]], source: str) -> bool:
-        """Drops the quietest link of the source holding the most of `pool`, if that is at least two more than
-        `source` holds (so the two never trade one slot back and forth)."""
-        counts = Counter(link.source for _, link in pool)
+    def _drop_fair_share(self, pool: list[tuple[bytes, InboundLink]], network: str) -> bool:
+        """Drops the quietest link of the network holding the most of `pool`, if that is at least two more than
+        `network` holds (so the two never trade one slot back and forth)."""
+        counts = Counter(link.network for _, link in pool)
         hog, most = max(counts.items(), key=lambda item: item[1])
-        if hog == source or most < counts.get(source, 0) + 2:
+        if hog == network or most < counts.get(network, 0) + 2:
             return False
-        lid, _ = min(((lid, link) for lid, link in pool if link.source == hog), key=lambda item: item[1].last_heard)
+        lid, _ = min(((lid, link) for lid, link in pool if link.network == hog), key=lambda item: item[1].last_heard)
         self._reclaim(lid, "fair_share")
         return True
 
     def _reclaim(self, lid: bytes, reason: str) -> None:
         link = self.links.pop(lid)
         self.reclaimed[reason] += 1
-        log.info("inbound link of cluster %d from %s dropped (%s) to make room", link.remote_cluster_id,
-                 link.source or "?", reason)
+        # A live link displaced is worth a warning: either the shares are too small for this fleet, or someone
+        # claims a peer's id (or crowds its network) and the peer's link churns.
+        log.log(logging.WARNING if reason == "displaced" else logging.INFO,
+                "inbound link of cluster %d from %s dropped (%s) to make room", link.remote_cluster_id,
+                link.source or "?", reason)
 
     def expire(self) -> None:
         """Drops links whose peer has been silent for the link TTL (a live peer heartbeats every second)."""
@@ -226,6 +275,10 @@ class InboundTable:
     def clear(self) -> None:
         self.links.clear()
         self._pending.clear()
+
+
+def _listed(cluster_ids: frozenset[int]) -> str:
+    return ", ".join(map(str, sorted(cluster_ids))) or "(none valid)"
 
 
 def _without_proof(request: Message) -> bytes:

@@ -49,10 +49,12 @@ from kvbrokerd.links.inbound import (
     MAX_EPOCH_BYTES,
     PROTOCOL_VERSION,
     InboundLink,
+    InboundShares,
     InboundTable,
     answer_ok,
     sign,
 )
+from kvbrokerd.links.peeraddress import dial_target
 
 log = logging.getLogger(__name__)
 
@@ -360,10 +362,11 @@ class LinkTable:
     def __init__(self, cluster_id: int, epoch: str, backends: Mapping[str, Backend], *, token: bytes | None = None,
                  credentials: grpc.ChannelCredentials | None = None, max_links: int = MAX_LINKS,
                  auto_relink: bool = False, inbound_ttl_s: float | None = None,
-                 broken_link_ttl_s: float = BROKEN_LINK_TTL_S, idle_link_ttl_s: float = IDLE_LINK_TTL_S) -> None:
+                 broken_link_ttl_s: float = BROKEN_LINK_TTL_S, idle_link_ttl_s: float = IDLE_LINK_TTL_S,
+                 inbound_shares: InboundShares | None = None) -> None:
         """`backends`: this daemon's started backends, in order of preference. `broken_link_ttl_s`,
         `idle_link_ttl_s`: how long a link we made may stay BROKEN, or READY and unused, before it is removed (0:
-        for ever)."""
+        for ever). `inbound_shares`: what one peer network or claimed cluster id may hold of the inbound links."""
         self.cluster_id = cluster_id
         self._key = linkauth.token_key(token)
         self._credentials = credentials
@@ -386,6 +389,7 @@ class LinkTable:
         metrics drop that peer's series."""
         self._closing: set[asyncio.Task[None]] = set()
         self.inbound = InboundTable(cluster_id, self._key, max_links=max_links,
+                                    shares=inbound_shares or InboundShares(),
                                     **({} if inbound_ttl_s is None else {"link_ttl_s": inbound_ttl_s}))
 
     # -- outbound ------------------------------------------------------------------------------------------------
@@ -479,9 +483,10 @@ class LinkTable:
                  f"unusably: {type(e).__name__}: {e}")
 
     async def _authenticated_handshake(self, link: Link, timeout: float) -> None:
+        target = dial_target(link.remote_address)
         link.grpc_channel = (
-            grpc.aio.insecure_channel(link.remote_address, options=_PEER_CHANNEL_OPTIONS) if self._credentials is None
-            else grpc.aio.secure_channel(link.remote_address, self._credentials, options=_PEER_CHANNEL_OPTIONS))
+            grpc.aio.insecure_channel(target, options=_PEER_CHANNEL_OPTIONS) if self._credentials is None
+            else grpc.aio.secure_channel(target, self._credentials, options=_PEER_CHANNEL_OPTIONS))
         link.stub = peer_pb2_grpc.PeerStub(link.grpc_channel)
         where = f"cluster {link.remote_cluster_id} at {link.remote_address}"
         hello = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,

@@ -20,6 +20,7 @@ from kvbrokerd import backends as backend_index
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import notifications
+from kvbrokerd.links.peeraddress import check_peer_address
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.registry import devicemem, grants
@@ -229,8 +230,9 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
                            ) -> broker_pb2.LinkClustersResponse:
         _check_cluster_count(len(request.clusters))
         timeout = _timeout(request.timeout_ms, context)
-        results = await _per_cluster(request.clusters,
-                                     lambda c: self.node.links.link(c.remote_cluster_id, _checked_address(c), timeout))
+        # HOST:PORT only, refused before any connection: gRPC would dial unix: and other schemes as well.
+        results = await _per_cluster(request.clusters, lambda c: self.node.links.link(
+            c.remote_cluster_id, check_peer_address(c.remote_address), timeout))
         return broker_pb2.LinkClustersResponse(results=results)
 
     @llm_errors

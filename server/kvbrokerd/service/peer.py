@@ -18,6 +18,7 @@ from kvbrokerd.links.inbound import InboundLink, seal, source_host
 from kvbrokerd.links.table import PROTOCOL_VERSION
 from kvbrokerd.node import Node
 from kvbrokerd.service.errors import llm_errors
+from kvbrokerd.tls import certified_cluster_ids
 
 MAX_PENDING_LOOKUPS = 256
 """GetCacheInfo calls under way at once, over all links (a lookup may wait for a backend to register the cache)."""
@@ -58,7 +59,8 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def Authenticate(self, request: peer_pb2.AuthenticateRequest, context: grpc.aio.ServicerContext
                            ) -> peer_pb2.AuthenticateResponse:
         n = self.node
-        link = n.links.inbound.authenticate(request, source_host(context.peer()))
+        link = n.links.inbound.authenticate(request, source_host(context.peer()),
+                                            certified_cluster_ids(context.auth_context()))
         answer = peer_pb2.AuthenticateResponse(
             cluster_id=n.cluster_id, instance_epoch=n.epoch,
             backend_info={name: b.advertise() for name, b in n.links.backends.items()})
