@@ -104,8 +104,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def Notify(self, request: peer_pb2.PeerNotifyRequest, context: grpc.aio.ServicerContext
                      ) -> peer_pb2.PeerNotifyResponse:
         link = self.node.links.inbound.authorize("Notify", request, request.proof)
-        # Charged to the host the link came from, not to the cluster id it claims: one host, one share.
-        self.node.notifications.put(link.remote_cluster_id, request.topic, bytes(request.payload), source=link.source)
+        # Charged to the network the link came from (as link shares are), not to the cluster id it claims.
+        self.node.notifications.put(link.remote_cluster_id, request.topic, bytes(request.payload),
+                                    source=link.network or link.source)
         return peer_pb2.PeerNotifyResponse()
 
     @llm_errors
