@@ -37,6 +37,8 @@ class EngineSpec:
     prefix_caching: bool = True
     hybrid_kv_cache: bool = True
     """False: `--disable-hybrid-kv-cache-manager` (one KV cache group for every layer)."""
+    dtype: str = "float32"
+    """vLLM's CPU build serves a float32 model in bfloat16 by default ("auto"); float32 keeps tokens comparable."""
 
 
 def _build(spec: EngineSpec) -> Any:
@@ -51,7 +53,7 @@ def _build(spec: EngineSpec) -> Any:
                               kv_connector_extra_config={"kvbroker_target": spec.kvbroker_target,
                                                          "kvbroker_log_transfers": True, **spec.extra_config})
     tp = spec.tensor_parallel_size
-    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype="float32", block_size=spec.block_size,
+    args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype=spec.dtype, block_size=spec.block_size,
                       max_model_len=spec.max_model_len, enforce_eager=True,
                       distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
                       kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv,

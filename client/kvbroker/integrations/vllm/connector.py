@@ -89,6 +89,15 @@ class KvBrokerStats(KVConnectorStats):
         return stats_mod.is_empty(self.data)
 
 
+def allow_amx() -> bool:
+    """Asks Linux for this process's AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM) where the CPU has them; True when
+    granted. vLLM's CPU attention kernel uses AMX (bfloat16, blocks of a multiple of 32 tokens) without asking: a
+    plain engine gets the permission in passing (oneDNN asks on the first large matmul of a prefill), but the first
+    model step of a P/D decode engine is a decode over pulled KV, whose small matmuls do not ask, and the engine
+    died of SIGILL in `cpu_attention_with_kv_cache`. The permission is the process's, for every thread."""
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode through the node's kvbrokerd (see the package docstring for the settings).
 
@@ -112,6 +121,8 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             on_gpu = vllm_config.device_config.device_type != "cpu"
             if on_gpu:  # validated at start-up: a typo must not fall back to another mode
                 self._gpu_mode = gpu.mode_for(transfer_config.kv_buffer_device)
+            else:
+                allow_amx()
             layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
                                       vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units,
                                       on_gpu=on_gpu)
