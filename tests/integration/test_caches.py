@@ -113,8 +113,12 @@ def test_stale_segments_of_dead_daemons_are_removed(tmp_path: Path) -> None:
 
 
 def test_an_allocation_whose_caller_gave_up_is_released(tmp_path: Path) -> None:
-    """The caller's deadline passes while the daemon reserves a large cache: the caller never learns the id, so the
-    daemon frees the cache itself instead of keeping it (without a lease) forever."""
+    """The caller gives up while the daemon reserves a cache: the caller never learns the id, so the daemon frees the
+    cache itself instead of keeping it (without a lease) forever. The daemon is stopped (SIGSTOP) as soon as its
+    segment appears and the caller cancels meanwhile, so that the allocation always outlasts the caller, however
+    fast the machine reserves memory."""
+    import signal
+
     import grpc
 
     from kvbroker.convert import desc_to_pb
@@ -126,11 +130,20 @@ def test_an_allocation_whose_caller_gave_up_is_released(tmp_path: Path) -> None:
         with LocalDaemon(tmp_path, 7, extra_args=["--shm-dir", str(shm)]) as d, \
                 grpc.insecure_channel(d.target) as ch:
             stub = broker_pb2_grpc.KvBrokerStub(ch)
-            # 1 GiB takes the daemon far longer to reserve (posix_fallocate) than the caller waits.
-            desc = desc_to_pb(CacheDesc(num_tensors=1, shape=(1 << 18, 1024), data_type=DataType.FLOAT32))
-            with pytest.raises(grpc.RpcError) as failed:
-                stub.AllocateCache(broker_pb2.AllocateCacheRequest(desc=desc), timeout=0.2)
-            assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            desc = desc_to_pb(CacheDesc(num_tensors=1, shape=(1 << 18, 1024), data_type=DataType.FLOAT32))  # 1 GiB
+            call = stub.AllocateCache.future(broker_pb2.AllocateCacheRequest(desc=desc), timeout=60)
+
+            def segment() -> list[Path]:
+                if call.done():  # the allocation finished before the daemon could be stopped
+                    raise AssertionError(f"allocated before the caller could give up: {call.result()}")
+                return [p for p in shm.iterdir() if p.name.endswith(tuple("0123456789"))]
+
+            wait_until(segment, poll=0.0005, what="the daemon to start reserving the segment")
+            d.signal(signal.SIGSTOP)
+            try:
+                call.cancel()
+            finally:
+                d.signal(signal.SIGCONT)
 
             def freed() -> bool:
                 listed = stub.ListCaches(broker_pb2.ListCachesRequest(), timeout=5).caches

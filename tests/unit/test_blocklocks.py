@@ -43,13 +43,20 @@ def test_run_cells_are_the_blocks_each_run_touches(runs: list[tuple[int, int, in
 
 
 def test_disjoint_claims_never_wait() -> None:
-    locks, cache = BlockLocks(), _Cache()
+    """Each claim's deadline has passed already: one that had to wait would fail at once. The claims are really held
+    (an overlapping one fails), and their release frees the blocks."""
+    locks, cache, other = BlockLocks(), _Cache(), _Cache()
     a = locks.claim(cache, TENSORS, BLOCKS, _cells([0, 1, 2]), time.monotonic(), "a")
     b = locks.claim(cache, TENSORS, BLOCKS, _cells([3, 4]), time.monotonic(), "b")
-    c = locks.claim(_Cache(), TENSORS, BLOCKS, _cells([0, 1, 2]), time.monotonic(), "another cache")
+    c = locks.claim(other, TENSORS, BLOCKS, _cells([0, 1, 2]), time.monotonic(), "another cache")
     d = locks.claim(cache, TENSORS, BLOCKS, _cells([0], range(0)), time.monotonic(), "no tensor")
+    for held, block in ((cache, 2), (cache, 3), (other, 1)):
+        with pytest.raises(LlmError) as info:
+            locks.claim(held, TENSORS, BLOCKS, _cells([block]), time.monotonic(), "overlapping")
+        assert info.value.status == LlmStatus.LLM_TIMEOUT
     for claim in (a, b, c, d):
         locks.release(claim)
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, _cells([1, 2, 3]), time.monotonic(), "after the release"))
 
 
 def test_an_overlapping_claim_waits_for_the_release() -> None:

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # noqa: F401
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
+import torch  # after the guard: torch comes with vLLM's venv, and may be missing where vLLM is
 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
