@@ -26,7 +26,6 @@ if os.environ.get("KVBROKER_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 import torch  # after the guard: torch comes with vLLM's venv, and may be missing where vLLM is
-
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
