@@ -17,8 +17,8 @@ import contextlib
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -108,20 +108,76 @@ def outcome_of(c: broker_pb2.PullCompletion) -> TransferResult | LlmError:
     return make_error(status, c.message, details)
 
 
-def _stream_error(err: grpc.RpcError) -> LlmError:
-    return error_from_rpc(err)
+class _Future(Protocol):
+    """What both kinds of future (concurrent.futures', asyncio's) offer the pending table."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: TransferResult, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+F = TypeVar("F", bound=_Future)
+
+
+class _Pending(Generic[F]):
+    """The pulls of one session awaiting their completions, and how the session ended: the core that the blocking and
+    the asyncio session share (each brings its own kind of future and its own way of moving messages)."""
+
+    def __init__(self, default_timeout: float | None, new_future: Callable[[], F]) -> None:
+        self._default_timeout = default_timeout
+        self._new_future = new_future
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # the blocking session submits from any thread while its reader completes
+        self._futures: dict[int, F] = {}
+        self.ended: LlmError | None = None
+        self.closing = False
+
+    def submit(self, pulls: Sequence[SessionPull]) -> tuple[list[F], list[broker_pb2.PullSessionRequest]]:
+        """The pulls' futures, registered, and the messages that carry them; raises if the session cannot take them
+        (ended, closed, or pulls that fail the client's own checks: then nothing is registered)."""
+        with self._lock:
+            if self.ended is not None:
+                raise make_error(self.ended.status, self.ended.message, self.ended.details)
+            if self.closing:
+                raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
+            ids, messages = _messages(pulls, self._ids, self._default_timeout)
+            futures = [self._new_future() for _ in ids]
+            self._futures.update(zip(ids, futures, strict=True))
+        return futures, messages
+
+    def complete(self, resp: broker_pb2.PullSessionResponse) -> None:
+        for c in resp.completions:
+            with self._lock:
+                fut = self._futures.pop(c.id, None)
+            if fut is None or fut.done():
+                continue  # not ours (a daemon never sends one; a wrong id must not break the others)
+            outcome = outcome_of(c)
+            if isinstance(outcome, LlmError):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
+    def end(self, error: LlmError) -> None:
+        """The stream ended: every pull still pending, and every later submit, fails with `error`."""
+        with self._lock:
+            self.ended = error
+            pending, self._futures = self._futures, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(make_error(error.status, error.message, error.details))
+
+
+_ENDED_IN_FLIGHT = "the pull session ended with pulls in flight"
 
 
 class PullSession:
     """A blocking client's pull session: `submit` from any thread; completions arrive on a reader thread."""
 
     def __init__(self, stub: Any, metadata: Metadata, default_timeout: float | None, timeout: float | None) -> None:
-        self._default_timeout = default_timeout
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, concurrent.futures.Future[TransferResult]] = {}
-        self._ended: LlmError | None = None
-        self._closing = False
+        self._pending = _Pending(default_timeout, concurrent.futures.Future[TransferResult])
+        self._sending = threading.Lock()  # a submit's messages go before close's end of the stream, or not at all
         self._requests: queue.SimpleQueue[broker_pb2.PullSessionRequest | None] = queue.SimpleQueue()
         self._call = stub.PullKvBlocksSession(self._outgoing(), metadata=metadata, timeout=timeout)
         self._reader = threading.Thread(target=self._read, name="kvbroker-pull-session", daemon=True)
@@ -145,40 +201,21 @@ class PullSession:
             ParamInvalidError: no pulls, too many, or a timeout that is not > 0 (nothing was sent).
             LlmError: the session has ended (closed, or the stream failed: its error).
         """
-        with self._lock:
-            if self._ended is not None:
-                raise make_error(self._ended.status, self._ended.message, self._ended.details)
-            if self._closing:
-                raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
-            ids, messages = _messages(pulls, self._ids, self._default_timeout)
-            futures = [concurrent.futures.Future[TransferResult]() for _ in ids]
-            self._pending.update(zip(ids, futures, strict=True))
+        with self._sending:
+            futures, messages = self._pending.submit(pulls)
             for msg in messages:
                 self._requests.put(msg)
         return futures
 
     def _read(self) -> None:
-        error = LlmError(LlmStatus.LLM_FAILED, "the pull session ended with pulls in flight")
+        error = LlmError(LlmStatus.LLM_FAILED, _ENDED_IN_FLIGHT)
         try:
             for resp in self._call:
-                for c in resp.completions:
-                    with self._lock:
-                        fut = self._pending.pop(c.id, None)
-                    if fut is None:
-                        continue  # not ours (a daemon never sends one; a wrong id must not break the others)
-                    outcome = outcome_of(c)
-                    if isinstance(outcome, LlmError):
-                        fut.set_exception(outcome)
-                    else:
-                        fut.set_result(outcome)
+                self._pending.complete(resp)
         except grpc.RpcError as err:
-            error = _stream_error(err)
-        with self._lock:
-            self._ended = error
-            pending, self._pending = self._pending, {}
+            error = error_from_rpc(err)
+        self._pending.end(error)
         self._requests.put(None)  # gRPC's thread that sends our messages stops waiting for more
-        for fut in pending.values():
-            fut.set_exception(make_error(error.status, error.message, error.details))
 
     def close(self, wait: float | None = None) -> None:
         """Stops submitting; the daemon finishes the pulls in flight. Idempotent.
@@ -194,9 +231,9 @@ class PullSession:
         Raises:
             LlmError: never; failures reach the futures.
         """
-        with self._lock:
-            if not self._closing:
-                self._closing = True
+        with self._sending:
+            if not self._pending.closing:
+                self._pending.closing = True
                 self._requests.put(None)
         self._reader.join(wait)
         if self._reader.is_alive():
@@ -215,11 +252,7 @@ class AsyncPullSession:
 
     def __init__(self, call: Any, default_timeout: float | None) -> None:
         self._call = call
-        self._default_timeout = default_timeout
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[TransferResult]] = {}
-        self._ended: LlmError | None = None
-        self._closing = False
+        self._pending = _Pending(default_timeout, asyncio.get_running_loop().create_future)
         self._reader = asyncio.ensure_future(self._read())
 
     async def submit(self, pulls: Sequence[SessionPull]) -> list[asyncio.Future[TransferResult]]:
@@ -236,46 +269,27 @@ class AsyncPullSession:
             ParamInvalidError: no pulls, too many, or a timeout that is not > 0 (nothing was sent).
             LlmError: the session has ended (closed, or the stream failed: its error).
         """
-        if self._ended is not None:
-            raise make_error(self._ended.status, self._ended.message, self._ended.details)
-        if self._closing:
-            raise LlmError(LlmStatus.LLM_FAILED, "the pull session is closed")
-        ids, messages = _messages(pulls, self._ids, self._default_timeout)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in ids]
-        self._pending.update(zip(ids, futures, strict=True))
+        futures, messages = self._pending.submit(pulls)
         try:
             for msg in messages:
                 await self._call.write(msg)
         except (grpc.RpcError, asyncio.InvalidStateError) as err:
             # The stream ended: the reader fails every pending pull (these too) with its status.
             await asyncio.wait({self._reader})
-            if isinstance(err, grpc.RpcError) and self._ended is None:
+            if isinstance(err, grpc.RpcError) and self._pending.ended is None:
                 raise error_from_rpc(err) from None
         return futures
 
     async def _read(self) -> None:
-        error = LlmError(LlmStatus.LLM_FAILED, "the pull session ended with pulls in flight")
+        error = LlmError(LlmStatus.LLM_FAILED, _ENDED_IN_FLIGHT)
         try:
             async for resp in _responses(self._call):
-                for c in resp.completions:
-                    fut = self._pending.pop(c.id, None)
-                    if fut is None or fut.done():
-                        continue
-                    outcome = outcome_of(c)
-                    if isinstance(outcome, LlmError):
-                        fut.set_exception(outcome)
-                    else:
-                        fut.set_result(outcome)
+                self._pending.complete(resp)
         except grpc.RpcError as err:
-            error = _stream_error(err)
+            error = error_from_rpc(err)
         except asyncio.CancelledError:
             error = LlmError(LlmStatus.LLM_FAILED, "the pull session was cancelled")
-        self._ended = error
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(make_error(error.status, error.message, error.details))
+        self._pending.end(error)
 
     async def close(self, wait: float | None = None) -> None:
         """Stops submitting; the daemon finishes the pulls in flight. Idempotent.
@@ -291,9 +305,9 @@ class AsyncPullSession:
         Raises:
             LlmError: never; failures reach the futures.
         """
-        if not self._closing:
-            self._closing = True
-            if self._ended is None:
+        if not self._pending.closing:
+            self._pending.closing = True
+            if self._pending.ended is None:
                 with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: the reader says how
                     await self._call.done_writing()
         done, _ = await asyncio.wait({self._reader}, timeout=wait)

@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvbrokerd import backends as _backends
-from kvbrokerd.backends.base import BackendSettings, DaemonFacts
+from kvbrokerd.dataplane.seam import BackendSettings, DaemonFacts
 from kvbrokerd.limits import DEFAULT_SESSION_MESSAGE_PAIRS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -21,9 +21,9 @@ from grpc_reflection.v1alpha import reflection
 from kvbroker.types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvbrokerd import backends
-from kvbrokerd.backends.base import Backend, LocalContext
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.config import Config
+from kvbrokerd.dataplane.seam import Backend, LocalContext
 from kvbrokerd.links import linkauth
 from kvbrokerd.links.inbound import InboundShares
 from kvbrokerd.links.table import LinkTable

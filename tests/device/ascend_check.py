@@ -113,8 +113,8 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 
 # -- part 1: two adapter processes ------------------------------------------------------------------------------------
 def _backend(device: int, engine: str, protocol: str, entries: list[Any]) -> Any:
-    from kvbrokerd.backends.base import LocalContext
     from kvbrokerd.backends.hccl.backend import HcclBackend, HcclSettings
+    from kvbrokerd.dataplane.seam import LocalContext
 
     class Entries:  # the adapter prunes registrations of caches its registry no longer lists
         max_caches = 4096
@@ -171,9 +171,10 @@ def source_process(conn: multiprocessing.connection.Connection, device: int, eng
 
 def destination_process(conn: multiprocessing.connection.Connection, device: int, engine: str, protocol: str,
                         nbytes: int) -> None:
-    from kvbrokerd.backends.base import PeerInfo, RemoteCache
     from kvbrokerd.backends.hccl.backend import HcclChannel
-    from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, plan_blocks
+    from kvbrokerd.dataplane.plan import Progress
+    from kvbrokerd.dataplane.seam import PeerInfo, RemoteCache
+    from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
 
     results: dict[str, Any] = {}
     entries: list[Any] = []

@@ -1,4 +1,4 @@
-"""Destination-block claims (kvbrokerd.transfers.blocklocks): overlapping writers take turns, disjoint ones
+"""Destination-block claims (kvbrokerd.dataplane.blocklocks): overlapping writers take turns, disjoint ones
 never wait."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker import LlmError, LlmStatus
-from kvbrokerd.transfers import blocklocks
-from kvbrokerd.transfers.blocklocks import BlockLocks, run_cells
+from kvbrokerd.dataplane import blocklocks
+from kvbrokerd.dataplane.blocklocks import BlockLocks, run_cells
 
 BLOCK = 64
 TENSORS, BLOCKS = 4, 32

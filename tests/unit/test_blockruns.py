@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvbroker import blockruns
 from kvbroker import convert as cv
 from kvbroker.v1 import broker_pb2
-from kvbrokerd.transfers.planner import MAX_BLOCKS_PER_REQUEST, Pieces
+from kvbrokerd.dataplane.plan import Pieces
+from kvbrokerd.transfers.planner import MAX_BLOCKS_PER_REQUEST
 
 TOP = blockruns.MAX_INDEX
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvbroker import DeviceMemory, TensorLocation
 from kvbroker.device import ExportedAllocation, raw_locations, torch_locations
-from kvbrokerd.backends.base import Capabilities
+from kvbrokerd.dataplane.seam import Capabilities
 from kvbrokerd.errors import LlmError, LlmStatus
 from kvbrokerd.registry.devicemem import check_moves
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
+from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers.planner import LayerSelection, Pieces, Plan, Progress, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 
 
 def _plan(lengths: list[int]) -> Plan:

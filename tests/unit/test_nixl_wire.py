@@ -14,7 +14,6 @@ import pytest
 
 from kvbroker import CacheDesc, DataType, LlmError, LlmStatus, TensorLocation
 from kvbrokerd.backends import unavailable
-from kvbrokerd.backends.base import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.backends.nixl.agent import agent_name_of, llm_error
 from kvbrokerd.backends.nixl.backend import (
     CHUNK_BYTES,
@@ -25,6 +24,7 @@ from kvbrokerd.backends.nixl.backend import (
     _chunks,
     _regions,
 )
+from kvbrokerd.dataplane.seam import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
-from kvbrokerd.transfers.planner import LayerSelection, Progress, block_array, coalesce, plan_blocks, plan_segments
+from kvbrokerd.dataplane.plan import Progress
+from kvbrokerd.transfers.planner import LayerSelection, block_array, coalesce, plan_blocks, plan_segments
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 

@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbrokerd.backends.common import memcopy, sockio
+from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 from kvbrokerd.errors import LlmError, LlmStatus
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers.planner import Pieces, Plan, Progress
 
 CHUNK = memcopy.CHUNK_BYTES
 

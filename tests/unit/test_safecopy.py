@@ -383,7 +383,8 @@ from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.registry.endpoint import Endpoint
 from kvbrokerd.errors import LlmError
-from kvbrokerd.transfers.planner import LayerSelection, Progress, plan_blocks
+from kvbrokerd.dataplane.plan import Progress
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 
 shm, side = sys.argv[1], sys.argv[2]
 desc = CacheDesc(num_tensors=2, shape=(64, 256 << 10), data_type=DataType.UINT8)  # 32 MiB: two copy threads
@@ -590,7 +591,7 @@ import concurrent.futures, time
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.errors import LlmError
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers.planner import Plan, Progress
+from kvbrokerd.dataplane.plan import Plan, Progress
 shm, bpb = sys.argv[1], 4096
 sfd, sm, src, src_at = segment(shm + "/src", 8 << 20, filled=True)
 dfd, dm, dst, dst_at = segment(shm + "/dst", 8 << 20)

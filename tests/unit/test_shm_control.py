@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvbroker.types import CacheDesc
-from kvbrokerd.backends.base import LocalContext
 from kvbrokerd.backends.common.liveslots import LiveSlots
 from kvbrokerd.backends.shm import backend as shm_backend
+from kvbrokerd.dataplane.seam import LocalContext
 from kvbrokerd.registry.caches import CacheEntry, Registry
 
 DESC = CacheDesc(num_tensors=1, shape=(2, 64))

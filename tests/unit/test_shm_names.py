@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvbroker.types import CacheDesc, DataType, TensorLocation
-from kvbrokerd.backends.base import RemoteCache
 from kvbrokerd.backends.shm import backend as shm_backend
 from kvbrokerd.backends.shm.control import NONCE_BYTES
+from kvbrokerd.dataplane.seam import RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus
 from kvbrokerd.registry import shmseg
 
@@ -201,7 +201,8 @@ from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.registry import shmseg
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.errors import LlmError
-from kvbrokerd.transfers.planner import LayerSelection, Progress, plan_blocks
+from kvbrokerd.dataplane.plan import Progress
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 
 shm_dir, mode = Path(sys.argv[1]), sys.argv[2]
 desc = CacheDesc(num_tensors=1, shape=(16, 4096), data_type=DataType.UINT8)

@@ -20,7 +20,7 @@ from kvbrokerd.backends.common import memcopy, sockio, staging
 from kvbrokerd.backends.tcp import channel as tcp_channel
 from kvbrokerd.backends.tcp import server as tcp_server
 from kvbrokerd.backends.tcp import wire as tcp_wire
-from kvbrokerd.transfers.planner import Pieces, Plan, Progress
+from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 
 pytestmark = pytest.mark.skipif(not memcopy.copy_runs_available(), reason="kvbrokerd._safecopy is not built here")
 RUN = 3000  # bytes a run: small, odd, and a chunk ends inside no run

@@ -16,18 +16,12 @@ from hypothesis import strategies as st
 from kvbroker import blockruns
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
+from kvbrokerd.dataplane import blocklocks
+from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 from kvbrokerd.errors import LlmError
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers import blocklocks, strided
-from kvbrokerd.transfers.planner import (
-    LayerSelection,
-    Pieces,
-    Plan,
-    Progress,
-    concatenated,
-    layer_plans,
-    plan_blocks,
-)
+from kvbrokerd.transfers import strided
+from kvbrokerd.transfers.planner import LayerSelection, concatenated, layer_plans, plan_blocks
 
 BLOCKS = 96
 DESC = CacheDesc(num_tensors=3, shape=(BLOCKS, 24), data_type=DataType.UINT8)

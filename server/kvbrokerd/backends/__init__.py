@@ -17,7 +17,7 @@ import importlib
 import logging
 from importlib import metadata
 
-from kvbrokerd.backends.base import Backend
+from kvbrokerd.dataplane.seam import Backend
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from kvbroker.convert import desc_from_pb
 from kvbroker.status import make_error, read_failure
 from kvbroker.types import DeviceMemory, LinkState, TensorLocation
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
-from kvbrokerd.backends.base import (
+from kvbrokerd.dataplane.seam import (
     MAX_ADVERTISEMENT_BYTES,
     Backend,
     BackendUnusable,

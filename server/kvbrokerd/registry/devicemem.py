@@ -18,7 +18,7 @@ from kvbrokerd.errors import LlmStatus, fail, param_invalid
 from kvbrokerd.limits import check_text
 
 if TYPE_CHECKING:
-    from kvbrokerd.backends.base import Backend
+    from kvbrokerd.dataplane.seam import Backend
     from kvbrokerd.registry.caches import CacheEntry
 
 MAX_DEVICE_NAME = 64

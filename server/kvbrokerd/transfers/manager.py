@@ -29,20 +29,20 @@ import numpy as np
 
 from kvbroker import blockruns
 from kvbroker.types import CacheDesc, TransferResult
-from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
+from kvbrokerd.dataplane import blocklocks
+from kvbrokerd.dataplane.plan import Plan, Progress
+from kvbrokerd.dataplane.seam import PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.links.grantcache import HOLD_MARGIN_S
 from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers import blocklocks, strided
+from kvbrokerd.transfers import strided
 from kvbrokerd.transfers.planner import (
     MAX_PLAN_SEGMENTS,
     LayerSelection,
-    Plan,
-    Progress,
     block_array,
     check_block_lists,
     concatenated,

@@ -24,13 +24,14 @@ import numpy as np
 from kvbroker import blockruns
 from kvbroker.status import make_error
 from kvbroker.types import TransferResult
-from kvbrokerd.backends.base import RemoteCache
+from kvbrokerd.dataplane.plan import Plan
+from kvbrokerd.dataplane.seam import RemoteCache
 from kvbrokerd.errors import LlmError
 from kvbrokerd.links.table import Link
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.registry.caches import CacheEntry
 from kvbrokerd.transfers.manager import BlocksRequest, Direction, Job, TransferManager
-from kvbrokerd.transfers.planner import Plan, concatenated
+from kvbrokerd.transfers.planner import concatenated
 from kvbrokerd.transfers.reports import TransferReport
 from kvbrokerd.transfers.tracking import Deadline, Tracked
 

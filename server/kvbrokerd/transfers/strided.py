@@ -15,8 +15,9 @@ import numpy as np
 
 from kvbroker import blockruns
 from kvbroker.types import CacheDesc
+from kvbrokerd.dataplane.plan import Plan
 from kvbrokerd.errors import param_invalid
-from kvbrokerd.transfers.planner import LayerSelection, Plan, check_compatible, select_tensors
+from kvbrokerd.transfers.planner import LayerSelection, check_compatible, select_tensors
 
 MAX_STRIDED_RUNS = 4096
 """Runs (as on the wire) planned this way; a request of more goes through the per-block path. Bounds every

@@ -10,12 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 from typing import TYPE_CHECKING
 
-from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.common import memcopy
+from kvbrokerd.dataplane.seam import PeerChannel, RemoteCache
 
 if TYPE_CHECKING:
+    from kvbrokerd.dataplane.plan import Plan, Progress
     from kvbrokerd.registry.caches import CacheEntry, Registry
-    from kvbrokerd.transfers.planner import Plan, Progress
 
 NAME = "local"
 

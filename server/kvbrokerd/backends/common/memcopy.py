@@ -35,9 +35,9 @@ from typing import NoReturn
 import numpy as np
 
 from kvbrokerd.backends.common.parts import run_parts
+from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers.planner import Pieces, Plan, Progress
 
 # Below this many bytes a second copying thread costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20

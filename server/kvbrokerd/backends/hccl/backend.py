@@ -33,16 +33,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvbroker.status import LlmError
 from kvbroker.types import CacheDesc, Placement, TensorLocation
-from kvbrokerd.backends.base import (
-    Backend,
-    BackendUnusable,
-    Capabilities,
-    DeviceKind,
-    LocalContext,
-    PeerChannel,
-    PeerInfo,
-    engine_result,
-)
 from kvbrokerd.backends.hccl.channel import HcclChannel
 from kvbrokerd.backends.hccl.engine import (
     DEFAULT_ENGINE_PORT,
@@ -54,6 +44,16 @@ from kvbrokerd.backends.hccl.engine import (
     hixl_name,
     llm_status,
     parse_engine,
+)
+from kvbrokerd.dataplane.seam import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    DeviceKind,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    engine_result,
 )
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from kvbroker.status import LlmError
-from kvbrokerd.backends.base import PeerChannel, RemoteCache
 from kvbrokerd.backends.hccl.engine import DISCONNECT_TIMEOUT_MS, NAME, HcclSettings, hixl_name, llm_status
+from kvbrokerd.dataplane.seam import PeerChannel, RemoteCache
 from kvbrokerd.errors import LlmStatus, fail
 
 if TYPE_CHECKING:
+    from kvbrokerd.dataplane.plan import Plan, Progress
     from kvbrokerd.registry.caches import CacheEntry
-    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvbrokerd.backends.base import BackendSettings, DaemonFacts
+from kvbrokerd.dataplane.seam import BackendSettings, DaemonFacts
 from kvbrokerd.errors import LlmStatus
 
 NAME = "hccl"

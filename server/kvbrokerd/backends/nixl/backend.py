@@ -42,17 +42,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbroker.types import CacheDesc, TensorLocation
-from kvbrokerd.backends.base import (
-    Backend,
-    BackendUnusable,
-    Capabilities,
-    DeviceKind,
-    LocalContext,
-    PeerChannel,
-    PeerInfo,
-    RemoteCache,
-    engine_result,
-)
 from kvbrokerd.backends.common import cudaipc
 from kvbrokerd.backends.common.liveslots import LiveSlots
 from kvbrokerd.backends.nixl.agent import (
@@ -64,12 +53,23 @@ from kvbrokerd.backends.nixl.agent import (
     llm_error,
     load_api,
 )
+from kvbrokerd.dataplane.seam import (
+    Backend,
+    BackendUnusable,
+    Capabilities,
+    DeviceKind,
+    LocalContext,
+    PeerChannel,
+    PeerInfo,
+    RemoteCache,
+    engine_result,
+)
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
 from kvbrokerd.registry import devicemem
 
 if TYPE_CHECKING:
+    from kvbrokerd.dataplane.plan import Plan, Progress
     from kvbrokerd.registry.caches import CacheEntry
-    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

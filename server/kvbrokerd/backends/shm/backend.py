@@ -33,16 +33,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbrokerd.backends.base import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.backends.shm.control import CONTROL_SUFFIX, NONCE_BYTES, ShmControlPage
+from kvbrokerd.dataplane.seam import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.registry import shmseg
 from kvbrokerd.registry.endpoint import Endpoint
 
 if TYPE_CHECKING:
+    from kvbrokerd.dataplane.plan import Plan, Progress
     from kvbrokerd.registry.caches import CacheEntry
-    from kvbrokerd.transfers.planner import Plan, Progress
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,11 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbrokerd.backends.base import (
+from kvbrokerd.backends.common.sockio import MinRate
+from kvbrokerd.backends.tcp.channel import TcpChannel
+from kvbrokerd.backends.tcp.server import DataServer
+from kvbrokerd.backends.tcp.wire import MAX_REQUEST_S, MIN_RATE_BYTES_PER_S, NAME, RATE_WINDOW_S
+from kvbrokerd.dataplane.seam import (
     Backend,
     BackendSettings,
     BackendUnusable,
@@ -19,10 +23,6 @@ from kvbrokerd.backends.base import (
     PeerChannel,
     PeerInfo,
 )
-from kvbrokerd.backends.common.sockio import MinRate
-from kvbrokerd.backends.tcp.channel import TcpChannel
-from kvbrokerd.backends.tcp.server import DataServer
-from kvbrokerd.backends.tcp.wire import MAX_REQUEST_S, MIN_RATE_BYTES_PER_S, NAME, RATE_WINDOW_S
 
 if TYPE_CHECKING:
     from kvbrokerd.tls import TlsMaterial

@@ -16,10 +16,6 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from kvbrokerd.backends.base import (
-    PeerChannel,
-    RemoteCache,
-)
 from kvbrokerd.backends.common import memcopy, sockio, staging
 from kvbrokerd.backends.common.parts import run_parts
 from kvbrokerd.backends.tcp.wire import (
@@ -38,13 +34,17 @@ from kvbrokerd.backends.tcp.wire import (
     tune,
     vanished,
 )
+from kvbrokerd.dataplane.plan import Pieces, Progress
+from kvbrokerd.dataplane.seam import (
+    PeerChannel,
+    RemoteCache,
+)
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.links import linkauth
-from kvbrokerd.transfers.planner import Pieces, Progress
 
 if TYPE_CHECKING:
+    from kvbrokerd.dataplane.plan import Plan
     from kvbrokerd.registry.caches import CacheEntry
-    from kvbrokerd.transfers.planner import Plan
 
 
 log = logging.getLogger(__name__)

@@ -52,9 +52,9 @@ from kvbrokerd.backends.tcp.wire import (
     tune,
     vanished,
 )
+from kvbrokerd.dataplane import blocklocks
 from kvbrokerd.errors import LlmStatus, fail
 from kvbrokerd.links import linkauth
-from kvbrokerd.transfers import blocklocks
 
 if TYPE_CHECKING:
     from kvbrokerd.registry.caches import CacheEntry, Registry
