@@ -330,6 +330,7 @@ MAX_PULLS = 4
 LEASES = [(30.0, 0.0), (0.3, 0.0), (0.6, 0.6), (1.0, 1.5), (0.2, 0.4)]
 """(lease, max_hold) of a grant: long-lived, soon lapsing, soon capped."""
 PULL_TIMEOUTS = [0.05, 0.3, 1.0, 2.5]
+MID_COPY = ["nothing", "freeze", "release on prefill", "release through decode"]
 FROZEN_MAX_S = 1.2
 """The decode daemon stays frozen at most about this long (3 missed heartbeats would break the link)."""
 
@@ -384,10 +385,12 @@ class PullPromise(RuleBasedStateMachine):
 
     @precondition(lambda self: self.made and len(self.pulls) < MAX_PULLS)
     @rule(pick=st.integers(0, 1 << 16), span=st.sampled_from(["all", "tail", "some"]), session=st.booleans(),
-          timeout=st.sampled_from(PULL_TIMEOUTS), freeze_mid_copy=st.booleans())
-    def pull_by_grant(self, pick: int, span: str, session: bool, timeout: float, freeze_mid_copy: bool) -> None:
-        """`freeze_mid_copy`: the decode daemon is frozen as soon as the pull's first block has landed, so that the
-        rules that follow (a release, time passing, the engine reusing blocks) happen in the middle of the copy."""
+          timeout=st.sampled_from(PULL_TIMEOUTS), mid_copy=st.sampled_from(MID_COPY))
+    def pull_by_grant(self, pick: int, span: str, session: bool, timeout: float, mid_copy: str) -> None:
+        """`mid_copy`: what happens as soon as the pull's first block has landed, so that it happens in the middle of
+        the copy: the decode daemon frozen (the rules that follow run while it is), and then the grant released on
+        the prefill side; or the grant released through the decode daemon. Either way the engine then reads its
+        events (and reuses the blocks of every grant whose event came)."""
         rng = random.Random(pick)
         granted = self.made[pick % len(self.made)]
         first, src_blocks = 0, list(granted.blocks)
@@ -405,9 +408,19 @@ class PullPromise(RuleBasedStateMachine):
             src_blocks=src_blocks if span == "some" else (), first_block=first, in_session=session)
         self.pulls.append(pull)
         self.pulled[pull] = granted
-        if freeze_mid_copy and self.frozen_at is None:
-            _first_block_landed(self.decoder, pull)
-            self.freeze_decode()
+        if mid_copy == "nothing" or self.frozen_at is not None:  # a frozen daemon lands nothing
+            return
+        _first_block_landed(self.decoder, pull)
+        if mid_copy == "release through decode":
+            with contextlib.suppress(LlmError):
+                self.pair.dc.release_grant(granted.grant, cluster_id=self.pair.p.cluster_id)
+        else:
+            if self.frozen_at is None:
+                self.freeze_decode()
+            if mid_copy == "release on prefill":
+                with contextlib.suppress(LlmError):
+                    self.pair.pc.release_grant(granted.grant)
+        self.engine.read_events(wait=0.2)
 
     @precondition(lambda self: len(self.pulls) < MAX_PULLS)
     @rule(n=st.integers(1, PINNED), seed=st.integers(0, 1 << 16), session=st.booleans(),
