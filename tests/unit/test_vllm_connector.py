@@ -517,6 +517,31 @@ def test_what_cannot_be_mapped_is_refused_by_field(theirs: KvLayout, field: str,
     assert uneven is not None and uneven.message == "tp: remote 3 does not split 2 KV heads evenly"
 
 
+def test_the_memory_field_names_the_layout_of_the_engines_attention_isa() -> None:
+    """vLLM's "amx" kernels lay a block out otherwise than "vec"/"vec16" (tests/vllm/test_cpu_layouts.py): two
+    engines on those ISAs must not agree by accident (the same model, dtype and block size on a CPU with AMX and one
+    without), and an ISA whose layout was not measured moves whole blocks between equal block sizes only."""
+    from kvbroker.integrations.vllm.layout import MEMORY_CPU, MEMORY_CPU_AMX
+    from kvbroker.integrations.vllm.remap import refusal
+
+    tags = {isa: layout_from_vllm(_kv_config(), "m1", tp_size=1, cpu_isa=isa).tag() for isa in (
+        "vec", "vec16", "amx", "neon")}
+    assert f"memory={MEMORY_CPU} " in tags["vec"] and tags["vec16"] == tags["vec"]
+    assert f"memory={MEMORY_CPU_AMX} " in tags["amx"] and "memory=cpu-neon:unmeasured " in tags["neon"]
+    amx = refusal(layout_from_vllm(_kv_config(), "m1", tp_size=1, cpu_isa="vec"), tags["amx"])
+    assert amx is not None and amx.field == "memory" and amx.message == f"memory: local {MEMORY_CPU} vs remote " \
+        f"{MEMORY_CPU_AMX}"
+    neon = _gqa(1, token_units=True, memory="cpu-neon:unmeasured")
+    assert refusal(neon, neon.tag()) is None
+    other = refusal(neon, _gqa(1, block=64, token_units=True, memory="cpu-neon:unmeasured").tag())
+    assert other is not None and other.field == "block" and "cpu-neon:unmeasured layout move whole" in other.message
+    for block in (32, 64):  # AMX blocks remap in tiles of 16 tokens
+        remote = _gqa(1, block=block, token_units=True, memory=MEMORY_CPU_AMX, dtype="bfloat16",
+                      page_bytes=2 * 2 * block * 64 * 2)
+        assert refusal(_gqa(2, token_units=True, memory=MEMORY_CPU_AMX, dtype="bfloat16", page_bytes=2 * 32 * 64 * 2),
+                       remote.tag()) is None
+
+
 @pytest.mark.parametrize(("ours_tp", "theirs_tp", "heads", "sources"), [
     (2, 1, 2, {0: {0: [(0, 0)]}, 1: {0: [(1, 0)]}}),  # decode TP larger: each rank a slice of prefill rank 0
     (1, 2, 2, {0: {0: [(0, 0)], 1: [(0, 1)]}}),  # prefill TP larger: gathered from both ranks

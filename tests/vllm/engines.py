@@ -76,6 +76,17 @@ class _Server:
             return preempt(*args, **kwargs)
 
         scheduler._preempt_request = counting_preempt
+        # The blocks of each finished request (first KV cache group), taken as the scheduler frees them.
+        self.finished_blocks: dict[str, list[int]] = {}
+        free_blocks = scheduler._free_request_blocks
+
+        def recording_free(request: Any) -> Any:
+            ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+            if ids:
+                self.finished_blocks[request.request_id] = list(ids[0])
+            return free_blocks(request)
+
+        scheduler._free_request_blocks = recording_free
 
     def _step(self) -> None:
         for out in self.engine.step():
@@ -132,6 +143,11 @@ class _Server:
 
     def free_blocks(self) -> int:
         return int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The blocks a finished request held (its first KV cache group), in token order (vLLM adds a suffix to the
+        id it was given)."""
+        return next(v for k, v in reversed(self.finished_blocks.items()) if req_id in (k, k.rpartition("-")[0]))
 
     def preemptions(self) -> int:
         return self.num_preemptions

@@ -98,6 +98,19 @@ def allow_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
 
 
+def attention_isa(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The ISA of the CPU attention kernels this engine will run, chosen as vLLM's CPU attention backend chooses it
+    (`_get_attn_isa`: model dtype, block size, head size, KV cache dtype, CPU): it lays out the KV in a block."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = next((g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "head_size")),
+                None)
+    if spec is None:
+        return "vec"  # no attention group: layout_from_vllm refuses the model
+    return str(_get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
+                             vllm_config.cache_config.cache_dtype))
+
+
 class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode through the node's kvbrokerd (see the package docstring for the settings).
 
@@ -125,7 +138,8 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
                 allow_amx()
             layout = layout_from_vllm(kv_cache_config, model_id, vllm_config.parallel_config.tensor_parallel_size,
                                       vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units,
-                                      on_gpu=on_gpu)
+                                      on_gpu=on_gpu, cpu_isa="vec" if on_gpu else attention_isa(vllm_config,
+                                                                                               kv_cache_config))
             self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
 
     @property

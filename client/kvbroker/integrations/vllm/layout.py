@@ -32,23 +32,35 @@ from typing import Any
 
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
 # Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
 # size; equal on two engines whose block sizes are multiples of it, so that the daemon can move a prefill block's
 # tokens into a decode block of another size.
 MAX_CHUNK_TOKENS = 16
-# vLLM's CPU attention ("vec" kernels): each block is [num_kv_heads, K|V, ...] where a head's K is [head_size,
-# block_size] (dimension-major: the kernel reads one dimension of every token at once) and its V is [block_size,
-# head_size]; measured with vLLM's own cpu_attn_reshape_and_cache. Named in the tag because it decides what a byte
-# offset means.
+# vLLM's CPU attention writes a block as [num_kv_heads, K|V, ...]; how a head's K and V sit inside it depends on the
+# ISA vLLM picks for the engine (`_get_attn_isa`: dtype, block size, head size, CPU), measured with vLLM's own
+# cpu_attn_reshape_and_cache (tests/vllm/test_cpu_layouts.py). Named in the tag because it decides what a byte offset
+# means: engines whose kernels lay blocks out differently never agree.
+# "vec" and "vec16": a head's K is [head_size, block_size] (dimension-major: the kernel reads one dimension of every
+# token at once), its V [block_size, head_size].
 MEMORY_CPU = "cpu-vec:block.head.K[dim.token].V[token.dim]"
+# "amx" (bfloat16/float16, blocks of a multiple of 32): K in tiles of 16 tokens, each [head_size / 2, 16, 2] (pairs of
+# dimensions per token: AMX's VNNI format); V in tiles of 16 dimensions, each [block_size / 2, 16, 2] (pairs of
+# tokens per dimension). 16 tokens of a head's K are contiguous, and of its V one run per tile of dimensions.
+MEMORY_CPU_AMX = "cpu-amx:block.head.K[t/16.d/2.t%16.d%2].V[d/16.t/2.d%16.t%2]"
+CPU_ISA_MEMORY = {"vec": MEMORY_CPU, "vec16": MEMORY_CPU, "amx": MEMORY_CPU_AMX}
+# Tokens of a tile of the AMX layout: a transfer unit must not cut one.
+AMX_TILE_TOKENS = 16
 # An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
 MEMORY_MLA = "mla:block.token.dim"
 FULL_ATTENTION = "full"
 MAMBA = "mamba"
 MAX_GROUPS = 64
+# Layouts whose blocks `remap.plan_pull` cuts at token chunks (blocks of different sizes); a block of any other layout
+# moves whole, between engines of one block size only.
+CUT_AT_TOKENS = frozenset({MEMORY_CPU, MEMORY_CPU_AMX, MEMORY_MLA})
 
 _DTYPES = {
     "float16": DataType.FLOAT16, "bfloat16": DataType.BFLOAT16, "float32": DataType.FLOAT32,
@@ -69,6 +81,15 @@ _GROUPS = re.compile(f"{_KIND}(,{_KIND})*")
 # One state tensor: its shape (without the block dimension) and dtype, e.g. "3x288.float32"; up to 8 of them.
 _STATE_PART = r"[1-9][0-9]{0,6}(x[1-9][0-9]{0,6}){0,5}\.[a-z0-9_]{1,16}"
 _STATE = re.compile(f"{_STATE_PART}(\\+{_STATE_PART}){{0,7}}")
+
+
+def cpu_memory(isa: str) -> str:
+    """The `memory` field of a CPU engine whose attention kernels are vLLM's `isa` ("vec", "amx", "neon", ...): the
+    measured layout, else one naming the ISA (its blocks move whole, to engines on the same ISA only)."""
+    if isa in CPU_ISA_MEMORY:
+        return CPU_ISA_MEMORY[isa]
+    name = re.sub(r"[^a-z0-9_]", "_", isa.lower())[:16] or "unknown"
+    return f"cpu-{name}:unmeasured"
 
 
 class UnsupportedLayoutError(ValueError):
@@ -92,7 +113,7 @@ class KvLayout:
     total_kv_heads: int = 0
     """KV heads of the model (0: `num_kv_heads * tp_size`); with tp_size > total, ranks hold replicas."""
     memory: str = MEMORY_CPU
-    """How a block's bytes are arranged (MEMORY_CPU or MEMORY_MLA)."""
+    """How a block's bytes are arranged: MEMORY_MLA, or a CPU attention ISA's (`cpu_memory`)."""
     token_units: bool = False
     """The daemon addresses the cache in units of `chunk_tokens` elements instead of one head's block (`desc`), so
     that blocks of another size can be remapped token by token (`kvbroker_token_units`, on both engines). Costs a
@@ -271,9 +292,10 @@ def model_identity(hf_config: Any) -> str:
 
 
 def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv_heads: int = 0,
-                     token_units: bool = False, on_gpu: bool = False) -> KvLayout:
+                     token_units: bool = False, on_gpu: bool = False, cpu_isa: str = "vec") -> KvLayout:
     """Reads vLLM's KVCacheConfig; raises UnsupportedLayoutError for anything not served without a copy. On a GPU
-    engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here."""
+    engine vLLM keeps its own buffer and `cuda_layout.read_runs` judges its placement: only the spec is read here.
+    `cpu_isa`: the ISA of a CPU engine's attention kernels (vLLM's `_get_attn_isa`), which lays its blocks out."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise UnsupportedLayoutError("the model has no KV cache (attention-free models have nothing to transfer)")
@@ -295,7 +317,8 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise UnsupportedLayoutError(f"KV cache dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})")
-    memory = MEMORY_MLA if "MLA" in type(spec).__name__ else MEMORY_CPU
+    mla = "MLA" in type(spec).__name__
+    memory = MEMORY_MLA if mla else MEMORY_CPU
     if on_gpu:
         if MAMBA in kinds:  # (vLLM needs its hybrid allocator for these: turning it off is no way out)
             raise UnsupportedLayoutError("Mamba state on GPU engines is not supported by KvBrokerConnector yet (CPU "
@@ -309,6 +332,7 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
                         head_size=int(spec.head_size), dtype=dtype, page_bytes=int(spec.page_size_bytes),
                         model_id=model_id, tp_size=tp_size,
                         total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory)
+    memory = MEMORY_MLA if mla else cpu_memory(cpu_isa)
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) != len(groups):
         raise UnsupportedLayoutError(f"{len(tensors)} KV tensor placements for {len(groups)} cache groups; one per "

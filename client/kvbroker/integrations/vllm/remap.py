@@ -26,7 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbroker.blockruns import Runs, concatenated, expand
-from kvbroker.integrations.vllm.layout import LAYOUT_VERSION, MEMORY_MLA, MUST_MATCH, KvLayout, layout_of_tag, parse_tag
+from kvbroker.integrations.vllm.layout import (
+    AMX_TILE_TOKENS,
+    CUT_AT_TOKENS,
+    LAYOUT_VERSION,
+    MEMORY_CPU_AMX,
+    MEMORY_MLA,
+    MUST_MATCH,
+    KvLayout,
+    layout_of_tag,
+    parse_tag,
+)
 
 MAX_TP = 1024
 MAX_BLOCK_TOKENS = 1 << 16
@@ -82,6 +92,13 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     if small != large and not ours.token_units:
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (set "
                                 "kvbroker_token_units on both engines to remap block sizes)")
+    if small != large and ours.memory not in CUT_AT_TOKENS:
+        return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (blocks of the "
+                                f"{ours.memory} layout move whole, between equal block sizes only)")
+    if ours.token_units and ours.memory == MEMORY_CPU_AMX and AMX_TILE_TOKENS not in (
+            ours.chunk_tokens, remote.chunk_tokens):
+        return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (a unit of the AMX "
+                                f"layout is a tile of {AMX_TILE_TOKENS} tokens)")
     for side, layout in (("local", ours), ("remote", remote)):
         heads, tp = layout.model_kv_heads, layout.tp_size
         if layout.memory != MEMORY_MLA and (heads % tp if tp <= heads else tp % heads):
@@ -141,6 +158,10 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
     step = ours.chunk_tokens if ours.token_units else ours.block_size
     if start_token % step or end_token <= start_token:
         raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our units")
+    if ours.memory not in CUT_AT_TOKENS:
+        if ours.block_size != remote.block_size or start_token % ours.block_size:
+            raise ValueError(f"blocks of the {ours.memory} layout move whole, between equal block sizes")
+        end_token = -(-end_token // ours.block_size) * ours.block_size  # whole blocks: the same bytes on both sides
     small = min(ours.block_size, remote.block_size)
     cuts = np.arange(start_token // small, -(-end_token // small), dtype=np.int64) * small
     starts = np.maximum(cuts, start_token)
@@ -175,8 +196,11 @@ def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: int, src_of
                 dst_page: np.ndarray, local_head: int, dst_offset: np.ndarray, units: np.ndarray) -> list[_Columns]:
     """The runs of one head of each piece (token units; offsets are tokens into the pieces' blocks).
 
-    A head's K is [head_size, block_size] (one unit per dimension and chunk, a row of `block_size / chunk` units per
-    dimension); V (and MLA's latent cache) is [block_size, head_size] (a chunk is `head_size` consecutive units)."""
+    "vec": a head's K is [head_size, block_size] (one unit per dimension and chunk, a row of `block_size / chunk`
+    units per dimension); V (and MLA's latent cache) is [block_size, head_size] (a chunk is `head_size` consecutive
+    units). "amx" (chunks of 16 tokens, `refusal`): a chunk of K is `head_size` consecutive units; of V, 16 units in
+    each tile of 16 dimensions, the tiles `block_size` units apart. A layout not cut at tokens (`CUT_AT_TOKENS`) is
+    planned as the "vec" one over whole blocks of equal size: the same units on both sides, whatever they hold."""
     size = ours.head_size
     src_base, src_row = _head_base(remote, src_page, remote_head), remote.block_size // remote.chunk_tokens
     dst_base, dst_row = _head_base(ours, dst_page, local_head), ours.block_size // ours.chunk_tokens
@@ -186,6 +210,12 @@ def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: int, src_of
                    dst_base + (ours.kv_parts - 1) * dst_row * size + dst_chunk * size, units * size, one, one, one)
     if ours.memory == MEMORY_MLA:
         return [token_major]
+    if ours.memory == MEMORY_CPU_AMX:
+        k_tiles = (src_base + src_chunk * size, dst_base + dst_chunk * size, units * size, one, one, one)
+        tile = AMX_TILE_TOKENS  # dimensions of a tile of V; 16 tokens of one are 16 units
+        v_tiles = (src_base + src_row * size + src_chunk * tile, dst_base + dst_row * size + dst_chunk * tile,
+                   units * tile, one * (size // tile), one * remote.block_size, one * ours.block_size)
+        return [k_tiles, v_tiles]
     dim_major = (src_base + src_chunk, dst_base + dst_chunk, units, one * size, one * src_row, one * dst_row)
     return [dim_major, token_major]
 
