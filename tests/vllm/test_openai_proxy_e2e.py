@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,8 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_START_TIMEOUT_S = 400.0
 MODEL_NAME = "tiny"
+LEASE_TTL_S = 30.0
+"""The engine session's lease (`kvbroker_lease_ttl_s`'s default): how long a crashed engine's cache outlives it."""
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -121,11 +124,16 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    workdir = tmp_path_factory.mktemp("openai")
-    model = workdir / "model"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model)],
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_pd" / "make_tiny_model.py"), str(path)],
                    check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Deployment]:
+    workdir = tmp_path_factory.mktemp("openai")
     metrics = ["--metrics-listen", "127.0.0.1:0"]
     p_daemon = LocalDaemon(workdir, 1, extra_args=metrics).start()
     d_daemon = LocalDaemon(workdir, 2, extra_args=metrics).start()
@@ -246,3 +254,47 @@ def test_a_pull_moves_the_connectors_series_on_vllms_metrics_and_the_daemons(dep
     # The prefill daemon: the request's hold, released by the decode node once pulled.
     wait_until(lambda: moved("kvbroker_grants_ended_total", daemon_metrics(deployment.p_daemon), p_before,
                              outcome="released") >= 1, timeout=30, poll=0.5, what="the prefill hold released")
+
+
+
+def _owners(daemon: LocalDaemon) -> set[str]:
+    """The sessions owning the caches `daemon` holds now (one per engine)."""
+    with daemon.client(lease_ttl=None) as c:
+        return {record.owner for record in c.list_caches()}
+
+
+def test_a_server_stopped_by_sigterm_or_sigint_frees_its_kv_memory_at_once(model: Path, tmp_path: Path) -> None:
+    """Issue 31 item 5: a server told to stop releases its engine's cache (its daemon session's) before it exits,
+    instead of leaving it to the session's lease (`kvbroker_lease_ttl_s`, 30 s): only a crash waits for the lease.
+    Two servers on a daemon of their own, one stopped by each signal."""
+    daemon = LocalDaemon(tmp_path, 3).start()
+    servers: list[Server] = []
+    try:
+        servers = [Server(model, daemon.target, tmp_path / f"{name}.log") for name in ("term", "int")]
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        body = {"model": MODEL_NAME, "prompt": prompt_of(40, 3), "max_tokens": 2}
+        owners = set()
+        for server, signum in zip(servers, (signal.SIGTERM, signal.SIGINT), strict=True):
+            post_json(server.url, "/v1/completions", body)
+            before = _owners(daemon)
+            signalled = time.monotonic()
+            server.proc.send_signal(signum)
+            server.proc.wait(60)
+            exited = time.monotonic() - signalled
+
+            def released(before: set[str] = before) -> set[str] | None:
+                return before - _owners(daemon) or None
+
+            # Well under the lease: a few seconds cover a busy machine, never a lease.
+            gone = wait_until(released, timeout=LEASE_TTL_S / 3, poll=0.2,
+                              what=f"a cache released after {signum.name} (the server exited {exited:.1f} s after it)")
+            assert gone is not None and len(gone) == 1, gone
+            assert "lease of session" not in daemon.log_tail(200), daemon.log_tail()
+            owners |= gone
+        assert not _owners(daemon) and len(owners) == 2
+    finally:
+        for server in servers:
+            server.stop()
+        assert daemon.stop() == 0, daemon.log_tail()
