@@ -190,6 +190,27 @@ def test_a_streamed_chat_through_the_proxy_has_the_single_server_text(deployment
     )
     assert text == single["choices"][0]["message"]["content"]
     assert text
+    assert_says_where_its_kv_came_from(events)
+
+
+def assert_says_where_its_kv_came_from(events: list[bytes]) -> None:
+    """Issue 31 item 4: a streamed answer's last event before [DONE] carries the decode server's
+    kv_transfer_params, as a non-streamed answer does (streams.py)."""
+    last = json.loads(events[-2])
+    assert last["choices"] == [], last
+    params = last["kv_transfer_params"]
+    assert params["kvbroker_tokens_pulled"] > 0 and params["kvbroker_transfer_bytes"] > 0, params
+    assert all("kv_transfer_params" not in json.loads(event) for event in events[:-2])
+
+
+def test_a_streamed_completion_through_the_proxy_says_where_its_kv_came_from(deployment: Deployment) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt_of(70, 5), "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    status, raw = request(deployment.proxy_url, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    events = [line.removeprefix(b"data: ") for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    assert_says_where_its_kv_came_from(events)
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
