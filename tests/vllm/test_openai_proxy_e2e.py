@@ -33,6 +33,7 @@ else:
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream
 from tests.helpers import wait_until
+from tests.metrics_doc import differences, documented_series, exposed_series
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -265,6 +266,11 @@ def test_a_pull_moves_the_connectors_series_on_vllms_metrics_and_the_daemons(dep
     charted = {name for panel in dashboard["panels"] for t in panel.get("targets", [])
                for name in re.findall(r"vllm:kvbroker_\w+", t["expr"])}
     assert charted and charted <= {name for name, _ in vllm_after}, charted - {name for name, _ in vllm_after}
+
+    # docs/vllm.md's list is what the real page exposes, names and label values (issue 31 item 6).
+    status, page = request(deployment.decode.url, "GET", "/metrics", None)
+    assert status == 200
+    assert differences(documented_series("vllm:kvbroker_"), exposed_series(page.decode(), "vllm:kvbroker_")) == []
 
     # The decode daemon: the pull, by peer and backend, in counts, bytes and latency.
     d_after = daemon_metrics(deployment.d_daemon)

@@ -7,7 +7,8 @@ neither the engine core nor its worker processes, which own the caches (each wor
 its session after the engine (`session_id`), and the front end, which knows the engine id from the same config,
 releases every cache of those sessions at its exit (`release_at_exit`, armed by `build_prom_metrics`, the connector
 hook vLLM calls in the front end). A worker that does get to shut down (offline `LLM`, a shutdown timeout) frees its
-own cache first; the front end then finds nothing left.
+own cache first; the front end then finds nothing left. The engine id is vLLM's (`kv_transfer_config.engine_id`, a
+fresh UUID unless set): two servers given the same one on one daemon would free each other's caches at exit.
 """
 
 from __future__ import annotations
