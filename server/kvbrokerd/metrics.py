@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,13 +31,25 @@ from prometheus_client.registry import Collector
 from kvbrokerd.listen import ListenError, in_use
 
 log = logging.getLogger(__name__)
+K = TypeVar("K", str, tuple[str, str])
 
 _MAX_CHILDREN = 4096
 MAX_PEER_LABELS = 256
 """Distinct `peer` label values with series of their own (a decode daemon's prefill peers; beyond: `other`)."""
 _SHARED_PEERS = frozenset({"local", "several", "other"})
 _STAGES = ("queue", "wire", "total")
+GRANT_END_OUTCOMES = ("released", "lapsed", "capped", "cache_removed")
+LINK_RECLAIM_REASONS = (("outbound", ("broken", "idle", "room")),
+                        ("inbound", ("expired", "silent", "fair_share", "displaced")))
+GRANT_PULL_SOURCES = ("remembered", "redeemed")
+"""The label values of the state series above: each one exists at zero from the start (a rate over it is defined
+before the first event, as for the connector's series on vLLM's `/metrics`), and docs/vllm.md lists them."""
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def _from_zero(counts: dict[K, int], known: Iterable[K]) -> list[tuple[K, int]]:
+    """`counts` with every `known` key present (0 until it happened), sorted."""
+    return sorted({**dict.fromkeys(known, 0), **counts}.items())
 
 
 class _StateCollector(Collector):
@@ -54,13 +66,16 @@ class _StateCollector(Collector):
                                 value=state["inbound_links"])
         reclaimed = CounterMetricFamily("kvbroker_links_reclaimed", "Links removed without an unlink (dead, "
                                         "silent, idle or making room), by side and reason", labels=["side", "reason"])
-        for (side, reason), count in sorted(state["links_reclaimed"].items()):
+        counts = _from_zero(state["links_reclaimed"], [(side, reason) for side, reasons in LINK_RECLAIM_REASONS
+                                                           for reason in reasons])
+        for (side, reason), count in counts:
             reclaimed.add_metric([side, reason], count)
         yield reclaimed
         ended = CounterMetricFamily("kvbroker_grants_ended", "Grants of held blocks that ended, by outcome (released "
                                     "by the holder; lapsed: no renewal; capped; cache_removed)", labels=["outcome"])
-        for outcome, count in sorted(state.get("grants_ended", {}).items()):
-            ended.add_metric([outcome.replace(" ", "_")], count)
+        by_outcome = {outcome.replace(" ", "_"): count for outcome, count in state.get("grants_ended", {}).items()}
+        for outcome, count in _from_zero(by_outcome, GRANT_END_OUTCOMES):
+            ended.add_metric([outcome], count)
         yield ended
         yield CounterMetricFamily("kvbroker_grants_redeemed", "Peer.RedeemGrant calls this daemon answered (a peer's "
                                   "pull by grant that could not use a renewal's answer)",
@@ -68,7 +83,7 @@ class _StateCollector(Collector):
         answers = CounterMetricFamily("kvbroker_grant_pulls", "Pulls by grant this daemon made, by how it learned "
                                       "the grant (remembered: from a renewal's answer; redeemed: a RedeemGrant call)",
                                       labels=["source"])
-        for source, count in sorted(state.get("grant_answers", {}).items()):
+        for source, count in _from_zero(state.get("grant_answers", {}), GRANT_PULL_SOURCES):
             answers.add_metric([source], count)
         yield answers
         for key, text in (("caches", "Caches held"), ("registered_bytes", "Bytes of all caches held"),

@@ -284,6 +284,10 @@ def test_both_servers_see_one_request_id_when_the_client_sends_none(serve: Any) 
     assert p.requests[0][1]["X-Request-Id"] == d.requests[0][1]["X-Request-Id"] != ""
 
 
+PULLED_EVENT = (b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [], '
+                b'"kv_transfer_params": {"kvbroker_tokens_pulled": 64, "kvbroker_transfer_bytes": 4096}}\n\n')
+
+
 def test_chat_completion_stream_is_relayed_event_by_event(serve: Any) -> None:
     first_event_seen = threading.Event()
 
@@ -293,6 +297,7 @@ def test_chat_completion_stream_is_relayed_event_by_event(serve: Any) -> None:
         # The rest only once the client has the first event: a proxy that buffered the answer would hang here.
         assert first_event_seen.wait(5)
         handler.chunk(b'data: {"choices": [{"delta": {"content": "b"}}]}\n\n')
+        handler.chunk(PULLED_EVENT)  # where the KV came from: the connector's last event (integrations/vllm/streams.py)
         handler.chunk(b"data: [DONE]\n\n")
         handler.chunk(b"")
 
@@ -317,7 +322,7 @@ def test_chat_completion_stream_is_relayed_event_by_event(serve: Any) -> None:
         rest = response.read()
         conn.close()
 
-    assert rest == b'\ndata: {"choices": [{"delta": {"content": "b"}}]}\n\ndata: [DONE]\n\n'
+    assert rest == b'\ndata: {"choices": [{"delta": {"content": "b"}}]}\n\n' + PULLED_EVENT + b"data: [DONE]\n\n"
     p_body = p.requests[0][2]
     assert p.requests[0][0] == "/v1/chat/completions"
     assert p_body["stream"] is False and "stream_options" not in p_body

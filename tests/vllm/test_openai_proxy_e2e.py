@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -32,12 +33,15 @@ else:
 from kvbroker._local import LocalDaemon
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream
 from tests.helpers import wait_until
+from tests.metrics_doc import differences, documented_series, exposed_series
 
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_START_TIMEOUT_S = 400.0
 MODEL_NAME = "tiny"
+LEASE_TTL_S = 30.0
+"""The engine session's lease (`kvbroker_lease_ttl_s`'s default): how long a crashed engine's cache outlives it."""
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -121,11 +125,16 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    workdir = tmp_path_factory.mktemp("openai")
-    model = workdir / "model"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model)],
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_pd" / "make_tiny_model.py"), str(path)],
                    check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Deployment]:
+    workdir = tmp_path_factory.mktemp("openai")
     metrics = ["--metrics-listen", "127.0.0.1:0"]
     p_daemon = LocalDaemon(workdir, 1, extra_args=metrics).start()
     d_daemon = LocalDaemon(workdir, 2, extra_args=metrics).start()
@@ -182,6 +191,27 @@ def test_a_streamed_chat_through_the_proxy_has_the_single_server_text(deployment
     )
     assert text == single["choices"][0]["message"]["content"]
     assert text
+    assert_says_where_its_kv_came_from(events)
+
+
+def assert_says_where_its_kv_came_from(events: list[bytes]) -> None:
+    """Issue 31 item 4: a streamed answer's last event before [DONE] carries the decode server's
+    kv_transfer_params, as a non-streamed answer does (streams.py)."""
+    last = json.loads(events[-2])
+    assert last["choices"] == [], last
+    params = last["kv_transfer_params"]
+    assert params["kvbroker_tokens_pulled"] > 0 and params["kvbroker_transfer_bytes"] > 0, params
+    assert all("kv_transfer_params" not in json.loads(event) for event in events[:-2])
+
+
+def test_a_streamed_completion_through_the_proxy_says_where_its_kv_came_from(deployment: Deployment) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt_of(70, 5), "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    status, raw = request(deployment.proxy_url, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    events = [line.removeprefix(b"data: ") for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    assert_says_where_its_kv_came_from(events)
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -237,6 +267,11 @@ def test_a_pull_moves_the_connectors_series_on_vllms_metrics_and_the_daemons(dep
                for name in re.findall(r"vllm:kvbroker_\w+", t["expr"])}
     assert charted and charted <= {name for name, _ in vllm_after}, charted - {name for name, _ in vllm_after}
 
+    # docs/vllm.md's list is what the real page exposes, names and label values (issue 31 item 6).
+    status, page = request(deployment.decode.url, "GET", "/metrics", None)
+    assert status == 200
+    assert differences(documented_series("vllm:kvbroker_"), exposed_series(page.decode(), "vllm:kvbroker_")) == []
+
     # The decode daemon: the pull, by peer and backend, in counts, bytes and latency.
     d_after = daemon_metrics(deployment.d_daemon)
     assert moved("kvbroker_transfers_total", d_after, d_before, peer=peer, outcome="DONE") >= 1
@@ -246,3 +281,47 @@ def test_a_pull_moves_the_connectors_series_on_vllms_metrics_and_the_daemons(dep
     # The prefill daemon: the request's hold, released by the decode node once pulled.
     wait_until(lambda: moved("kvbroker_grants_ended_total", daemon_metrics(deployment.p_daemon), p_before,
                              outcome="released") >= 1, timeout=30, poll=0.5, what="the prefill hold released")
+
+
+
+def _owners(daemon: LocalDaemon) -> set[str]:
+    """The sessions owning the caches `daemon` holds now (one per engine)."""
+    with daemon.client(lease_ttl=None) as c:
+        return {record.owner for record in c.list_caches()}
+
+
+def test_a_server_stopped_by_sigterm_or_sigint_frees_its_kv_memory_at_once(model: Path, tmp_path: Path) -> None:
+    """Issue 31 item 5: a server told to stop releases its engine's cache (its daemon session's) before it exits,
+    instead of leaving it to the session's lease (`kvbroker_lease_ttl_s`, 30 s): only a crash waits for the lease.
+    Two servers on a daemon of their own, one stopped by each signal."""
+    daemon = LocalDaemon(tmp_path, 3).start()
+    servers: list[Server] = []
+    try:
+        servers = [Server(model, daemon.target, tmp_path / f"{name}.log") for name in ("term", "int")]
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        body = {"model": MODEL_NAME, "prompt": prompt_of(40, 3), "max_tokens": 2}
+        owners = set()
+        for server, signum in zip(servers, (signal.SIGTERM, signal.SIGINT), strict=True):
+            post_json(server.url, "/v1/completions", body)
+            before = _owners(daemon)
+            signalled = time.monotonic()
+            server.proc.send_signal(signum)
+            server.proc.wait(60)
+            exited = time.monotonic() - signalled
+
+            def released(before: set[str] = before) -> set[str] | None:
+                return before - _owners(daemon) or None
+
+            # Well under the lease: a few seconds cover a busy machine, never a lease.
+            gone = wait_until(released, timeout=LEASE_TTL_S / 3, poll=0.2,
+                              what=f"a cache released after {signum.name} (the server exited {exited:.1f} s after it)")
+            assert gone is not None and len(gone) == 1, gone
+            assert "lease of session" not in daemon.log_tail(200), daemon.log_tail()
+            owners |= gone
+        assert not _owners(daemon) and len(owners) == 2
+    finally:
+        for server in servers:
+            server.stop()
+        assert daemon.stop() == 0, daemon.log_tail()

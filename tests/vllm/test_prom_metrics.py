@@ -18,9 +18,10 @@ if os.environ.get("KVBROKER_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvbroker.integrations.vllm.stats import HOLD_OUTCOMES, RECOMPUTE_REASONS, TransferLog, merge
+from tests.metrics_doc import differences, documented_series, exposed_series
 
 
 def _metrics(registry: CollectorRegistry) -> Any:
@@ -102,3 +103,16 @@ def test_a_stats_interval_with_only_recomputes_or_expired_holds_is_still_reporte
     stats = KvBrokerConnector.build_kv_connector_stats(data)
     assert not stats.is_empty()
     assert stats.reduce()["expired_holds_capped"] == 1
+
+
+def test_the_docs_list_is_what_vllms_metrics_exposes() -> None:
+    """Issue 31 item 6: docs/vllm.md's list of the connector's series on vLLM's `/metrics` is the list, names and
+    label values (every reason and outcome documented exists at zero; none exists undocumented). The same page of a
+    real server: tests/vllm/test_openai_proxy_e2e.py."""
+    registry = CollectorRegistry()
+    _metrics(registry)
+    documented = documented_series("vllm:kvbroker_")
+    assert documented["vllm:kvbroker_expired_holds_total"].values["outcome"] == set(HOLD_OUTCOMES)
+    assert documented["vllm:kvbroker_recomputes_total"].values["reason"] == set(RECOMPUTE_REASONS)
+    page = generate_latest(registry).decode()
+    assert differences(documented, exposed_series(page, "vllm:kvbroker_")) == []

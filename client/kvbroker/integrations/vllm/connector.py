@@ -21,10 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from kvbroker.integrations.vllm import gpu
+from kvbroker.integrations.vllm import gpu, streams
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
+from kvbroker.integrations.vllm.lifecycle import release_at_exit
 from kvbroker.integrations.vllm.params import PullSpec, WorkerEndpoint
 from kvbroker.integrations.vllm.prom import KvBrokerPromMetrics
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
@@ -215,6 +216,14 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        # vLLM calls this in the front end (the API server), the one process of a server that outlives a SIGTERM:
+        # from there the engine's caches go back to the daemon when the server stops (lifecycle.py), and streamed
+        # answers get the request's kv_transfer_params (streams.py).
+        streams.install()
+        transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer_config is not None and transfer_config.engine_id:
+            config = ConnectorConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+            release_at_exit(config.target, transfer_config.engine_id)
         return KvBrokerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -28,6 +28,7 @@ from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.grants import PeerLinks
 from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
+from kvbroker.integrations.vllm.lifecycle import session_id
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
 from kvbroker.integrations.vllm.params import (
@@ -93,7 +94,11 @@ class WorkerSide:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
-        self.client = client or Client(config.target, timeout=config.pull_timeout_s, lease_ttl=config.lease_ttl_s)
+        if client is None:
+            client = Client(config.target, timeout=config.pull_timeout_s, lease_ttl=config.lease_ttl_s)
+            # Named after the engine, so that the server's front end can free the cache when it stops (lifecycle.py).
+            client.session_id = session_id(engine_id, rank)
+        self.client = client
         self.cache: Cache | None = None
         self.endpoint: WorkerEndpoint | None = None
         self.transfers = TransferLog()
