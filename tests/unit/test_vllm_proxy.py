@@ -1027,3 +1027,18 @@ def test_a_large_request_is_written_out_to_the_servers_off_the_event_loop(
         ("small", True), ("small", True), ("large", False), ("large", False)
     ]
     assert d.requests[1][2]["prompt"] == "large" + "x" * 300_000
+
+
+def test_every_setting_of_the_proxy_is_a_flag_with_its_default() -> None:
+    """The parser is made from ProxyConfig: a new setting is a flag at once, with the dataclass's default."""
+    import dataclasses
+
+    servers = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+    config = _parse_args(servers)[1]
+    settings = [f for f in dataclasses.fields(ProxyConfig) if f.name not in ("prefill", "decode")]
+    assert settings and all(getattr(config, f.name) == f.default for f in settings)
+    doubled = [*servers]
+    for f in settings:
+        doubled += ["--" + f.name.replace("_", "-"), str(f.default * 2)]  # type: ignore[operator]
+    config = _parse_args(doubled)[1]
+    assert all(getattr(config, f.name) == f.default * 2 for f in settings)  # type: ignore[operator]

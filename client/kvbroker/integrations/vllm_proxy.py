@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
@@ -116,36 +116,39 @@ class Upstream:
         return cls(role, url.rstrip("/"), parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
 
+def _setting(default: float, help: str, *, zero_allowed: bool = False) -> Any:
+    """A proxy setting: its default and its help, which the command line takes as they are (`_parse_args`)."""
+    return field(default=default, metadata={"help": help, "zero_allowed": zero_allowed})
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     prefill: tuple[Upstream, ...]
     """Prefill servers, used in turn."""
     decode: tuple[Upstream, ...]
     """Decode servers, used in turn (any decode server can pull from any prefill server)."""
-    connect_timeout: float = 5.0
-    """Seconds to open a connection to a server."""
-    prefill_timeout: float = 300.0
-    """Seconds a prefill server may stay silent (it computes the whole prompt before it says anything)."""
-    decode_timeout: float = 300.0
-    """Seconds the decode server may stay silent: before its first byte, and between two streamed chunks."""
-    max_body_bytes: int = 32 * 1024 * 1024
-    """Largest request body accepted from a client."""
-    max_prefill_answer_bytes: int = 1024 * 1024
-    """Most bytes read of a prefill server's answer: one token and `kv_transfer_params` take a few KiB."""
-    max_json_values: int = 2_000_000
-    """Most JSON values (objects, arrays, strings, numbers, literals) a request body may hold: parsed JSON takes up to
-    ~60 bytes per value, so this, not the body size, bounds the memory a body costs."""
-    client_timeout: float = 60.0
-    """Seconds a client has to send a request (headers, counted from its connection or its previous answer, then the
-    body) and to take each piece of the answer; an idle keep-alive connection is closed after it."""
-    max_connections: int = 1024
-    """Client connections open at once; one more is answered 503 and closed."""
-    health_interval: float = 5.0
-    """Seconds between health checks (`GET /health`) of every server; 0 turns health checks and ejection off."""
-    health_timeout: float = 2.0
-    """Seconds a health check may take."""
-    eject_after: int = 3
-    """Failed health checks or requests in a row after which a server gets no requests until a check passes."""
+    connect_timeout: float = _setting(5.0, "seconds to open a connection to a server")
+    prefill_timeout: float = _setting(
+        300.0, "seconds a prefill server may stay silent (it computes the whole prompt before it says anything)")
+    decode_timeout: float = _setting(
+        300.0, "seconds the decode server may stay silent: before its first byte, and between two streamed chunks")
+    max_body_bytes: int = _setting(32 * 1024 * 1024, "largest request body accepted from a client (default 32 MiB)")
+    max_prefill_answer_bytes: int = _setting(
+        1024 * 1024, "most bytes read of a prefill server's answer (one token and kv_transfer_params take a few KiB); "
+        "a larger one gives 502 (default 1 MiB)")
+    max_json_values: int = _setting(
+        2_000_000, "most JSON values (objects, arrays, strings, numbers, literals) a request body may hold: parsed "
+        "JSON takes up to ~60 bytes per value, so this, not the body size, bounds the memory a body costs")
+    client_timeout: float = _setting(
+        60.0, "seconds a client has to send a request (headers, counted from its connection or its previous answer, "
+        "then the body) and to take each piece of the answer; an idle keep-alive connection is closed after it")
+    max_connections: int = _setting(1024, "client connections open at once; one more is answered 503 and closed")
+    health_interval: float = _setting(
+        5.0, "seconds between health checks (GET /health) of every server; 0 turns health checks and ejection off",
+        zero_allowed=True)
+    health_timeout: float = _setting(2.0, "seconds a health check may take")
+    eject_after: int = _setting(
+        3, "failed health checks or requests in a row after which a server gets no requests until a check passes")
 
 
 class UpstreamError(Exception):
@@ -833,8 +836,11 @@ def _excerpt(raw: bytes, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+_SETTINGS = [f for f in fields(ProxyConfig) if f.name not in ("prefill", "decode")]
+
+
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyConfig]:
-    defaults = ProxyConfig((), ())
+    """The command line: the servers, where to listen, and every setting of `ProxyConfig` as its own flag."""
     parser = argparse.ArgumentParser(
         prog="python -m kvbroker.integrations.vllm_proxy",
         description="OpenAI-compatible proxy for disaggregated prefill/decode between vLLM servers "
@@ -848,102 +854,21 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
-    parser.add_argument(
-        "--connect-timeout", type=float, default=defaults.connect_timeout, help="seconds to connect to a server"
-    )
-    parser.add_argument(
-        "--prefill-timeout", type=float, default=defaults.prefill_timeout, help="seconds a prefill server may take"
-    )
-    parser.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=defaults.decode_timeout,
-        help="seconds the decode server may stay silent",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=defaults.max_body_bytes,
-        help="largest request body accepted (default 32 MiB)",
-    )
-    parser.add_argument(
-        "--max-prefill-answer-bytes",
-        type=int,
-        default=defaults.max_prefill_answer_bytes,
-        help="most bytes read of a prefill server's answer; a larger one gives 502 (default 1 MiB)",
-    )
-    parser.add_argument(
-        "--max-json-values",
-        type=int,
-        default=defaults.max_json_values,
-        help="most JSON values a request body may hold (default %(default)s)",
-    )
-    parser.add_argument(
-        "--client-timeout",
-        type=float,
-        default=defaults.client_timeout,
-        help="seconds a client has to send its request and to take each piece of the answer; idle connections "
-        "close after it (default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=defaults.max_connections,
-        help="client connections open at once (default %(default)s)",
-    )
-    parser.add_argument(
-        "--health-interval",
-        type=float,
-        default=defaults.health_interval,
-        help="seconds between health checks of every server; 0: no checks, no ejection (default %(default)s)",
-    )
-    parser.add_argument(
-        "--health-timeout",
-        type=float,
-        default=defaults.health_timeout,
-        help="seconds a health check may take (default %(default)s)",
-    )
-    parser.add_argument(
-        "--eject-after",
-        type=int,
-        default=defaults.eject_after,
-        help="failed checks or requests in a row that take a server out of service until a check passes "
-        "(default %(default)s)",
-    )
+    for setting in _SETTINGS:
+        parser.add_argument("--" + setting.name.replace("_", "-"), type=type(setting.default), default=setting.default,
+                            help=setting.metadata["help"] + " (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    for name in (
-        "connect_timeout",
-        "prefill_timeout",
-        "decode_timeout",
-        "max_body_bytes",
-        "max_prefill_answer_bytes",
-        "max_json_values",
-        "client_timeout",
-        "max_connections",
-        "health_timeout",
-        "eject_after",
-    ):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.health_interval < 0:
-        parser.error("--health-interval must be >= 0")
+    for setting in _SETTINGS:
+        value, flag = getattr(args, setting.name), "--" + setting.name.replace("_", "-")
+        if setting.metadata["zero_allowed"] and value < 0:
+            parser.error(f"{flag} must be >= 0")
+        if not setting.metadata["zero_allowed"] and value <= 0:
+            parser.error(f"{flag} must be > 0")
     try:
-        config = ProxyConfig(
-            prefill=tuple(Upstream.parse("prefill", url) for url in args.prefill),
-            decode=tuple(Upstream.parse("decode", url) for url in args.decode),
-            connect_timeout=args.connect_timeout,
-            prefill_timeout=args.prefill_timeout,
-            decode_timeout=args.decode_timeout,
-            max_body_bytes=args.max_body_bytes,
-            max_prefill_answer_bytes=args.max_prefill_answer_bytes,
-            max_json_values=args.max_json_values,
-            client_timeout=args.client_timeout,
-            max_connections=args.max_connections,
-            health_interval=args.health_interval,
-            health_timeout=args.health_timeout,
-            eject_after=args.eject_after,
-        )
+        config = ProxyConfig(prefill=tuple(Upstream.parse("prefill", url) for url in args.prefill),
+                             decode=tuple(Upstream.parse("decode", url) for url in args.decode),
+                             **{s.name: getattr(args, s.name) for s in _SETTINGS})
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
