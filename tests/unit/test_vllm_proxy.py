@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream, _parse_args, count_json_values
+from tests.helpers import wait_until
 
 KV_PARAMS = {
     "do_remote_prefill": True,
@@ -195,13 +196,6 @@ def get_health(proxy: PdProxy) -> dict[str, Any]:
         return answer
     finally:
         conn.close()
-
-
-def wait_for(condition: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def raw_exchange(proxy: PdProxy, data: bytes, quiet: float = 1.0) -> tuple[bytes, bool]:
@@ -759,7 +753,7 @@ def test_a_client_that_leaves_during_the_prefill_aborts_it_without_a_traceback(
         sock = socket.create_connection(proxy.address)
         body = json.dumps({"model": "m", "prompt": "hi"}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_for(lambda: len(p.requests) == 1)
+        wait_until(lambda: len(p.requests) == 1, timeout=5, poll=0.02, what="the prefill server to get the request")
         sock.close()
         assert left.wait(2.5), "the prefill request went on after its client left"
         time.sleep(0.2)
@@ -800,7 +794,7 @@ def test_a_body_of_many_tiny_json_values_is_refused_without_building_them(tmp_pa
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     try:
-        wait_for(lambda: "listening on" in log.read_text(), within=30)
+        wait_until(lambda: "listening on" in log.read_text(), timeout=30, poll=0.02, what="the proxy to listen")
         port = int(re.findall(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text())[0])
 
         def peak_mib() -> float:
@@ -850,7 +844,8 @@ def test_a_server_failing_requests_is_ejected(serve: Any, caplog: pytest.LogCapt
     p, d = serve(prefill_ok), serve(decode_json)
     config = config_for([failing.url, p.url], [d.url], health_interval=60, eject_after=2)
     with PdProxy(config, "127.0.0.1", 0) as proxy:
-        wait_for(lambda: failing.health_checks == 1 and p.health_checks == 1 and d.health_checks == 1)
+        wait_until(lambda: failing.health_checks == 1 and p.health_checks == 1 and d.health_checks == 1,
+                   timeout=5, poll=0.02, what="one health check of every server")
         for _ in range(6):
             assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
         assert get_health(proxy)["prefill_servers_in_service"] == 1
@@ -863,12 +858,14 @@ def test_a_server_failing_its_health_checks_is_ejected_and_readmitted(serve: Any
     a.health = 503
     config = config_for([a.url, b.url], [d.url], health_interval=0.1, eject_after=1)
     with PdProxy(config, "127.0.0.1", 0) as proxy:
-        wait_for(lambda: get_health(proxy).get("prefill_servers_in_service") == 1)
+        wait_until(lambda: get_health(proxy).get("prefill_servers_in_service") == 1,
+                   timeout=5, poll=0.02, what="one prefill server in service")
         for _ in range(4):
             assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
         assert (len(a.requests), len(b.requests)) == (0, 4)
         a.health = 200
-        wait_for(lambda: get_health(proxy).get("prefill_servers_in_service") == 2)
+        wait_until(lambda: get_health(proxy).get("prefill_servers_in_service") == 2,
+                   timeout=5, poll=0.02, what="both prefill servers in service")
         for _ in range(4):
             assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
         assert (len(a.requests), len(b.requests)) == (2, 6)
@@ -879,7 +876,8 @@ def test_requests_still_go_out_when_every_server_of_a_role_is_ejected(serve: Any
     p.health = d.health = 503
     config = config_for([p.url], [d.url], health_interval=0.1, eject_after=1)
     with PdProxy(config, "127.0.0.1", 0) as proxy:
-        wait_for(lambda: get_health(proxy).get("decode_servers_in_service") == 0)
+        wait_until(lambda: get_health(proxy).get("decode_servers_in_service") == 0,
+                   timeout=5, poll=0.02, what="no decode server in service")
         assert get_health(proxy)["prefill_servers_in_service"] == 0
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
 
@@ -975,14 +973,15 @@ def test_an_oversized_prefill_answer_gives_a_502_naming_the_limit_while_other_cl
         [p.url, other_p.url], [d.url], max_prefill_answer_bytes=limit, health_interval=60, eject_after=1
     )
     with PdProxy(config, "127.0.0.1", 0) as proxy:
-        wait_for(lambda: p.health_checks == other_p.health_checks == 1)
+        wait_until(lambda: p.health_checks == other_p.health_checks == 1,
+                   timeout=5, poll=0.02, what="one health check of each prefill server")
         big: list[tuple[int, dict[str, Any]]] = []
         client = threading.Thread(
             target=lambda: big.append(post(proxy, "/v1/completions", {"model": "m", "prompt": "big"}))
         )
         client.start()
         try:
-            wait_for(lambda: len(p.requests) == 1)
+            wait_until(lambda: len(p.requests) == 1, timeout=5, poll=0.02, what="the prefill server to get the request")
             for _ in range(2):
                 assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
         finally:
