@@ -1,4 +1,4 @@
-"""Throughput of `tcp` pulls with and without `--data-tls` (BENCHMARKS.md, "Cost of --data-tls").
+"""Throughput of `tcp` pulls with and without `--data-tls` (docs/benchmarks-history.md, "Cost of --data-tls").
 
     .venv/bin/python bench/tls_cost.py
 """

@@ -11,7 +11,7 @@
  * Bounded on purpose: one copy function (many runs with the GIL released once) and its strided form (a run
  * repeated at a fixed step, as a block-size remap's plan keeps it), no dependencies, the GIL
  * released for the copy only. See
- * tests/unit/test_safecopy.py and BENCHMARKS.md ("which native helper and why").
+ * tests/unit/test_safecopy.py and docs/benchmarks-history.md ("which native helper, and why").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -262,9 +262,9 @@ done:
 /* Streaming (non-temporal) stores for short repetitions of a large copy: a 64-byte store through the cache first
  * reads the line it overwrites (twice the memory traffic), which glibc's memmove avoids for large copies by
  * streaming; without this, 64-byte repetitions copied at ~0.6x the speed of the same bytes in large runs (with it,
- * at about the speed of large runs; BENCHMARKS.md). Only for whole, aligned cache lines (a partial line streams far
- * slower than it caches) written with gaps between repetitions: where they are back to back (a 64 -> 32 remap's
- * destination), caching measured faster. */
+ * at about the speed of large runs; docs/benchmarks-history.md, "strided plans"). Only for whole, aligned cache
+ * lines (a partial line streams far slower than it caches) written with gaps between repetitions: where they are
+ * back to back (a 64 -> 32 remap's destination), caching measured faster. */
 #define HAVE_STREAMING 1
 static void stream_repeats(uintptr_t dst, uintptr_t src, size_t n, size_t times, size_t dst_step, size_t src_step,
                            volatile size_t *repeat) {

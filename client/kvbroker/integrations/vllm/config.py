@@ -56,7 +56,7 @@ class ConnectorConfig:
     """Address the KV cache in units of a few tokens instead of one head's block (`kvbroker_token_units`), so that a
     prefill engine and a decode engine with different block sizes (one dividing the other) can exchange KV; set it
     on both. Off by default: a pull then names one unit per 16 tokens of one dimension of one head, which costs
-    planning time on long prompts (BENCHMARKS.md)."""
+    planning time on long prompts (BENCHMARKS.md, "Heterogeneous P/D")."""
     log_transfers: bool = False
     """Log every pull (request, blocks, bytes, time, backend) at INFO (`kvbroker_log_transfers`)."""
 
