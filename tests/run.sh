@@ -10,4 +10,6 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 echo "== ruff"; .venv/bin/ruff check .
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/pytest "$@"
+# Three processes, one test file each at a time (a file's daemons and fixtures stay in one process): the integration
+# tests mostly wait on daemons, so three share two cores well (about half the serial time here).
+echo "== pytest"; .venv/bin/pytest -n 3 --dist loadfile "$@"

@@ -37,6 +37,7 @@ else:
 
 from kvbroker._local import LocalDaemon
 from tests.vllm.engines import Engine, EngineError, EngineSpec
+from tests.vllm.kvbytes import prompt_kv
 from tests.vllm.tiny_model import HETERO_SHAPE, VOCAB_SIZE, build, build_hybrid
 
 pytestmark = pytest.mark.timeout(900)
@@ -141,6 +142,21 @@ def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
     got = cluster.decode(decode, prompts, params)
     _same_generation(got, want)
     _every_prompt_token_pulled(got, prompts)
+    if decode != "tp2":  # (a TP=2 engine's cache is one per rank: the tokens say it there)
+        _pulled_kv_is_what_the_engine_computes(cluster, decode, prompts)
+
+
+def _pulled_kv_is_what_the_engine_computes(cluster: Cluster, name: str, prompts: dict[str, list[int]]) -> None:
+    """The KV that engine `name` pulled for each prompt equals, byte for byte, the KV it writes itself for the same
+    prompt (a plain request), token by token where its layout puts them: tokens could agree by luck, bytes cannot."""
+    engine, daemon = cluster.engines[name], cluster.daemons[list(cluster.engines).index(name)]
+    for key, prompt in prompts.items():
+        pulled = prompt_kv(engine, daemon, key, len(prompt))  # read before a later request reuses the blocks
+        engine.call("generate", [(f"{key}-local", prompt, 1, None)])
+        computed = prompt_kv(engine, daemon, f"{key}-local", len(prompt))
+        assert pulled and all(pulled)
+        for layer, (got, want) in enumerate(zip(pulled, computed, strict=True)):
+            assert got == want, f"{key}, layer {layer}: the pulled KV differs from what {name} computes itself"
 
 
 @pytest.mark.parametrize(("field", "old", "new", "message"), [
