@@ -14,10 +14,16 @@ from tests.vllm.engines import Engine
 
 def prompt_kv(engine: Engine, daemon: LocalDaemon, req_id: str, prompt_len: int) -> list[bytes]:
     """Per layer: the prompt's K and V of the finished request `req_id`, as bytes in (token, head, dim) order."""
+    return blocks_kv(engine, daemon, engine.call("block_ids", req_id), prompt_len)
+
+
+def blocks_kv(engine: Engine, daemon: LocalDaemon, block_ids: list[int], num_tokens: int) -> list[bytes]:
+    """Per layer: the K and V of the first `num_tokens` tokens held in the engine's blocks `block_ids` (in token
+    order), as bytes in (token, head, dim) order."""
     info = engine.call("connector")
     layout = layout_of_tag(info["layout_tag"])
-    blocks = np.asarray(engine.call("block_ids", req_id), dtype=np.int64)
-    tokens = np.arange(prompt_len)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    tokens = np.arange(num_tokens)
     elements = np.concatenate([_elements(layout, blocks[tokens // layout.block_size], head,
                                          tokens % layout.block_size) for head in range(layout.num_kv_heads)])
     with daemon.client() as c:

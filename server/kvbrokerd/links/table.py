@@ -117,11 +117,11 @@ class Link:
             fail(LlmStatus.LLM_LINK_FAILED, f"cluster {self.remote_cluster_id}'s answer to {method} failed "
                  "authentication (a relay rewrote it?)")
 
-    async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float, reads_until: float
-                      ) -> peer_pb2.RedeemGrantResponse:
+    async def granted(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+                      ) -> tuple[peer_pb2.RedeemGrantResponse, float]:
         """What `redeem_grant` answers, without the round trip when a renewal told us and the grant surely lives
-        `hold_s` more: see grantcache.py for why that is safe. Either way, the grant surely lives past `reads_until`
-        (time.monotonic(): the pull's deadline, after which it reads nothing), or the pull is refused."""
+        `hold_s` more (see grantcache.py for why that is safe); and until when (time.monotonic()) the grant, and so
+        its blocks, surely live: a pull must stop reading by then."""
         known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None and (renewal := self.renewing.get(grant_id)) is not None:
             # A decode engine pulls a request as soon as it is scheduled, usually while the first renewal of its grant
@@ -136,16 +136,17 @@ class Link:
             timeout = max(0.001, timeout - (time.monotonic() - started))
             known = self.grants.lookup(grant_id, secret, hold_s)
         if known is None:
-            return await self.redeem_grant(grant_id, secret, hold_s, timeout, reads_until)
+            return await self.redeem_grant(grant_id, secret, hold_s, timeout)
         self.grant_answers["remembered"] += 1
         return peer_pb2.RedeemGrantResponse(cache_ids=known.cache_ids, blocks=known.blocks,
-                                            units_per_block=known.units_per_block, instance_epoch=self.remote_epoch)
+                                            units_per_block=known.units_per_block,
+                                            instance_epoch=self.remote_epoch), known.good_until
 
-    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float,
-                           reads_until: float) -> peer_pb2.RedeemGrantResponse:
+    async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
+                           ) -> tuple[peer_pb2.RedeemGrantResponse, float]:
         """The caches and blocks a grant covers, from the daemon that made it (which keeps it alive, and its blocks
-        held for us, for `hold_s`, within the grant's cap): refused when the answer says the grant ends before
-        `reads_until` (its cap is near), since the blocks may then be reused under the pull."""
+        held for us, for `hold_s` within the grant's cap), and until when the grant surely lives: the answer's lease,
+        counted from when we sent the call (the peer counted from later), less SAFETY_S."""
         assert self.stub is not None
         self.grant_answers["redeemed"] += 1
         req = self.signed("RedeemGrant", peer_pb2.RedeemGrantRequest(
@@ -162,14 +163,8 @@ class Link:
             self.mark_broken("the peer restarted (new instance epoch)", final=True)
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.remote_cluster_id} restarted; the grant belonged "
                  "to its previous incarnation")
-        # The peer counted from when it answered, after we sent: the grant lives at least this long from `sent_at`.
-        lives_until = sent_at + answer.expires_in_ms / 1000 - SAFETY_S
-        if lives_until < reads_until:
-            fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"the grant ends in {answer.expires_in_ms} ms (its max hold is "
-                 f"near), before this pull's deadline in {int((reads_until - sent_at) * 1000)} ms: its blocks may be "
-                 "reused under the pull, so nothing was pulled (pull sooner, or with a shorter timeout)")
         # Not remembered: the peer promises its blocks to a link only in a renewal's answer (GrantTable.promise).
-        return answer
+        return answer, sent_at + answer.expires_in_ms / 1000 - SAFETY_S
 
     async def renew_grant(self, grant_id: bytes, secret: bytes, lease_ms: int, timeout: float) -> int:
         """Milliseconds until the grant lapses, as the daemon that made it says; what the answer says the grant

@@ -62,6 +62,10 @@ MAX_COPY_LISTS = 64
 PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
 
 
+MIN_GRANTED_PULL_S = 0.05
+"""A pull by a grant that ends sooner than this is refused: a pull shortened to that would only time out."""
+
+
 class Direction(enum.Enum):
     PULL = "pull"
     PUSH = "push"
@@ -249,8 +253,14 @@ class TransferManager:
         link = self._links.get_ready(req.remote_cluster_id)
         # From here until the pull is over, a release of the grant through this link keeps the blocks for it.
         deadline.when_over(link.readers.begin(claim.grant_id, deadline.at))
-        granted = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + HOLD_MARGIN_S,
-                                     deadline.remaining(), deadline.at)  # a renewal's answer, or a RedeemGrant
+        granted, lives_until = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + HOLD_MARGIN_S,
+                                                  deadline.remaining())  # a renewal's answer, or a RedeemGrant
+        if lives_until < deadline.at:  # the grant's cap is near: the pull must end before it (its fence stops it)
+            if lives_until - time.monotonic() < MIN_GRANTED_PULL_S:
+                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"the grant ends in "
+                     f"{max(0, int((lives_until - time.monotonic()) * 1000))} ms (its max hold is near): its blocks "
+                     "may be reused under any pull now, so nothing was pulled")
+            deadline.at = lives_until
         if claim.cache_slot >= len(granted.cache_ids):
             param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
                           f"{claim.cache_slot}")
