@@ -3,10 +3,11 @@ until fetched.
 
 The use: a decode engine tells the prefill engine, through both sidecars, that it holds a request's blocks; and the
 daemon tells the prefill engine that a grant ended (a GrantEvent), so that it frees the blocks. Bounded everywhere:
-topic and payload sizes, queued notifications, topics, and age. What peers send is bounded per sending host (the
-host its link was made from: a token holder can claim any cluster id on as many links as it likes, but it cannot
-choose its source address freely) as well as for all peers together (bytes, count, topics), so one
-host that floods us is refused once it holds its share and every other peer's notifications still get in. A full
+topic and payload sizes, queued notifications, topics, and age. What peers send is bounded per sending source: the
+network its link was made from (/24, /64, as inbound link shares count it; a token holder can claim any cluster id on
+as many links as it likes, but it cannot choose its source address freely) as well as for all peers together
+(bytes, count, topics), so one network that floods us is refused once it holds its share and every other peer's
+notifications still get in. A full
 box is always a refusal to the sender, never a note dropped to make room.
 
 The daemon's own events are not peers' notes: they never count against the peers' budgets, so no flood can refuse
