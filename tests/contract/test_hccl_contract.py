@@ -27,11 +27,12 @@ from kvbroker.types import CacheDesc
 from kvbrokerd.backends.hccl import backend as hccl_module
 from kvbrokerd.backends.hccl.backend import HcclBackend, HcclChannel, HcclSettings, llm_status
 from kvbrokerd.config import ConfigError, load
+from kvbrokerd.dataplane.pairs import block_array
 from kvbrokerd.dataplane.plan import Plan, Progress
 from kvbrokerd.dataplane.seam import BackendUnusable, LocalContext, PeerInfo, RemoteCache
 from kvbrokerd.errors import LlmStatus
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 from tests.contract import hixl_contract_standin as standin
 from tests.helpers import wait_until
 

@@ -172,9 +172,10 @@ def source_process(conn: multiprocessing.connection.Connection, device: int, eng
 def destination_process(conn: multiprocessing.connection.Connection, device: int, engine: str, protocol: str,
                         nbytes: int) -> None:
     from kvbrokerd.backends.hccl.backend import HcclChannel
+    from kvbrokerd.dataplane.pairs import block_array
     from kvbrokerd.dataplane.plan import Progress
     from kvbrokerd.dataplane.seam import PeerInfo, RemoteCache
-    from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
+    from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 
     results: dict[str, Any] = {}
     entries: list[Any] = []

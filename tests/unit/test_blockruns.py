@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvbroker import blockruns
 from kvbroker import convert as cv
 from kvbroker.v1 import broker_pb2
+from kvbrokerd.dataplane.pairs import MAX_BLOCKS_PER_REQUEST, BlockPairs
 from kvbrokerd.dataplane.plan import Pieces
-from kvbrokerd.transfers.planner import MAX_BLOCKS_PER_REQUEST
 
 TOP = blockruns.MAX_INDEX
 
@@ -152,14 +152,14 @@ def test_split_parts_are_the_runs_bytes_in_order(lengths: list[int], parts: int)
        st.sets(st.integers(0, 20), max_size=20), st.integers(1, 4))
 def test_a_grant_covers_stretches_exactly_when_it_covers_their_blocks(stretches: list[tuple[int, int]],
                                                                      granted: set[int], units: int) -> None:
-    from kvbrokerd.transfers.manager import _not_granted, _stretches_granted
-
     starts = np.asarray([s for s, _ in stretches], dtype=np.int64)
     lengths = np.asarray([n for _, n in stretches], dtype=np.int64)
     blocks = np.asarray(sorted(granted), dtype=np.uint64)
     src = np.asarray([s + j for s, n in stretches for j in range(n)], dtype=np.uint64)
-    by_block = not len(_not_granted(src, blocks, units)) if len(blocks) else False
-    assert _stretches_granted((starts, starts, lengths), blocks, units) == by_block
+    as_runs = BlockPairs.of_runs(blockruns.check(starts, starts, lengths)).outside_grant(blocks, units)
+    by_block = BlockPairs.listed(src, src).outside_grant(blocks, units)
+    assert np.array_equal(as_runs, by_block)
+    assert np.array_equal(by_block, src[~np.isin(src // np.uint64(units), blocks)])
 
 
 

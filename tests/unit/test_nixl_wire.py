@@ -24,8 +24,9 @@ from kvbrokerd.backends.nixl.backend import (
     _chunks,
     _regions,
 )
+from kvbrokerd.dataplane.pairs import block_array
 from kvbrokerd.dataplane.seam import BackendUnusable, LocalContext, PeerInfo, RemoteCache
-from kvbrokerd.transfers.planner import LayerSelection, block_array, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 16), data_type=DataType.UINT8)
 

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError
+from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError, blockruns
+from kvbrokerd.dataplane.pairs import BlockPairs, block_array
 from kvbrokerd.dataplane.plan import Progress
-from kvbrokerd.transfers.planner import LayerSelection, block_array, coalesce, plan_blocks, plan_segments
+from kvbrokerd.transfers.planner import LayerSelection, coalesce, plan_blocks, plan_pairs
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -50,9 +51,6 @@ def test_plan_bytes_and_tensor_pairs() -> None:
 ])
 def test_refusals(src: list[int], dst: list[int], layers: LayerSelection, match: str) -> None:
     with pytest.raises(ParamInvalidError, match=match) as info:
-        from kvbrokerd.transfers.planner import check_block_lists
-
-        check_block_lists(arr(src), arr(dst))
         plan_blocks(DESC, DESC, arr(src), arr(dst), layers)
     assert info.value.status == LlmStatus.LLM_PARAM_INVALID
 
@@ -139,17 +137,18 @@ def test_a_plan_from_stretches_is_the_plan_of_their_blocks(stretches: list[tuple
     """Pairs that came as runs are checked and planned per stretch: the same plan, or the same refusal, as their
     blocks listed one by one."""
     desc = CacheDesc(num_tensors=2, shape=(num_blocks, 8))
-    seg = tuple(np.asarray(c, dtype=np.int64) for c in zip(*stretches, strict=True))
+    first_s, first_d, length = (np.asarray(c, dtype=np.int64) for c in zip(*stretches, strict=True))
+    runs = blockruns.check(first_s, first_d, length)
     src = arr([s + j for s, _, n in stretches for j in range(n)])
     dst = arr([d + j for _, d, n in stretches for j in range(n)])
     try:
         want = plan_blocks(desc, desc, src, dst, LayerSelection())
     except ParamInvalidError as e:
         with pytest.raises(ParamInvalidError) as info:
-            plan_segments(desc, desc, seg, dst, LayerSelection())  # type: ignore[arg-type]
+            plan_pairs(desc, desc, BlockPairs.of_runs(runs), LayerSelection())
         assert info.value.message == e.message
         return
-    got = plan_segments(desc, desc, seg, dst, LayerSelection())  # type: ignore[arg-type]
-    assert got is not None
-    for column in ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length", "dst_blocks"):
+    got = plan_pairs(desc, desc, BlockPairs.of_runs(runs), LayerSelection())
+    for column in ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length"):
         assert np.array_equal(getattr(got, column), getattr(want, column)), column
+    assert np.array_equal(got.destination_blocks(), want.destination_blocks())

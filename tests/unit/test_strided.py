@@ -1,5 +1,6 @@
-"""Strided plans (transfers/strided.py, planner.Plan with counts): a few strided block runs are checked and planned
-per run, and land exactly the bytes that the same pairs written out land, with the same refusals."""
+"""Strided plans (dataplane/pairs.py checks the runs, planner.py plans them: Plan with counts): a few strided block
+runs are checked and planned per run, and land exactly the bytes that the same pairs written out land, with the same
+refusals."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from hypothesis import strategies as st
 from kvbroker import blockruns
 from kvbroker.types import CacheDesc, DataType
 from kvbrokerd.backends.common import memcopy
-from kvbrokerd.dataplane import blocklocks
+from kvbrokerd.dataplane import blocklocks, pairs
+from kvbrokerd.dataplane.pairs import BlockPairs
 from kvbrokerd.dataplane.plan import Pieces, Plan, Progress
 from kvbrokerd.errors import LlmError
 from kvbrokerd.registry.endpoint import Endpoint
-from kvbrokerd.transfers import strided
-from kvbrokerd.transfers.planner import LayerSelection, concatenated, layer_plans, plan_blocks
+from kvbrokerd.transfers.planner import LayerSelection, concatenated, layer_plans, plan_blocks, plan_pairs
 
 BLOCKS = 96
 DESC = CacheDesc(num_tensors=3, shape=(BLOCKS, 24), data_type=DataType.UINT8)
@@ -71,11 +72,11 @@ def test_a_strided_plan_lands_the_bytes_of_its_pairs_written_out_and_refuses_ali
         runs = _runs(rows)
     except blockruns.RunsError:
         return
-    if not strided.worth_it(runs):
+    if not BlockPairs.of_runs(runs).strided:
         return
     src_blocks, dst_blocks = blockruns.expand(runs)
     expected = _refusal(lambda: plan_blocks(DESC, DESC, src_blocks, dst_blocks, layers))
-    got = _refusal(lambda: strided.plan_runs(DESC, DESC, runs, dst_blocks, layers))
+    got = _refusal(lambda: plan_pairs(DESC, DESC, BlockPairs.of_runs(runs), layers))
     if not isinstance(expected, Plan) or not isinstance(got, Plan):
         assert got == expected  # the same refusal, message and all (LLM_PARAM_INVALID)
         return
@@ -105,7 +106,17 @@ def test_destination_overlaps_are_found_exactly(rows: list[tuple[int, int, int, 
     step = np.where(times > 1, step, 0)
     blocks = [f + k * s + j for f, n, c, s in zip(first.tolist(), size.tolist(), times.tolist(), step.tolist(),
                                                  strict=True) for k in range(c) for j in range(n)]
-    assert strided.dst_overlaps(first, size, times, step) == (len(set(blocks)) != len(blocks))
+    assert _overlaps(first, size, times, step) == (len(set(blocks)) != len(blocks))
+
+
+def _overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray) -> bool:
+    runs = blockruns.check(first, first, size, times, step, step)
+    try:
+        BlockPairs.of_runs(runs).check_distinct_destinations(1 << 20)
+    except LlmError as e:
+        assert "duplicates" in e.message
+        return True
+    return False
 
 
 def test_a_remap_interleaving_two_sources_in_one_destination_is_no_duplicate() -> None:
@@ -113,8 +124,8 @@ def test_a_remap_interleaving_two_sources_in_one_destination_is_no_duplicate() -
     shifted by one unit, they overlap."""
     first = np.asarray([0, 2], dtype=np.int64)
     size, times, step = (np.asarray([2, 2]), np.asarray([128, 128]), np.asarray([4, 4]))
-    assert not strided.dst_overlaps(first, size, times, step)
-    assert strided.dst_overlaps(np.asarray([0, 1]), size, times, step)
+    assert not _overlaps(first, size, times, step)
+    assert _overlaps(np.asarray([0, 1]), size, times, step)
 
 
 def test_out_of_range_and_bytes_per_block_are_refused_with_the_plain_messages() -> None:
@@ -123,23 +134,23 @@ def test_out_of_range_and_bytes_per_block_are_refused_with_the_plain_messages() 
     small = CacheDesc(num_tensors=3, shape=(93, 24), data_type=DataType.UINT8)
     other = CacheDesc(num_tensors=3, shape=(BLOCKS, 12), data_type=DataType.UINT8)
     for a, b in ((DESC, small), (small, small), (DESC, other)):
-        got = _refusal(functools.partial(strided.plan_runs, a, b, runs, dst, LayerSelection()))
+        got = _refusal(functools.partial(plan_pairs, a, b, BlockPairs.of_runs(runs), LayerSelection()))
         assert isinstance(got, str) and got.startswith("LLM_PARAM_INVALID")
         assert got == _refusal(functools.partial(plan_blocks, a, b, src, dst, LayerSelection()))
 
 
 def test_only_a_few_runs_that_repeat_are_planned_strided() -> None:
-    assert not strided.worth_it(None)
-    assert not strided.worth_it(_runs([(0, 0, 5, 1, 0, 0)]))  # nothing repeats: the stretches' path
-    assert strided.worth_it(_runs([(0, 0, 1, 3, 2, 2)]))
-    many = blockruns.Runs(*(np.ones(strided.MAX_STRIDED_RUNS + 1, dtype=np.uint64) for _ in range(6)))
+    assert not BlockPairs.listed([0, 1], [2, 3]).strided
+    assert not BlockPairs.of_runs(_runs([(0, 0, 5, 1, 0, 0)])).strided  # nothing repeats: the stretches' path
+    assert BlockPairs.of_runs(_runs([(0, 0, 1, 3, 2, 2)])).strided
+    many = blockruns.Runs(*(np.ones(pairs.MAX_STRIDED_RUNS + 1, dtype=np.uint64) for _ in range(6)))
     many.count[:] = 2
-    assert not strided.worth_it(many)
+    assert not BlockPairs.of_runs(many).strided
 
 
 def _strided_plan() -> Plan:
     runs = _runs([(0, 1, 2, 20, 3, 4), (70, 3, 2, 20, 1, 4), (60, 85, 5, 1, 0, 0)])
-    return strided.plan_runs(DESC, DESC, runs, blockruns.expand(runs)[1], LayerSelection())
+    return plan_pairs(DESC, DESC, BlockPairs.of_runs(runs), LayerSelection())
 
 
 @given(st.integers(1, 7), st.data())
@@ -224,7 +235,7 @@ def _spans(plan: Plan) -> blocklocks.Spans | None:
 
 def test_strided_claims_are_exactly_the_cells_written_and_two_ranks_heads_stay_apart() -> None:
     runs = _runs([(0, 1, 2, 20, 3, 4), (60, 85, 5, 1, 0, 0)])
-    gapped = strided.plan_runs(DESC, DESC, runs, blockruns.expand(runs)[1], LayerSelection())
+    gapped = plan_pairs(DESC, DESC, BlockPairs.of_runs(runs), LayerSelection())
     assert _spans(gapped) is None  # entry 0 leaves two cells between its repetitions that nothing fills
     filled = _strided_plan()
     spans = _spans(filled)  # entries 0 and 1 fill [1, 81) between them: one range per tensor, and 85-89
@@ -242,7 +253,7 @@ def test_strided_claims_are_exactly_the_cells_written_and_two_ranks_heads_stay_a
 
     def rank(r: int) -> np.ndarray:
         runs = _runs([(0, 16 + 8 * r, 8, 4, 8, 16)])
-        p = strided.plan_runs(DESC, DESC, runs, blockruns.expand(runs)[1], LayerSelection())
+        p = plan_pairs(DESC, DESC, BlockPairs.of_runs(runs), LayerSelection())
         assert _spans(p) is None  # gaps (the other rank's heads): the cells themselves are claimed
         plain = p.plain()
         return blocklocks.run_cells(plain.dst_tensor, plain.dst_offset, plain.length, p.block_nbytes, BLOCKS)
@@ -264,21 +275,22 @@ def test_a_grant_judged_by_bounding_ranges_never_covers_an_ungranted_block(
     except blockruns.RunsError:
         return
     blocks = np.asarray(granted, dtype=np.uint64)
-    if strided.runs_granted(runs, blocks, units):
-        src, _ = blockruns.expand(runs)
-        assert set((src // np.uint64(units)).tolist()) <= set(granted)
+    src, _ = blockruns.expand(runs)
+    outside = BlockPairs.of_runs(runs).outside_grant(blocks, units)
+    assert outside.tolist() == [b for b in src.tolist() if b // units not in granted]
 
 
 def test_a_plan_of_runs_writes_its_destination_blocks_out_only_when_asked() -> None:
     runs = _runs([(0, 1, 2, 20, 3, 4), (70, 3, 2, 20, 1, 4), (60, 85, 5, 1, 0, 0)])
     _, dst = blockruns.expand(runs)
-    lazy = strided.plan_runs(DESC, DESC, runs, None, LayerSelection())
-    assert lazy.dst_runs is runs and not len(lazy.dst_blocks) and lazy.num_dst_blocks == len(dst)
+    lazy = plan_pairs(DESC, DESC, BlockPairs.of_runs(runs), LayerSelection())
+    assert lazy.dst_pairs is not None and lazy.dst_pairs.runs is runs
+    assert not len(lazy.dst_blocks) and lazy.num_dst_blocks == len(dst)
     assert np.array_equal(lazy.destination_blocks(), dst)
     assert np.array_equal(lazy.plain().destination_blocks(), dst)
     assert all(np.array_equal(sub.destination_blocks(), dst) for _, sub in layer_plans(lazy, 1))
     both = concatenated([lazy, _strided_plan()])  # a merged group: written out
-    assert not both.strided and both.dst_runs is None and np.array_equal(both.dst_blocks, np.concatenate([dst, dst]))
+    assert not both.strided and both.dst_pairs is None and np.array_equal(both.dst_blocks, np.concatenate([dst, dst]))
     assert both.total_bytes == 2 * lazy.total_bytes
 
 
@@ -286,7 +298,7 @@ def test_a_plan_of_runs_writes_its_destination_blocks_out_only_when_asked() -> N
 def test_a_remaps_claim_is_its_merged_ranges_whatever_the_block_size(shape: tuple[int, int]) -> None:
     desc = CacheDesc(2, shape)
     runs = blockruns.check([0, 16], [0, 1], [1, 1], [16, 16], [1, 1], [2, 2])  # two sources fill alternate blocks
-    plan = strided.plan_runs(desc, desc, runs, None, LayerSelection())
+    plan = plan_pairs(desc, desc, BlockPairs.of_runs(runs), LayerSelection())
     assert plan.count is not None and plan.dst_stride is not None
     spans = blocklocks.strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count, plan.dst_stride,
                                      plan.block_nbytes, 64)
@@ -301,6 +313,6 @@ def test_a_duplicate_check_too_long_for_the_event_loop_says_so_and_is_made_off_i
     step = (n * (np.arange(n) % 2 + 1)).astype(np.uint64)
     runs = blockruns.check(first, first, np.ones(n, np.uint64), np.full(n, 256, np.uint64), step, step)
     desc = CacheDesc(2, (1 << 22, 16))
-    with pytest.raises(strided.TooLongForTheLoop):
-        strided.plan_runs(desc, desc, runs, None, LayerSelection(), loop_budget=1 << 14)
-    assert strided.plan_runs(desc, desc, runs, None, LayerSelection()).num_copies == 2 * n * 256
+    with pytest.raises(pairs.TooLongForTheLoop):
+        plan_pairs(desc, desc, BlockPairs.of_runs(runs), LayerSelection(), loop_budget=1 << 14)
+    assert plan_pairs(desc, desc, BlockPairs.of_runs(runs), LayerSelection()).num_copies == 2 * n * 256

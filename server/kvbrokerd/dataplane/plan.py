@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker import blockruns
+from kvbrokerd.dataplane.pairs import BlockPairs
 
 Run = tuple[int, int, int, int, int, int]
 """(run index, src tensor, src offset, dst tensor, dst offset, length), as plain ints for copy loops; a piece of a
@@ -41,9 +41,9 @@ class Plan:
     k * src_stride[i] to dst_offset[i] + k * dst_stride[i] (bytes). None: every count is 1 (a plain plan)."""
     src_stride: np.ndarray | None = None
     dst_stride: np.ndarray | None = None
-    dst_runs: blockruns.Runs | None = None
-    """When set, the destination blocks are these runs' (and `dst_blocks` is empty): a request that came as runs has
-    its blocks written out only if a report needs them (2^17 of them cost ~0.5-1.5 ms per pull)."""
+    dst_pairs: BlockPairs | None = None
+    """When set, the destination blocks are these pairs' (and `dst_blocks` is empty): a request that came as runs
+    has its blocks written out only if a report needs them (2^17 of them cost ~0.5-1.5 ms per pull)."""
 
     @property
     def strided(self) -> bool:
@@ -51,11 +51,11 @@ class Plan:
 
     def destination_blocks(self) -> np.ndarray:
         """Destination blocks touched (for failure reports)."""
-        return self.dst_blocks if self.dst_runs is None else blockruns.expand(self.dst_runs)[1]
+        return self.dst_blocks if self.dst_pairs is None else self.dst_pairs.dst
 
     @functools.cached_property
     def num_dst_blocks(self) -> int:
-        return len(self.dst_blocks) if self.dst_runs is None else self.dst_runs.num_pairs
+        return len(self.dst_blocks) if self.dst_pairs is None else self.dst_pairs.num_pairs
 
     @functools.cached_property
     def num_runs(self) -> int:
@@ -89,7 +89,7 @@ class Plan:
                     dst_tensor=np.repeat(self.dst_tensor, rep),
                     dst_offset=np.repeat(self.dst_offset, rep) + k * np.repeat(self.dst_stride, rep),
                     length=np.repeat(self.length, rep), dst_blocks=self.dst_blocks, block_nbytes=self.block_nbytes,
-                    dst_runs=self.dst_runs)
+                    dst_pairs=self.dst_pairs)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import grpc.aio
@@ -17,6 +17,7 @@ from kvbroker.status import LlmStatus
 from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd import backends as backend_index
+from kvbrokerd.dataplane.pairs import BlockPairs
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
 from kvbrokerd.links import notifications
@@ -27,9 +28,8 @@ from kvbrokerd.registry import devicemem, grants
 from kvbrokerd.registry.caches import CacheEntry, desc_from_wire
 from kvbrokerd.service.errors import llm_errors, status_of, time_remaining, to_rpc_status
 from kvbrokerd.service.pullsession import MAX_PULL_SESSIONS, PullSession
-from kvbrokerd.transfers import strided
-from kvbrokerd.transfers.manager import BlocksRequest, CacheRequest, Direction, GrantClaim
 from kvbrokerd.transfers.planner import DEFAULT_TENSOR_NUM_PER_LAYER, LayerSelection
+from kvbrokerd.transfers.requests import BlocksRequest, CacheRequest, Direction, GrantClaim
 
 log = logging.getLogger(__name__)
 
@@ -443,14 +443,12 @@ def _summary(cls: type[_Summary], result: TransferResult) -> _Summary:
 
 
 def _pull_blocks(request: broker_pb2.PullKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks, segments, runs = _block_pairs(request)
     idx = request.src_cache_index
+    grant = _claim(request.grant) if request.HasField("grant") else None
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.dst_cache_id,
-                         src_blocks=src_blocks, dst_blocks=dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")),
-                         grant=_claim(request.grant) if request.HasField("grant") else None, segments=segments,
-                         runs=runs)
+                         pairs=_block_pairs(request, sourced_by_grant=grant is not None),
+                         layers=_layers(request.ext_param, request.HasField("ext_param")), grant=grant)
 
 
 def _claim(msg: broker_pb2.GrantClaim) -> GrantClaim:
@@ -465,29 +463,26 @@ def _check_ref(ref: broker_pb2.GrantRef) -> None:
              "secret")
 
 
-def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest
-                 ) -> tuple[Sequence[int], Sequence[int], blockruns.Segments | None, blockruns.Runs | None]:
-    """The lists, and for runs also the runs and their stretches (which spare the planner a pass per block; a few
-    strided runs are planned as they are, strided.py)."""
+def _block_pairs(request: broker_pb2.PullKvBlocksRequest | broker_pb2.PushKvBlocksRequest,
+                 sourced_by_grant: bool = False) -> BlockPairs:
+    """The request's pairs, as lists or as runs (kept as runs: nothing downstream writes them out unless it must).
+    A pull by a grant may name only destination blocks: the grant's blocks in order are their sources."""
     try:
         runs = cv.block_runs_from_pb(request)
     except blockruns.RunsError as e:
         fail(LlmStatus.LLM_PARAM_INVALID, str(e))
-    if runs is None:
-        return request.src_blocks, request.dst_blocks, None, None
-    # the lists stay unwritten (the manager writes them out where it needs them); a few strided runs need no
-    # stretches either
-    return (), (), None if strided.worth_it(runs) else blockruns.segments(runs), runs
+    if runs is not None:
+        return BlockPairs.of_runs(runs)
+    if sourced_by_grant and not len(request.src_blocks):
+        return BlockPairs.unsourced(request.dst_blocks)
+    return BlockPairs.listed(request.src_blocks, request.dst_blocks)
 
 
 def _push_blocks(request: broker_pb2.PushKvBlocksRequest) -> BlocksRequest:
-    src_blocks, dst_blocks, segments, runs = _block_pairs(request)
     idx = request.dst_cache_index
     return BlocksRequest(remote_cluster_id=idx.cluster_id, remote_cache_id=idx.cache_id,
                          remote_batch_index=idx.batch_index, local_cache_id=request.src_cache_id,
-                         src_blocks=src_blocks, dst_blocks=dst_blocks,
-                         layers=_layers(request.ext_param, request.HasField("ext_param")), segments=segments,
-                         runs=runs)
+                         pairs=_block_pairs(request), layers=_layers(request.ext_param, request.HasField("ext_param")))
 
 
 def _timeout(timeout_ms: int, context: grpc.aio.ServicerContext) -> float:

@@ -29,8 +29,9 @@ from kvbroker.v1 import broker_pb2
 from kvbrokerd.errors import LlmError
 from kvbrokerd.limits import DEFAULT_SESSION_MESSAGE_PAIRS
 from kvbrokerd.service.errors import report_to_pb
-from kvbrokerd.transfers.manager import BlocksRequest, TransferManager
+from kvbrokerd.transfers.manager import TransferManager
 from kvbrokerd.transfers.reports import TransferReport
+from kvbrokerd.transfers.requests import BlocksRequest
 from kvbrokerd.transfers.steps import Outcome, StepPull, start_step
 
 log = logging.getLogger(__name__)

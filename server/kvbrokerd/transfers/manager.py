@@ -3,9 +3,9 @@ FAILED / TIMEOUT / CANCELLED (a raised LlmError whose report says which destinat
 
 The pass, in the order of this module: an operation (`transfer_blocks`, `transfer_cache`, `copy_blocks`,
 `pull_blocks_by_layer`, `transfer_batch`) opens its `Tracked` record (tracking.py), then
-1. validate and plan: `prepare_*` checks everything (our cluster, the local cache, the link, the remote cache and
-   what the link's backend can move; a grant is redeemed first) and turns the request into a `Plan` of byte runs
-   (planner.py); the result is a `Job`, and nothing has moved yet, so a rejected request never writes a byte;
+1. check, grant, endpoints and plan: a block transfer passes the pipeline (pipeline.py), a cache transfer or a
+   local copy its own checks; the result is a `Job` with its `Plan` of byte runs (planner.py), and nothing has
+   moved yet, so a rejected request never writes a byte;
 2. claim and pin: `run` waits for the link's turn, checks the limits, claims the destination blocks (blocklocks.py)
    and pins the local cache;
 3. run on the backend: the link's channel pulls or pushes, on the event loop, inline or on a worker thread;
@@ -18,40 +18,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import enum
 import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from kvbroker import blockruns
-from kvbroker.types import CacheDesc, TransferResult
+from kvbroker.types import TransferResult
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.dataplane import blocklocks
+from kvbrokerd.dataplane.pairs import block_array
 from kvbrokerd.dataplane.plan import Plan, Progress
-from kvbrokerd.dataplane.seam import PeerChannel, RemoteCache
+from kvbrokerd.dataplane.seam import PeerChannel
 from kvbrokerd.errors import LlmError, LlmStatus, fail, param_invalid
-from kvbrokerd.links.grantcache import HOLD_MARGIN_S
-from kvbrokerd.links.table import Link, LinkTable
+from kvbrokerd.links.table import LinkTable
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers import strided
-from kvbrokerd.transfers.planner import (
-    MAX_PLAN_SEGMENTS,
-    LayerSelection,
-    block_array,
-    check_block_lists,
-    concatenated,
-    layer_plans,
-    plan_blocks,
-    plan_cache,
-    plan_segments,
-)
+from kvbrokerd.transfers.pipeline import Pipeline, channel_of
+from kvbrokerd.transfers.planner import LayerSelection, concatenated, layer_plans, plan_blocks, plan_cache
 from kvbrokerd.transfers.reports import GroupReport, TransferReport
+from kvbrokerd.transfers.requests import BlocksRequest, CacheRequest, Direction, Job
 from kvbrokerd.transfers.tracking import Deadline, Tracked
 
 log = logging.getLogger(__name__)
@@ -59,75 +48,6 @@ log = logging.getLogger(__name__)
 GRACE_S = 1.0
 MAX_BATCH_GROUPS = 64
 MAX_COPY_LISTS = 64
-PLAN_ON_LOOP_MAX_BLOCKS = 1 << 14
-
-
-MIN_GRANTED_PULL_S = 0.05
-"""A pull by a grant that ends sooner than this is refused: a pull shortened to that would only time out."""
-
-
-class Direction(enum.Enum):
-    PULL = "pull"
-    PUSH = "push"
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksRequest:
-    """PullKvBlocks (remote -> local) or PushKvBlocks (local -> remote)."""
-
-    remote_cluster_id: int
-    remote_cache_id: int
-    remote_batch_index: int
-    local_cache_id: int
-    src_blocks: Sequence[int]
-    dst_blocks: Sequence[int]
-    layers: LayerSelection
-    grant: GrantClaim | None = None
-    """Pull granted blocks (see `TransferManager._redeem`)."""
-    segments: blockruns.Segments | None = None
-    """The same pairs as consecutive stretches, when they came as runs: checked per stretch, not per block."""
-    runs: blockruns.Runs | None = None
-    """The runs themselves, when they came as runs: a few strided ones are checked and planned per run."""
-
-
-@dataclass(frozen=True, slots=True)
-class GrantClaim:
-    """PullKvBlocksRequest.grant: a peer's grant, which of its caches, and where in its block list to start."""
-
-    grant_id: bytes
-    secret: bytes
-    cache_slot: int
-    first_block: int
-
-
-@dataclass(frozen=True, slots=True)
-class CacheRequest:
-    """PullKvCache / PushKvCache: one batch row of each selected tensor."""
-
-    remote_cluster_id: int
-    remote_cache_id: int
-    local_cache_id: int
-    src_batch_index: int
-    dst_batch_index: int
-    size: int
-    layers: LayerSelection
-
-
-@dataclass(eq=False)
-class Job:
-    """A validated, planned transfer; nothing has moved yet."""
-
-    direction: Direction
-    plan: Plan
-    local_cache_id: int
-    channel: PeerChannel
-    remote: RemoteCache
-    link: Link | None = None
-    """None for a local copy (its channel is this daemon's own)."""
-
-    @property
-    def backend(self) -> str:
-        return self.channel.name
 
 
 class TransferManager:
@@ -140,6 +60,7 @@ class TransferManager:
         # cores, dozens of transfers copying at once only thrash: the same bytes take longer.
         self._gate = asyncio.Semaphore(parallel_transfers)
         self._local = LocalCopyChannel(registry, parts_executor)
+        self.pipeline = Pipeline(registry, links, executor)
         self._channel_gates: weakref.WeakKeyDictionary[PeerChannel, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self.metrics = metrics
         self._registry = registry
@@ -152,154 +73,16 @@ class TransferManager:
         self.in_flight = 0
         self.inflight_bytes = 0
 
-    # -- validation and planning (no byte moves) -------------------------------------------------------------------
-    async def _remote(self, direction: Direction, cluster_id: int, cache_id: int, local_cache_id: int,
-                      deadline: Deadline) -> tuple[CacheEntry, Link, RemoteCache]:
-        """LLM-DataDist's order of checks: own cluster, local cache, link, remote cache."""
-        if cluster_id == self._links.cluster_id:
-            param_invalid(f"cannot {direction.value} with our own cluster {cluster_id}")
-        local = self._registry.get(local_cache_id)
-        link = self._links.get_ready(cluster_id)
-        remote = await link.remote_cache(cache_id, deadline.remaining())
-        devicemem.check_moves(self._links.backends.get(link.backend), (f"local cache {local_cache_id}", local.tensors),
-                              (f"remote cache {cache_id}", remote.tensors))
-        return local, link, remote
-
+    # -- validation and planning (pipeline.py; no byte moves) ---------------------------------------------------------
     async def prepare_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> Job:
-        req, src_blocks, dst_blocks = await self.check_blocks(direction, req, deadline, written_out=False)
-        local, link, remote = await self.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
-                                                   req.local_cache_id, deadline)
-        src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = await self.plan(src, dst, src_blocks, dst_blocks, req.layers, req.segments, req.runs)
-        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
-
-    async def check_blocks(self, direction: Direction, req: BlocksRequest, deadline: Deadline,
-                           written_out: bool = True) -> tuple[BlocksRequest, np.ndarray, np.ndarray]:
-        """The checks of a block transfer that come before its caches are looked at: the batch index, the grant
-        (redeemed: the request then names the granted cache and blocks) and the block lists. A request that came as
-        runs (bounded by then) has its lists written out here, unless `written_out` is False: then they are empty,
-        and `plan` takes the runs."""
-        if req.remote_batch_index != 0:
-            side = "src" if direction == Direction.PULL else "dst"
-            param_invalid(f"{side}_cache_index.batch_index must be 0 for block transfers, got "
-                          f"{req.remote_batch_index}")
-        if req.grant is not None:
-            req = await self._redeem(direction, req, deadline)
-        if req.runs is not None:
-            if not written_out:
-                return req, _NO_BLOCKS, _NO_BLOCKS
-            src_blocks, dst_blocks = blockruns.expand(req.segments or req.runs)
-            return req, src_blocks, dst_blocks
-        src_blocks = block_array(req.src_blocks, "src_blocks")
-        dst_blocks = block_array(req.dst_blocks, "dst_blocks")
-        check_block_lists(src_blocks, dst_blocks)
-        return req, src_blocks, dst_blocks
-
-    async def endpoints(self, direction: Direction, cluster_id: int, cache_id: int, local_cache_id: int,
-                        deadline: Deadline) -> tuple[CacheEntry, Link, RemoteCache]:
-        """The local cache, the READY link and the remote cache of a transfer (`_remote`)."""
-        return await self._remote(direction, cluster_id, cache_id, local_cache_id, deadline)
-
-    async def plan(self, src: CacheDesc, dst: CacheDesc, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                   layers: LayerSelection, segments: blockruns.Segments | None = None,
-                   runs: blockruns.Runs | None = None) -> Plan:
-        """`plan_blocks`, off the event loop when the lists are long (from a few stretches or strided runs: on
-        it). Lists left empty by `check_blocks` (not `written_out`) are the runs': written out only if needed."""
-        lazy = runs is not None and not len(dst_blocks)
-        if runs is not None and strided.worth_it(runs):
-            written = None if lazy else dst_blocks
-            try:
-                return strided.plan_runs(src, dst, runs, written, layers, loop_budget=PLAN_ON_LOOP_MAX_BLOCKS)
-            except strided.TooLongForTheLoop:  # runs that interleave at different steps: checked one by one
-                return await asyncio.get_running_loop().run_in_executor(
-                    self._executor, strided.plan_runs, src, dst, runs, written, layers)
-        if runs is not None and segments is None:
-            segments = blockruns.segments(runs)
-        if segments is not None:
-            planned = plan_segments(src, dst, segments, dst_blocks, layers)
-            if planned is not None:
-                return replace(planned, dst_runs=runs) if lazy else planned
-        if runs is not None and lazy:
-            src_blocks, dst_blocks = blockruns.expand(segments or runs)
-        if len(src_blocks) < PLAN_ON_LOOP_MAX_BLOCKS:
-            return plan_blocks(src, dst, src_blocks, dst_blocks, layers)
-        # planning 2^20 blocks takes a good part of a second: other callers must not wait for it
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, plan_blocks, src, dst, src_blocks, dst_blocks, layers)
-
-    @staticmethod
-    def channel_of(link: Link) -> PeerChannel:
-        return _channel_of(link)
-
-    async def _redeem(self, direction: Direction, req: BlocksRequest, deadline: Deadline) -> BlocksRequest:
-        """A pull of granted blocks becomes a plain pull of exactly the cache and blocks that the granting daemon
-        names (never what the caller names): redeemed over the link, before any byte moves (or as a renewal through
-        us described it, links/grantcache.py). The granting daemon holds the blocks for us past our deadline
-        (registry/grants.py says how, whatever ends the grant meanwhile), and every copy stops writing at the
-        deadline (its fence): a pull that succeeds read only blocks that were still granted."""
-        claim = req.grant
-        assert claim is not None
-        if direction != Direction.PULL:
-            param_invalid("a grant is pulled from, never pushed to")
-        if req.remote_cluster_id == self._links.cluster_id:
-            param_invalid(f"cannot pull with our own cluster {req.remote_cluster_id}")
-        dst_blocks = block_array(req.dst_blocks, "dst_blocks") if req.runs is None else _NO_BLOCKS
-        if req.runs is None and not len(dst_blocks):
-            param_invalid("dst_blocks is empty")
-        if req.runs is not None and claim.first_block:
-            param_invalid("first_block says where in the grant's own blocks a pull that names no source blocks "
-                          "starts; block_runs name their source blocks: leave it 0")
-        self._registry.get(req.local_cache_id)
-        link = self._links.get_ready(req.remote_cluster_id)
-        # From here until the pull is over, a release of the grant through this link keeps the blocks for it.
-        deadline.when_over(link.readers.begin(claim.grant_id, deadline.at))
-        granted, lives_until = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + HOLD_MARGIN_S,
-                                                  deadline.remaining())  # a renewal's answer, or a RedeemGrant
-        if lives_until < deadline.at:  # the grant's cap is near: the pull must end before it (its fence stops it)
-            if lives_until - time.monotonic() < MIN_GRANTED_PULL_S:
-                fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"the grant ends in "
-                     f"{max(0, int((lives_until - time.monotonic()) * 1000))} ms (its max hold is near): its blocks "
-                     "may be reused under any pull now, so nothing was pulled")
-            deadline.at = lives_until
-        if claim.cache_slot >= len(granted.cache_ids):
-            param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
-                          f"{claim.cache_slot}")
-        cache_id = int(granted.cache_ids[claim.cache_slot])
-        if req.remote_cache_id not in (0, cache_id):
-            param_invalid(f"the grant covers cache {cache_id} in slot {claim.cache_slot}, not cache "
-                          f"{req.remote_cache_id}")
-        blocks = np.array(list(granted.blocks), dtype=np.uint64)
-        units = max(1, int(granted.units_per_block))
-        if req.runs is not None:  # runs always name their source blocks; written out only to name those outside
-            covered = (strided.runs_granted(req.runs, blocks, units) if strided.worth_it(req.runs) else
-                       _stretches_granted(req.segments or blockruns.segments(req.runs), blocks, units))
-            outside = _NO_BLOCKS if covered else _not_granted(blockruns.expand(req.runs)[0], blocks, units)
-            if len(outside):
-                shown = [int(b) for b in outside[:8]]
-                param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
-            return replace(req, remote_cache_id=cache_id, grant=None)
-        if len(req.src_blocks):
-            src = block_array(req.src_blocks, "src_blocks")
-            covered = req.segments is not None and _stretches_granted(req.segments, blocks, units)
-            outside = src[:0] if covered else _not_granted(src, blocks, units)
-            if len(outside):
-                shown = [int(b) for b in outside[:8]]
-                param_invalid(f"the grant does not cover src blocks {shown}{'...' if len(outside) > 8 else ''}")
-        else:
-            if claim.first_block + len(dst_blocks) > len(blocks) * units:
-                param_invalid(f"the grant covers {len(blocks) * units} blocks; {len(dst_blocks)} from its block "
-                              f"{claim.first_block} on were asked for")
-            at = np.arange(claim.first_block, claim.first_block + len(dst_blocks), dtype=np.uint64)
-            src = blocks[at // np.uint64(units)] * np.uint64(units) + at % np.uint64(units)
-        src_blocks: Sequence[int] = src  # type: ignore[assignment]  # a uint64 array, as the planner takes it
-        return replace(req, remote_cache_id=cache_id, src_blocks=src_blocks, grant=None)
+        return await self.pipeline.prepare_one(direction, req, deadline)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
-        local, link, remote = await self._remote(direction, req.remote_cluster_id, req.remote_cache_id,
-                                                 req.local_cache_id, deadline)
+        local, link, remote = await self.pipeline.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
+                                                            req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
         plan = plan_cache(src, dst, req.src_batch_index, req.dst_batch_index, req.size, req.layers)
-        return Job(direction, plan, req.local_cache_id, _channel_of(link), remote, link)
+        return Job(direction, plan, req.local_cache_id, channel_of(link), remote, link)
 
     def prepare_copy(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
                      dst_blocks_list: Sequence[Sequence[int]]) -> Job:
@@ -582,35 +365,3 @@ class TransferManager:
                                 num_runs=sum(j.plan.num_copies for j in jobs))
         return result, [j.backend for j in jobs]
 
-
-_NO_BLOCKS = np.zeros(0, dtype=np.uint64)
-
-
-def _stretches_granted(segments: blockruns.Segments, blocks: np.ndarray, units: int) -> bool:
-    """Whether the grant covers every source block of a few stretches (False: too many to tell cheaply, or not
-    covered; the caller then looks block by block, and names the blocks)."""
-    starts, _, lengths = segments
-    if len(starts) > MAX_PLAN_SEGMENTS or not len(blocks):
-        return False
-    owned = np.unique(blocks.astype(np.int64))
-    lo, hi = starts // units, (starts + lengths - 1) // units
-    # granted blocks in [lo, hi]: all of them must be, i.e. as many as the range is wide
-    inside = np.searchsorted(owned, hi, side="right") - np.searchsorted(owned, lo, side="left")
-    return bool((inside == hi - lo + 1).all())
-
-
-def _not_granted(src: np.ndarray, blocks: np.ndarray, units: int) -> np.ndarray:
-    """The entries of `src` whose granted block (src // units) is not one of `blocks`."""
-    owner = src // np.uint64(units)
-    top = int(blocks.max()) + 1 if len(blocks) else 0
-    if top > 4 * len(src) + (1 << 16):  # a table would cost more than the list: search instead
-        return src[~np.isin(owner, blocks)]
-    granted = np.zeros(top + 1, dtype=bool)  # slot `top`: every owner past the grant's last block
-    granted[blocks] = True
-    return src[~granted[np.minimum(owner, np.uint64(top))]]
-
-
-def _channel_of(link: Link) -> PeerChannel:
-    if link.channel is None:  # pragma: no cover - a READY link has its channel
-        fail(LlmStatus.LLM_LINK_FAILED, f"link to cluster {link.remote_cluster_id} has no data channel")
-    return link.channel
