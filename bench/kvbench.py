@@ -532,6 +532,7 @@ def bench_kvbroker(cfg: Config, rep: Report) -> None:
 
 def bench_planning(cfg: Config, rep: Report) -> None:
     from kvbroker import CacheDesc, DataType
+    from kvbrokerd.dataplane import pairs
     from kvbrokerd.transfers import planner
 
     tensors = 2 * PLAN_LAYERS
@@ -540,8 +541,8 @@ def bench_planning(cfg: Config, rep: Report) -> None:
     rng = np.random.default_rng(cfg.seed)
     out: dict[str, Any] = {}
     for n in PLAN_BLOCKS:
-        src = planner.block_array(rng.choice(num_blocks, n, replace=False).tolist(), "src_blocks")
-        dst = planner.block_array(rng.choice(num_blocks, n, replace=False).tolist(), "dst_blocks")
+        src = pairs.block_array(rng.choice(num_blocks, n, replace=False).tolist(), "src_blocks")
+        dst = pairs.block_array(rng.choice(num_blocks, n, replace=False).tolist(), "dst_blocks")
         times = []
         runs = 0
         for _ in range(3 if cfg.quick else 7):

@@ -74,12 +74,13 @@ def _planning(block: int, num_blocks: int, s: np.ndarray, d: np.ndarray, reps: i
     """The planner alone, in this process: a valid plan, and the same lists refused by the duplicate check; their
     difference is the cost of the runs (coalescing and crossing with the tensors)."""
     from kvbroker import LlmError
+    from kvbrokerd.dataplane import pairs
     from kvbrokerd.transfers import planner
 
     desc = cache_desc(SCALE_TENSORS, num_blocks, block)
-    sa = planner.block_array(s.tolist(), "src_blocks")
-    da = planner.block_array(d.tolist(), "dst_blocks")
-    bad = planner.block_array(_refused_lists(d.tolist(), num_blocks), "dst_blocks")
+    sa = pairs.block_array(s.tolist(), "src_blocks")
+    da = pairs.block_array(d.tolist(), "dst_blocks")
+    bad = pairs.block_array(_refused_lists(d.tolist(), num_blocks), "dst_blocks")
     layers = planner.LayerSelection()
 
     def refused() -> None:
