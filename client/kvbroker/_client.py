@@ -29,10 +29,12 @@ from kvbroker.blockruns import Runs
 from kvbroker.shm import Cache
 from kvbroker.status import (
     ACCEPT_DETAILS_HEADER,
+    TIMEOUT_HEADER,
     ClusterNumExceedLimitError,
     LlmError,
     LlmStatus,
     ParamInvalidError,
+    reply_grace,
 )
 from kvbroker.types import (
     Blocks,
@@ -330,6 +332,16 @@ class _Calls:
             # gRPC would round a zero deadline up to a millisecond and sometimes let the call through.
             raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
         return self.default_timeout if timeout is None else timeout
+
+    def _options(self, timeout: float | None) -> dict[str, Any]:
+        """A call's gRPC deadline and metadata. The daemon is told the call's own budget (`TIMEOUT_HEADER`) and
+        answers within it; the call waits `reply_grace` longer for that answer, so that on a busy host the caller
+        still gets the daemon's status and report rather than a bare DEADLINE_EXCEEDED."""
+        budget = self._deadline(timeout)
+        if budget is None:
+            return {"timeout": None, "metadata": _CALL_METADATA}
+        return {"timeout": budget + reply_grace(budget),
+                "metadata": (*_CALL_METADATA, (TIMEOUT_HEADER, str(max(1, round(budget * 1000)))))}
 
     def _fetch_deadline(self, timeout: float | None, wait: float) -> float | None:
         """A long poll outlives a default deadline shorter than its wait."""
@@ -897,7 +909,7 @@ class Client(_Calls):
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
+            return getattr(self._stub, method)(request, **self._options(timeout))
         except grpc.RpcError as err:
             raise error_from_rpc(err, method) from None
 
@@ -1012,8 +1024,7 @@ class Client(_Calls):
 
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
         self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
-        return getattr(self._stub, method)(  # type: ignore[no-any-return]
-            request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
+        return getattr(self._stub, method)(request, **self._options(timeout))  # type: ignore[no-any-return]
 
 
 class AsyncClient(_Calls):
@@ -1033,7 +1044,7 @@ class AsyncClient(_Calls):
             self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return await getattr(self._stub, method)(request, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
+            return await getattr(self._stub, method)(request, **self._options(timeout))
         except grpc.RpcError as err:
             raise error_from_rpc(err, method) from None
 
@@ -1125,8 +1136,7 @@ class AsyncClient(_Calls):
         """
         req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         await self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel in this loop
-        call = self._stub.PullKvBlocksStream(  # type: ignore[union-attr]
-            req, timeout=self._deadline(timeout), metadata=_CALL_METADATA)
+        call = self._stub.PullKvBlocksStream(req, **self._options(timeout))  # type: ignore[union-attr]
         try:
             async for msg in call:
                 yield _progress(msg)

@@ -96,6 +96,17 @@ ERROR_DOMAIN = "kvbroker"
 # refuses trailing metadata over its receive limit (8 KiB by default) and the caller then gets RESOURCE_EXHAUSTED
 # instead of the LLM status, so the daemon leaves out block lists that would not fit.
 ACCEPT_DETAILS_HEADER = "kvbroker-accept-details-bytes"
+# Request header: the call's own budget in milliseconds. The daemon answers within it (or the gRPC deadline, if
+# sooner); kvbroker's client sets its gRPC deadline `reply_grace` later, so that a reply sent at the budget's end on
+# a busy host still arrives. Callers that do not send it (grpcurl, other clients) keep the gRPC deadline's meaning.
+TIMEOUT_HEADER = "kvbroker-timeout-ms"
+MAX_TIMEOUT_MS = 1 << 31
+
+
+def reply_grace(budget_s: float) -> float:
+    """How much longer than its budget a call waits for the daemon's answer: a starved daemon (a loaded host) sends
+    its report late, never its bytes (every copy stops writing at the budget's end)."""
+    return min(5.0, max(1.0, budget_s * 0.5))
 
 
 _DETAILS_KEY = "grpc-status-details-bin"

@@ -29,6 +29,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from kvbrokerd.dataplane.plan import Plan
 from kvbrokerd.errors import LlmStatus, fail
 
 MAX_SLOTS = 1 << 20
@@ -143,6 +144,19 @@ def run_cells(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, block_
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     cells: np.ndarray = np.repeat(base, counts) + (np.arange(int(counts.sum()), dtype=np.int64) - starts)
     return cells
+
+
+def plan_cells(plan: Plan, num_blocks: int) -> Spans | np.ndarray:
+    """What a plan's claim holds: merged ranges of cells where the plan's entries fill them (strided or not), else
+    the cells themselves, exactly (strided entries with gaps between them: their repetitions written out)."""
+    if plan.count is not None and plan.dst_stride is not None:
+        spans = strided_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.count, plan.dst_stride,
+                              plan.block_nbytes, num_blocks)
+        if spans is not None:
+            return spans
+        plan = plan.plain()
+    return run_spans(plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, num_blocks) or run_cells(
+        plan.dst_tensor, plan.dst_offset, plan.length, plan.block_nbytes, num_blocks)
 
 
 class BlockLocks:

@@ -21,7 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvbroker.convert import blocks_to_runs
-from kvbroker.status import ACCEPT_DETAILS_HEADER, ERROR_DOMAIN, grpc_code_for
+from kvbroker.status import ACCEPT_DETAILS_HEADER, ERROR_DOMAIN, MAX_TIMEOUT_MS, TIMEOUT_HEADER, grpc_code_for
 from kvbroker.v1 import errors_pb2
 from kvbrokerd.errors import LlmError, LlmStatus
 from kvbrokerd.transfers.reports import TransferReport
@@ -119,5 +119,11 @@ def llm_errors(handler: Handler[_Req, _Resp]) -> Handler[_Req, _Resp]:
 
 
 def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's budget: the sooner of its gRPC deadline and the budget the caller stated (`TIMEOUT_HEADER`)."""
     remaining = context.time_remaining()
+    for key, value in context.invocation_metadata() or ():
+        if key == TIMEOUT_HEADER and isinstance(value, str) and value.isdigit() and 0 < int(value) <= MAX_TIMEOUT_MS:
+            stated = int(value) / 1000
+            remaining = stated if remaining is None else min(remaining, stated)
+            break
     return None if remaining is None else max(0.0, remaining)

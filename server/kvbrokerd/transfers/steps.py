@@ -123,7 +123,7 @@ async def _peer(manager: TransferManager, members: list[_Member]) -> None:
     try:
         owner = {id(m.transfer): m for m in members}
         jobs = await manager.pipeline.prepare([m.transfer for m in members],
-                                              max(1, min(MAX_GROUP_BYTES, manager.max_inflight_bytes // 2)))
+                                              max(1, min(MAX_GROUP_BYTES, manager.runner.max_inflight_bytes // 2)))
         for m in members:
             if m.transfer.error is not None:
                 m.fail(m.transfer.error)
@@ -153,7 +153,7 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
     # Bytes of a pull: its blocks times the bytes each moves (the same in every run of one plan's selection).
     per_block = job.plan.total_bytes // max(1, job.plan.num_dst_blocks)
     try:
-        await manager.run(job, _earliest(members), transfer_id)
+        await manager.runner.run(job, _earliest(members), transfer_id)
     except LlmError as e:
         for m in members:
             m.fail(_member_error(e, m, per_block))
@@ -168,7 +168,7 @@ async def _run_job(manager: TransferManager, job: Job, members: list[_Member]) -
 
 async def _run_one(manager: TransferManager, job: Job, m: _Member) -> None:
     try:
-        moved = await manager.run(job, m.tracked.deadline, m.tracked.id)
+        moved = await manager.runner.run(job, m.tracked.deadline, m.tracked.id)
     except LlmError as e:
         m.fail(e)
         return
