@@ -75,7 +75,8 @@ def test_created_segments_are_private_and_reserved(shm_dir: Path) -> None:
 
 
 def _hold_lock(path: Path) -> subprocess.Popen[bytes]:
-    """Another process (a daemon stand-in) holding an exclusive flock on `path` until killed."""
+    """Another process (a daemon stand-in) holding an exclusive flock on `path` until killed (its sleep is the
+    scenario, not a wait: a live holder)."""
     code = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
             "print('locked', flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
