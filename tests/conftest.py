@@ -30,7 +30,8 @@ def daemon_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pair(workdir: Path, backends: tuple[str, ...], first_id: int) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
     src = LocalDaemon(workdir, first_id, backends=backends).start()
     try:
-        dst = LocalDaemon(workdir, first_id + 1, backends=backends).start()
+        dst = LocalDaemon(workdir, first_id + 1, backends=backends, extra_args=["--metrics-listen", "127.0.0.1:0"]
+                          ).start()
         try:
             with dst.client() as c:
                 result = c.link_clusters([cluster_of(src)])[0]
@@ -56,7 +57,8 @@ PAIR_BACKENDS = {name: 100 * (i + 1) for i, name in enumerate(backends.registere
 def linked_pair(request: pytest.FixtureRequest, daemon_dir: Path) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
     """(source daemon, destination daemon) linked dst -> src, both allowing only the parametrised backend: the
     shared backend suite runs over every registered backend that moves host memory, and one that cannot run here
-    (its engine or device missing) is skipped with the reason."""
+    (its engine or device missing) is skipped with the reason. The destination serves metrics, so that a test can
+    wait for its transfers to end (`tests.helpers.transfers_in_flight`)."""
     if "host" not in backends.backend_class(request.param).capabilities.memory_kinds:
         pytest.skip(f"the {request.param} backend does not move host memory")
     reason = backends.unavailable(request.param)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from pathlib import Path
 
 import numpy as np
 
@@ -15,6 +16,23 @@ from kvbroker._local import LocalDaemon
 from kvbrokerd.backends.tcp import wire as tcp
 from kvbrokerd.links import linkauth
 from tests.peerkit import link_as, token_of
+
+
+def unsent_to(sock: socket.socket) -> int:
+    """Bytes the daemon's end of our connection `sock` has written and we have not taken in (its socket's tx_queue
+    in /proc/net/tcp): when this stops growing while we read nothing, the daemon's sender is stuck in send."""
+    key = (_proc_address(sock.getpeername()), _proc_address(sock.getsockname()))
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (fields[1], fields[2]) == key:
+            return int(fields[4].split(":")[0], 16)
+    raise LookupError(f"no socket {key[0]} -> {key[1]} in /proc/net/tcp")
+
+
+def _proc_address(address: tuple[str, int]) -> str:
+    """An IPv4 address as /proc/net/tcp writes it: the address's 32-bit word in host byte order, then the port."""
+    host, port = address
+    return f"{int.from_bytes(socket.inet_aton(host), 'little'):08X}:{port:04X}"
 
 
 def fake_link(d: LocalDaemon, cluster_id: int = 77) -> tuple[bytes, int]:

@@ -1,5 +1,6 @@
 """Test helpers: expected results of pulls computed independently of the daemon (plain numpy indexing), and the
-one way tests wait for something to happen (`wait_until`, `wait_until_async`)."""
+one way tests wait for something to happen (`wait_until`, `wait_until_async`; `comes_true` where either answer
+is fine)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -32,6 +33,20 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 15.0, what: str, 
     The timeout is only how long to wait for a condition that should come true, not a measurement: a test asserts on
     what it waited for, never on how long that took. An exception of a type in `tolerate` counts as "not yet" (a
     daemon still starting refuses connections); any other propagates at once."""
+    came, last = _ask_until(predicate, timeout, poll, tolerate)
+    if not came:
+        raise AssertionError(f"waited {timeout:g} s for {what}; last saw {last!r}")
+    return cast(T, last)  # (a truthy answer is the predicate's, never a tolerated exception)
+
+
+def comes_true(predicate: Callable[[], object], *, within: float, poll: float = POLL_S) -> bool:
+    """Whether `predicate` comes true within `within` seconds (asked as `wait_until` asks): for code that acts on
+    either answer, such as a stand-in server that behaves one way if its client left and another if not."""
+    return _ask_until(predicate, within, poll, ())[0]
+
+
+def _ask_until(predicate: Callable[[], T], timeout: float, poll: float, tolerate: tuple[type[Exception], ...]
+               ) -> tuple[bool, T | Exception]:
     deadline = time.monotonic() + timeout
     while True:
         last: T | Exception
@@ -41,9 +56,9 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 15.0, what: str, 
             last = e
         else:
             if last:
-                return last
+                return True, last
         if time.monotonic() >= deadline:
-            raise AssertionError(f"waited {timeout:g} s for {what}; last saw {last!r}")
+            return False, last
         time.sleep(poll)
 
 

@@ -60,7 +60,7 @@ def main() -> int:
             def freeze_now_and_then() -> None:
                 while not stop.wait(rng.uniform(2, 5)):
                     tcp_src.signal(signal.SIGSTOP)
-                    time.sleep(rng.uniform(0.5, 2.0))
+                    time.sleep(rng.uniform(0.5, 2.0))  # the scenario, not a wait: how long the peer stays frozen
                     tcp_src.signal(signal.SIGCONT)
 
             faults = threading.Thread(target=freeze_now_and_then, daemon=True)

@@ -294,7 +294,7 @@ class Hixl:
             return FAILED, 0
         if not isinstance(mem_type, MemType) or mem_desc.addr <= 0 or mem_desc.len <= 0:
             return PARAM_INVALID, 0
-        time.sleep(FAULTS.register_delay_s)
+        time.sleep(FAULTS.register_delay_s)  # the scenario, not a wait: an injected delay (as all sleeps here)
         self._hold("register_mem", FAULTS.registrations_held)
         for r in self._regions.values():
             if (r.addr, r.length, r.kind) == (mem_desc.addr, mem_desc.len, mem_type):
@@ -310,7 +310,7 @@ class Hixl:
     def deregister_mem(self, mem_handle: int, /) -> int:
         if not self._enter("deregister_mem"):
             return FAILED
-        time.sleep(FAULTS.deregister_delay_s)
+        time.sleep(FAULTS.deregister_delay_s)  # (injected)
         self._hold("deregister_mem", FAULTS.deregistrations_held)
         if self._regions.pop(mem_handle, None) is None:
             return PARAM_INVALID
@@ -334,9 +334,9 @@ class Hixl:
         if link is None:
             return FAILED
         if FAULTS.connect_delay_s * 1000 > timeout_in_millis:
-            time.sleep(timeout_in_millis / 1000)
+            time.sleep(timeout_in_millis / 1000)  # (HIXL's own timeout, spent as it would be)
             return TIMEOUT
-        time.sleep(FAULTS.connect_delay_s)
+        time.sleep(FAULTS.connect_delay_s)  # (injected)
         self._links[remote_engine] = link
         return SUCCESS
 
@@ -444,9 +444,9 @@ class Hixl:
         result = FAULTS.transfer_result or TransferStatus.COMPLETED
         FAULTS.transfer_result = None
         if FAULTS.transfer_delay_s * 1000 > timeout_in_millis:
-            time.sleep(timeout_in_millis / 1000)
+            time.sleep(timeout_in_millis / 1000)  # (HIXL's own timeout, spent as it would be)
             return TIMEOUT
-        time.sleep(FAULTS.transfer_delay_s)
+        time.sleep(FAULTS.transfer_delay_s)  # (injected)
         if result != TransferStatus.COMPLETED:
             return TIMEOUT if result == TransferStatus.TIMEOUT else FAILED
         _move(op, op_descs)

@@ -244,7 +244,7 @@ def destination_process(conn: multiprocessing.connection.Connection, device: int
         except Exception as e:
             results["abandon"] = f"{type(e).__name__}: {e}"
             at_error = dst_buf.read()
-            time.sleep(1.0)
+            time.sleep(1.0)  # the scenario, not a wait: the window a late write would land in (HIXL shows none)
             results["no_late_writes_ok"] = bool(np.array_equal(dst_buf.read(), at_error))
         pull(channel, first, dst, every, every)
         now = expected.copy()

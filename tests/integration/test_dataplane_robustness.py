@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,9 +102,14 @@ def test_a_reader_that_stops_reading_does_not_keep_the_cache(tmp_path: Path, dea
             sock.sendall(dataport.read_request(cache.cache_id, [(0, 0, 32 << 20), (1, 0, 32 << 20)], deadline_ms))
             magic, status, size = tcp.REPLY.unpack(sock.recv(tcp.REPLY.size, socket.MSG_WAITALL))
             assert (magic, status, size) == (b"KVRS", 0, 64 << 20)  # the server is sending: the cache is pinned
-            # Not a wait for a condition: the daemon does not show when its serving thread is blocked in send (the
-            # case under test); before that it is still sending, which the release must end as well.
-            time.sleep(0.5)
+            # The case under test: the serving thread blocked in send, its socket's queue full and still.
+            queued = [-1]
+
+            def stuck_in_send() -> bool:
+                seen, queued[0] = queued[0], dataport.unsent_to(sock)
+                return queued[0] > 0 and queued[0] == seen
+
+            wait_until(stuck_in_send, what="the daemon's send stuck behind a reader that reads nothing")
             # The daemon lets a release wait for the cache's transfers only until just short of the call's deadline,
             # then refuses it with LLM_LINK_BUSY: a release that succeeds within 3 s means the serving thread gave up.
             s.deallocate_cache(cache, timeout=3)

@@ -220,7 +220,8 @@ def test_a_pull_by_a_grant_near_its_cap_ends_before_the_grant_or_is_refused_unto
     before = snapshot(pd.dst)
     pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [0], timeout=10.0)  # shortened, still in time
     assert_bytes_equal(pd.dst.tensors, expected_pull(pd.src, before, [4], [0], range(2), range(2)))
-    time.sleep(max(0.0, made + 2.7 - time.monotonic()))  # less than the redeem's safety margin (0.5 s) is left
+    # The scenario, not a wait: the grant ages to less than the redeem's safety margin (0.5 s) before its cap.
+    time.sleep(max(0.0, made + 2.7 - time.monotonic()))
     pd.refused_untouched(KvCacheNotExistError, "max hold is near|unknown, lapsed", grant, [1], timeout=10.0)
     assert [e.outcome for _, e in wait_until(pd.events, what="the grant's end at its cap")] == ["capped"]
 

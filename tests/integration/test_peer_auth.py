@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,9 +169,8 @@ def test_notifications_travel_from_the_linking_side_to_the_linked_side(pair: tup
         got: list[object] = []
         waiter = threading.Thread(target=lambda: got.extend(ca.fetch_notifications("freed", wait=10)))
         waiter.start()
-        # Not a wait for a condition: the daemon does not show that a fetch is waiting. This only makes it likely
-        # that the long poll is woken by the arrival; the assertions hold in either order.
-        time.sleep(0.3)
+        # Either order: the fetch finds the note waiting or is woken by it (the daemon does not show that a fetch
+        # waits; the wake-up itself: tests/unit/test_notifications.py::test_a_waiting_fetch_is_woken_by_an_arrival).
         cb.send_notification(a.cluster_id, "freed", b"req-1")
         waiter.join(15)
         [note] = got

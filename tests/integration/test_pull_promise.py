@@ -39,7 +39,7 @@ from kvbroker._session import PullSession
 from kvbroker.shm import Cache
 from kvbroker.v1 import broker_pb2
 from tests.conftest import cluster_of
-from tests.helpers import wait_until
+from tests.helpers import comes_true, transfers_in_flight, wait_until
 
 BLOCK_WORDS = 8192
 """8-byte words per block and tensor (64 KiB; two tensors: 128 KiB a block): a pull of tens of blocks takes
@@ -49,8 +49,6 @@ TENANT_WORD = 0x5A << 56
 """Source bytes: TENANT_WORD | tenant << 24 | source block. Destination markers (what a block held before a pull)
 carry MARKER_WORD instead, so they never pass for source bytes."""
 MARKER_WORD = 0xA5 << 56
-SETTLE_S = 0.2
-"""How long a late write gets to show itself before the claims are checked again at the end of an example."""
 
 
 def desc(num_blocks: int) -> CacheDesc:
@@ -112,6 +110,12 @@ class Pair:
     dc: Client
     stats: Counter[str] = field(default_factory=Counter)
 
+    def wait_quiet(self) -> None:
+        """Returns once the decode daemon runs no transfer: a copy that outlives its answer (a deadline passed, a
+        caller gone) keeps its place until it stops, so after this no late write can come to check the claims."""
+        metrics_at = self.dc.get_cluster_info().metrics_address
+        wait_until(lambda: transfers_in_flight(metrics_at) == 0, what="no transfer running in the decode daemon")
+
     def freeze(self) -> None:
         self.d.signal(signal.SIGSTOP)
 
@@ -124,7 +128,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     backend: str = request.param
     root: Path = tmp_path_factory.mktemp(f"promise-{backend}")
     first = FIRST_CLUSTER[backend]
-    with LocalDaemon(root, first, backends=[backend]) as p, LocalDaemon(root, first + 1, backends=[backend]) as d:
+    with LocalDaemon(root, first, backends=[backend]) as p, LocalDaemon(
+            root, first + 1, backends=[backend], extra_args=["--metrics-listen", "127.0.0.1:0"]) as d:
         pc, dc = p.client(), d.client()
         try:
             assert dc.link_clusters([cluster_of(p)])[0].ok
@@ -196,9 +201,14 @@ class Engine:
     def wait_for_end(self, granted: Granted, wait: float) -> bool:
         """Reads events until `granted`'s has come or `wait` seconds have passed; whether it came."""
         deadline = time.monotonic() + wait
-        while not granted.ended and (left := deadline - time.monotonic()) > 0:
-            self.read_events(wait=min(left, 1.0))
-        return bool(granted.ended)
+
+        def ended() -> bool:
+            left = deadline - time.monotonic()
+            if not granted.ended and left > 0:
+                self.read_events(wait=min(left, 1.0))
+            return bool(granted.ended)
+
+        return comes_true(ended, within=wait, poll=0)  # (no pause between asks: the fetch's long poll is the wait)
 
     def close(self) -> None:
         for granted in self.grants.values():
@@ -452,7 +462,7 @@ class PullPromise(RuleBasedStateMachine):
         """Leases lapse, caps pass, holds run out (a frozen daemon stays frozen at most FROZEN_MAX_S / 2 here)."""
         if self.frozen_at is not None:
             seconds = max(0.0, min(seconds, self.frozen_at + FROZEN_MAX_S / 2 - time.monotonic()))
-        time.sleep(seconds)
+        time.sleep(seconds)  # the scenario, not a wait: the rule is time passing
 
     @precondition(lambda self: self.frozen_at is None)
     @rule()
@@ -476,7 +486,7 @@ class PullPromise(RuleBasedStateMachine):
             self._thaw()
             while self.pulls:
                 self.decoder.join(self.pulls.pop(0), self.frozen_for)
-            time.sleep(SETTLE_S)
+            self.pair.wait_quiet()
             self.decoder.check_claims()
         finally:
             self._thaw()
@@ -504,10 +514,10 @@ ROUNDS = 3
 
 def _first_block_landed(decoder: Decoder, pull: Pull) -> None:
     """Returns as soon as the pull's first block holds its bytes (the copy is under way) or the pull has ended."""
-    deadline = time.monotonic() + 10
-    while not decoder.words.holds(pull.dst_blocks[0], pull.expected[0]) and not pull.outcome.done():
-        assert time.monotonic() < deadline, "the pull neither landed a block nor ended in 10 s"
-        time.sleep(0)  # lets the thread that waits for the answer run
+    # Asked without a pause (a pause only yields to the thread that waits for the answer): the freeze should come
+    # while the copy is under way.
+    wait_until(lambda: decoder.words.holds(pull.dst_blocks[0], pull.expected[0]) or pull.outcome.done(), timeout=10,
+               poll=0, what="the pull to land its first block or end")
 
 
 def _pull_under_freeze(pair: Pair, end: str) -> None:
@@ -534,7 +544,7 @@ def _pull_under_freeze(pair: Pair, end: str) -> None:
             frozen_at = time.monotonic()
             try:
                 pair.stats["frozen mid-copy" if not pull.outcome.done() else "done before the freeze"] += 1
-                if end == "cap":
+                if end == "cap":  # the scenario, not a wait: the grant reaches its cap while the pull is frozen
                     time.sleep(max(0.0, started + max_hold + 0.3 - time.monotonic()))
                 else:
                     with contextlib.suppress(LlmError):
@@ -544,7 +554,7 @@ def _pull_under_freeze(pair: Pair, end: str) -> None:
             finally:
                 pair.thaw()
             decoder.join(pull, time.monotonic() - frozen_at)
-        time.sleep(SETTLE_S)
+        pair.wait_quiet()
         decoder.check_claims()
     finally:
         pair.thaw()
@@ -582,7 +592,7 @@ def test_a_release_through_the_pulling_daemon_keeps_the_bytes_of_its_pull(pair: 
                 pair.dc.release_grant(granted.grant, cluster_id=pair.p.cluster_id)
             engine.wait_for_end(granted, 0.3)
             decoder.join(pull)
-        time.sleep(SETTLE_S)
+        pair.wait_quiet()
         decoder.check_claims()
     finally:
         decoder.close()

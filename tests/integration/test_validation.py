@@ -9,7 +9,6 @@ boundary that is still valid) show that each refusal is caused by the rule under
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +38,15 @@ from kvbroker import (
 )
 from kvbroker._local import LocalDaemon
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
-from tests.helpers import Allocations, assert_bytes_equal, expected_pull, fill, snapshot
+from tests.helpers import (
+    Allocations,
+    assert_bytes_equal,
+    expected_pull,
+    fill,
+    snapshot,
+    transfers_in_flight,
+    wait_until,
+)
 
 Pair = tuple[LocalDaemon, LocalDaemon]
 
@@ -354,9 +361,10 @@ def test_deadline_too_short(env: Env, timeout: float) -> None:
         assert type(err) is LlmTimeoutError, err
         assert err.status == LlmStatus.LLM_TIMEOUT
         assert err.details.get("grpc_code") == "DEADLINE_EXCEEDED"
-        # Not a wait for a condition (the shared daemons show no sign of a refused pull's end): anything the daemon
-        # still did after our deadline would have landed by now.
-        time.sleep(0.2)
+        # The daemon's own deadline passed before ours, so it starts no copy now; one it started keeps its place in
+        # transfers_in_flight until it stops. Once none runs, nothing can land later.
+        metrics_at = env.d.get_cluster_info().metrics_address
+        wait_until(lambda: transfers_in_flight(metrics_at) == 0, what="no transfer running in the destination")
         env.assert_unchanged(before)
 
         expected = expected_pull(src, snapshot(dst), src_blocks, dst_blocks, range(2), range(2))

@@ -127,3 +127,15 @@ def test_the_daemons_own_events_are_kept_whatever_peers_hold(monkeypatch: pytest
     assert [n.payload for n in asyncio.run(box.fetch("grant-events", 0, 0.0))] == [b"lapsed"]
     assert [n.payload for n in asyncio.run(box.fetch("t0-0", 0, 0.0)) if n.source is None] == [b"released"]
     assert box.own_waiting() == (0, 0)
+
+
+async def test_a_waiting_fetch_is_woken_by_an_arrival() -> None:
+    """The long poll's wake-up, made certain: the daemon-level test cannot tell whether its fetch waited or found the
+    note already there."""
+    box = notifications.NotificationBox()
+    fetch = asyncio.ensure_future(box.fetch("freed", 0, 30.0))
+    await asyncio.sleep(0)  # one turn of the loop: the fetch finds its topic empty and waits
+    assert not fetch.done()
+    box.put(7, "freed", b"req-1", source=host(7))
+    got = await asyncio.wait_for(fetch, 10)  # (only a hang detector: the wake-up is at once)
+    assert [n.payload for n in got] == [b"req-1"]

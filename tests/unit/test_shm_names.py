@@ -36,8 +36,15 @@ def test_bad_names_are_refused(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["a", "x" * 200, "kvbroker-test-1", "model_kv.0", "a..b"])
-def test_plain_names_are_accepted(name: str) -> None:
+def test_plain_names_are_accepted(name: str, shm_dir: Path) -> None:
+    """Accepted: the check passes, and a segment of that name opens."""
     shmseg.check_name(name)
+    _file(shm_dir / name, 4096)
+    seg = shmseg.Segment.open(shm_dir, name, writable=False, owner=os.geteuid(), min_size=4096)
+    try:
+        assert (seg.name, seg.size) == (name, 4096)
+    finally:
+        seg.close()
 
 
 def test_managed_names_carry_their_instance() -> None:
@@ -75,7 +82,8 @@ def test_created_segments_are_private_and_reserved(shm_dir: Path) -> None:
 
 
 def _hold_lock(path: Path) -> subprocess.Popen[bytes]:
-    """Another process (a daemon stand-in) holding an exclusive flock on `path` until killed."""
+    """Another process (a daemon stand-in) holding an exclusive flock on `path` until killed (its sleep is the
+    scenario, not a wait: a live holder)."""
     code = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
             "print('locked', flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream, _parse_args, count_json_values
-from tests.helpers import wait_until
+from tests.helpers import comes_true, wait_until
 
 KV_PARAMS = {
     "do_remote_prefill": True,
@@ -77,15 +77,15 @@ class _FakeHandler(BaseHTTPRequestHandler):
 
     def client_left(self, within: float) -> bool:
         """Waits up to `within` seconds for the proxy to close this request's connection."""
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if select.select([self.connection], [], [], 0.05)[0]:
-                try:
-                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
-                        return True
-                except OSError:
-                    return True
-        return False
+        return comes_true(self._closed_by_the_proxy, within=within, poll=0)  # (the select below is the pause)
+
+    def _closed_by_the_proxy(self) -> bool:
+        if not select.select([self.connection], [], [], 0.05)[0]:
+            return False
+        try:
+            return bool(self.connection.recv(1, socket.MSG_PEEK) == b"")
+        except OSError:
+            return True
 
     def reply(self, status: int, payload: Any, content_type: str = "application/json") -> None:
         raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -196,6 +196,13 @@ def get_health(proxy: PdProxy) -> dict[str, Any]:
         return answer
     finally:
         conn.close()
+
+
+def open_connections(proxy: PdProxy) -> int:
+    """Client connections the proxy serves now: aiohttp's list, which `max_connections` is checked against."""
+    runner = proxy._runner
+    assert runner is not None and runner.server is not None
+    return len(runner.server.connections)
 
 
 def raw_exchange(proxy: PdProxy, data: bytes, quiet: float = 1.0) -> tuple[bytes, bool]:
@@ -686,7 +693,7 @@ def test_idle_connections_hold_no_thread_and_are_closed_after_the_client_timeout
         before = threading.active_count()
         idle = [socket.create_connection(proxy.address, timeout=5) for _ in range(100)]
         try:
-            time.sleep(0.3)
+            wait_until(lambda: open_connections(proxy) == 100, what="the proxy serving the 100 idle connections")
             assert threading.active_count() - before < 5
             for sock in idle:
                 assert sock.recv(1) == b""  # the proxy closed it (a socket it kept open times out after 5 s)
@@ -756,7 +763,7 @@ def test_a_client_that_leaves_during_the_prefill_aborts_it_without_a_traceback(
         wait_until(lambda: len(p.requests) == 1, timeout=5, poll=0.02, what="the prefill server to get the request")
         sock.close()
         assert left.wait(2.5), "the prefill request went on after its client left"
-        time.sleep(0.2)
+    # No pause for a decode to show: the proxy decodes only after a prefill's answer, and this prefill gave none.
     assert d.requests == []
     assert "Traceback" not in capfd.readouterr().err
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
@@ -767,12 +774,12 @@ def test_connections_over_the_cap_are_refused_with_503(serve: Any) -> None:
     config = config_for([p.url], [d.url], max_connections=4, health_interval=0)
     with PdProxy(config, "127.0.0.1", 0) as proxy:
         held = [socket.create_connection(proxy.address) for _ in range(4)]
-        time.sleep(0.2)
+        wait_until(lambda: open_connections(proxy) == 4, what="the proxy serving the 4 connections of its cap")
         raw, closed = raw_exchange(proxy, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert closed and status_lines(raw) in ([503], []), raw
         for sock in held:
             sock.close()
-        time.sleep(0.2)
+        wait_until(lambda: open_connections(proxy) == 0, what="the proxy to see the 4 connections closed")
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
 
 

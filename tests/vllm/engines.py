@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tests.helpers import wait_until
 from tests.vllm.tiny_model import BLOCK_SIZE
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -109,12 +110,13 @@ class _Server:
             self.engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
 
     def run(self, req_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while not all(r in self.done for r in req_ids):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"requests {[r for r in req_ids if r not in self.done]} unfinished")
+        def finished() -> bool:
+            if all(r in self.done for r in req_ids):
+                return True
             self._step()
-            time.sleep(0.001)
+            return False
+
+        wait_until(finished, timeout=timeout_s, poll=0.001, what=f"the engine to finish requests {req_ids}")
         return {r: self.done.pop(r) for r in req_ids}
 
     def generate(self, requests: list[tuple[str, list[int], int, dict[str, Any] | None]],
@@ -129,7 +131,7 @@ class _Server:
         while time.monotonic() < deadline:
             self._step()
             steps += 1
-            time.sleep(0.01)
+            time.sleep(0.01)  # the scenario, not a wait: the pace of an engine stepping for a while
         return steps
 
     def finished(self, req_id: str) -> bool:

@@ -15,13 +15,13 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 if os.environ.get("KVBROKER_REQUIRE_VLLM"):
     import vllm  # noqa: F401
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
+import torch  # after the guard: torch comes with vLLM's venv, not the main one
 from vllm import _custom_ops as ops
 
 from kvbroker.integrations.vllm.layout import MEMORY_CPU, MEMORY_CPU_AMX, KvLayout, cpu_memory

@@ -37,6 +37,10 @@ from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 from typing import IO
 
+if not __package__:  # run by hand as a script (see above): the tests package is at the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import comes_true, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "vllm.md"
 DEADLINE_S = 1800.0
@@ -255,15 +259,18 @@ class Run:
             self._end_group(shell)
 
     def _wait_done(self, shell: Popen[bytes], n: int, block: Block) -> None:
-        while not (self.state / f"done.{n}").exists():
+        def done() -> bool:
+            if (self.state / f"done.{n}").exists():
+                return True
             if shell.poll() is not None:
                 out = (self.state / f"out.{n}").read_text(errors="replace")
                 self._fail(block, f"it failed (the shell exited with {shell.returncode})", out)
-            if time.monotonic() > self.deadline:
-                self._fail(block, "the walkthrough ran past its deadline", "")
             if not self.stopping:
                 self._check_alive(block)
-            time.sleep(0.5)
+            return False
+
+        if not comes_true(done, within=max(0.0, self.deadline - time.monotonic()), poll=0.5):
+            self._fail(block, "the walkthrough ran past its deadline", "")
 
     def _check_alive(self, running: Block) -> None:
         dead = [(pid, block) for pid, block in self.started.items() if not alive(pid)]
@@ -274,31 +281,31 @@ class Run:
 
     def _settle(self, stop: Block) -> None:
         """Gives the youngest background process time to die of a bad start before the stop block ends them all."""
-        self._check_alive(stop)
-        while any(age_s(pid) < self.settle_s for pid in self.started):
-            time.sleep(0.5)
+        def all_settled() -> bool:
             self._check_alive(stop)
+            return all(age_s(pid) >= self.settle_s for pid in self.started)
+
+        # (the youngest process is settle_s old within settle_s from now: the timeout is never what ends this)
+        wait_until(all_settled, timeout=self.settle_s + 5.0, poll=0.5, what="the background processes to settle")
 
     def _wait_stopped(self, stop: Block) -> None:
-        end = time.monotonic() + self.stop_grace_s
-        while time.monotonic() < end:
-            if not any(alive(pid) for pid in self.started):
-                return
-            time.sleep(0.5)
+        if comes_true(lambda: not any(alive(pid) for pid in self.started), within=self.stop_grace_s, poll=0.5):
+            return
         left = [pid for pid in self.started if alive(pid)]
         self._fail(stop, f"processes {left} still run {self.stop_grace_s:.0f} s after it", "")
 
     def _end_group(self, shell: Popen[bytes]) -> None:
         pgid = shell.pid
+
+        def gone() -> bool:
+            shell.poll()  # reaps the shell once it has exited
+            return not group_members(pgid)
+
         for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
             with suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
-            end = time.monotonic() + wait_s
-            while time.monotonic() < end:
-                shell.poll()
-                if not group_members(pgid):
-                    return
-                time.sleep(0.5)
+            if comes_true(gone, within=wait_s, poll=0.5):
+                return
 
     def _output(self, block: Block) -> str:
         path = self.state / f"out.{self.blocks.index(block)}"
