@@ -58,3 +58,16 @@ def test_grant_pull_bench_runs_and_counts_the_redeems_it_skips() -> None:
     for r in report:
         assert [r[way]["redeems"] for way in ("plain", "grant", "renewed")] == [0, 3, 0], r
         assert all(r[way]["p50_ms"] > 0 for way in ("plain", "grant", "renewed"))
+
+
+def test_walk_bench_follows_one_request_from_the_servicer_to_the_data_plane() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "walk.py"), "--forms", "plain-shm,session-shm",
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert list(report) == ["plain-shm", "session-shm"]
+    for form, r in report.items():
+        assert {"kvbrokerd/service/local.py", "kvbrokerd/transfers/manager.py",
+                "kvbrokerd/backends/shm/backend.py"} <= set(r["visits"]), (form, r["visits"])
+        assert not any("_pb2" in f for f in r["visits"]), r["visits"]
+        assert r["stays"] == sum(r["visits"].values()) and r["returns"] == r["stays"] - r["files"]
