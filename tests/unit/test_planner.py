@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError, blockruns
-from kvbrokerd.dataplane.pairs import BlockPairs, block_array
+from kvbrokerd.dataplane.pairs import BlockPairs, block_array, coalesce
 from kvbrokerd.dataplane.plan import Progress
-from kvbrokerd.transfers.planner import LayerSelection, coalesce, plan_blocks, plan_pairs
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks, plan_pairs
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 

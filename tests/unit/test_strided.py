@@ -112,7 +112,7 @@ def test_destination_overlaps_are_found_exactly(rows: list[tuple[int, int, int, 
 def _overlaps(first: np.ndarray, size: np.ndarray, times: np.ndarray, step: np.ndarray) -> bool:
     runs = blockruns.check(first, first, size, times, step, step)
     try:
-        BlockPairs.of_runs(runs).check_distinct_destinations(1 << 20)
+        BlockPairs.of_runs(runs).checked_runs(1 << 20, 1 << 20)
     except LlmError as e:
         assert "duplicates" in e.message
         return True

@@ -158,29 +158,44 @@ class BlockPairs:
         return (int((first_s + (times - 1) * s_step + size - 1).max()),
                 int((first_d + (times - 1) * d_step + size - 1).max()))
 
-    def check_bounds(self, src_num_blocks: int, dst_num_blocks: int) -> None:
+    def checked_runs(self, src_num_blocks: int, dst_num_blocks: int, loop_budget: int | None = None
+                     ) -> blockruns.Runs | tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pairs checked against two caches' sizes (a block out of range, a destination block named twice:
+        LLM_PARAM_INVALID, in that order), as what a plan is made of: the runs themselves when they are `strided`,
+        else consecutive runs (uint64 src starts, dst starts, lengths in blocks). TooLongForTheLoop when the
+        duplicate check would write out more than `loop_budget` repetitions."""
         src_max, dst_max = self.bounds()
         if src_max >= src_num_blocks:
             param_invalid(f"src block {src_max} is out of range: the source cache has {src_num_blocks} blocks")
         if dst_max >= dst_num_blocks:
             param_invalid(f"dst block {dst_max} is out of range: the destination cache has {dst_num_blocks} blocks")
-
-    def check_distinct_destinations(self, dst_num_blocks: int, loop_budget: int | None = None) -> None:
-        """LLM_PARAM_INVALID when two pairs name one destination block (blocks already within `dst_num_blocks`).
-        TooLongForTheLoop when telling would write out more than `loop_budget` repetitions."""
+        duplicates = "dst_blocks contains duplicates: two source blocks would land in one destination block"
         if self.strided:
             r = self._runs
             assert r is not None
-            repeated = _runs_overlap(r.dst_first.view(np.int64), r.length.view(np.int64), r.count.view(np.int64),
-                                     r.dst_stride.view(np.int64), loop_budget)
-        elif (stretches := self.stretches()) is not None:
-            starts, lengths = stretches[1], stretches[2]
-            order = np.argsort(starts, kind="stable")
-            repeated = bool((starts[order][1:] < (starts + lengths)[order][:-1]).any())
-        else:
-            repeated = _has_duplicates(self.dst, dst_num_blocks)
-        if repeated:
-            param_invalid("dst_blocks contains duplicates: two source blocks would land in one destination block")
+            if _runs_overlap(r.dst_first.view(np.int64), r.length.view(np.int64), r.count.view(np.int64),
+                             r.dst_stride.view(np.int64), loop_budget):
+                param_invalid(duplicates)
+            return r
+        stretches = self.stretches()
+        if stretches is None:
+            if _has_duplicates(self.dst, dst_num_blocks):
+                param_invalid(duplicates)
+            return coalesce(self.src, self.dst)
+        seg_src, seg_dst, seg_len = stretches
+        order = np.argsort(seg_dst, kind="stable")
+        if bool((seg_dst[order][1:] < (seg_dst + seg_len)[order][:-1]).any()):
+            param_invalid(duplicates)
+        # stretches that continue each other on both sides are one run, as `coalesce` merges consecutive pairs
+        joined = (seg_src[1:] == seg_src[:-1] + seg_len[:-1]) & (seg_dst[1:] == seg_dst[:-1] + seg_len[:-1])
+        starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+        return (seg_src[starts].astype(np.uint64), seg_dst[starts].astype(np.uint64),
+                np.add.reduceat(seg_len, starts).astype(np.uint64))
+
+    def checks_quickly(self, max_pairs: int) -> bool:
+        """Whether checking and planning these pairs takes little time whatever their number: strided runs, a few
+        stretches, or at most `max_pairs` pairs."""
+        return self.num_pairs <= max_pairs or self.strided or self.stretches() is not None
 
     def outside_grant(self, blocks: np.ndarray, units: int) -> np.ndarray:
         """The source blocks of these pairs that a grant of `blocks` (each `units` source blocks) does not cover:
@@ -198,6 +213,17 @@ class BlockPairs:
         granted = np.zeros(top + 1, dtype=bool)  # slot `top`: every owner past the grant's last block
         granted[blocks] = True
         return self.src[~granted[np.minimum(owner, np.uint64(top))]]
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merges consecutive pairs where both src and dst advance by one: (src starts, dst starts, run lengths)."""
+    if len(src) == 1:
+        return src.copy(), dst.copy(), np.ones(1, dtype=np.uint64)
+    # Differences in int64 wrap for indices >= 2^63; those were refused by the bounds check before we get here.
+    step_ok = (np.diff(src.astype(np.int64)) == 1) & (np.diff(dst.astype(np.int64)) == 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~step_ok)))
+    lengths = np.diff(np.append(starts, len(src))).astype(np.uint64)
+    return src[starts], dst[starts], lengths
 
 
 def _ranges_granted(first: np.ndarray, last: np.ndarray, blocks: np.ndarray, units: int) -> bool:

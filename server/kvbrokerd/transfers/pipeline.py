@@ -108,7 +108,7 @@ class Pipeline:
     async def plan(self, src: CacheDesc, dst: CacheDesc, pairs: BlockPairs, layers: LayerSelection) -> Plan:
         """`plan_pairs`, off the event loop when it would take long: planning 2^20 pairs takes a good part of a
         second, which other callers must not wait for; a few stretches or strided runs plan in microseconds."""
-        if pairs.strided or pairs.stretches() is not None or pairs.num_pairs < PLAN_ON_LOOP_MAX_BLOCKS:
+        if pairs.checks_quickly(PLAN_ON_LOOP_MAX_BLOCKS):
             try:
                 return plan_pairs(src, dst, pairs, layers, loop_budget=PLAN_ON_LOOP_MAX_BLOCKS)
             except TooLongForTheLoop:  # runs that interleave at different steps: checked one by one
@@ -247,6 +247,9 @@ def merged_plan(plans: Sequence[Plan]) -> Plan:
 
 def _chunks(transfers: list[Transfer], bytes_per_block: int, max_bytes: int) -> Iterator[list[Transfer]]:
     """Consecutive transfers of at most `max_bytes` together (a larger one alone)."""
+    if len(transfers) == 1:
+        yield transfers
+        return
     chunk: list[Transfer] = []
     size = 0
     for t in transfers:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbroker import blockruns
 from kvbroker.types import CacheDesc
 from kvbrokerd.dataplane.pairs import BlockPairs
 from kvbrokerd.dataplane.plan import Plan
@@ -67,17 +68,6 @@ def select_tensors(src: CacheDesc, dst: CacheDesc, layers: LayerSelection) -> tu
     return s0, d0, s1 - s0
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merges consecutive pairs where both src and dst advance by one: (src starts, dst starts, run lengths)."""
-    if len(src) == 1:
-        return src.copy(), dst.copy(), np.ones(1, dtype=np.uint64)
-    # Differences in int64 wrap for indices >= 2^63; those were refused by the bounds check before we get here.
-    step_ok = (np.diff(src.astype(np.int64)) == 1) & (np.diff(dst.astype(np.int64)) == 1)
-    starts = np.flatnonzero(np.concatenate(([True], ~step_ok)))
-    lengths = np.diff(np.append(starts, len(src))).astype(np.uint64)
-    return src[starts], dst[starts], lengths
-
-
 def check_compatible(src: CacheDesc, dst: CacheDesc) -> None:
     """Caches that both carry a layout tag must carry the same one (model, dtype, block layout, tp rank...)."""
     if src.layout_tag and dst.layout_tag and src.layout_tag != dst.layout_tag:
@@ -114,23 +104,17 @@ def plan_pairs(src: CacheDesc, dst: CacheDesc, pairs: BlockPairs, layers: LayerS
 
     Runs that repeat stay one entry per run and tensor (`_strided_plan`); a few stretches are planned per stretch;
     anything else pair by pair, consecutive pairs merged."""
-    pairs.check_bounds(src.num_blocks, dst.num_blocks)
-    pairs.check_distinct_destinations(dst.num_blocks, loop_budget)
+    runs = pairs.checked_runs(src.num_blocks, dst.num_blocks, loop_budget)
     if src.block_nbytes != dst.block_nbytes:
         param_invalid(f"bytes per block differ: source {src.block_nbytes}, destination {dst.block_nbytes}")
+    if isinstance(runs, blockruns.Runs):
+        return _strided_plan(src, dst, pairs, runs, layers)
+    run_src, run_dst, run_len = runs
     # runs keep their destination blocks unwritten (a report writes them out if it needs them)
-    keep = pairs if pairs.runs is not None else None
-    dst_blocks = _NO_BLOCKS if keep is not None else pairs.dst
-    if pairs.strided:
-        return _strided_plan(src, dst, pairs, layers)
-    stretches = pairs.stretches()
-    if stretches is None:
-        run_src, run_dst, run_len = coalesce(pairs.src, pairs.dst)
-    else:
-        run_src, run_dst, run_len = _joined(stretches)
-    plan = _plan(src, dst, layers, run_src, run_dst, run_len * np.uint64(dst.block_nbytes), dst_blocks,
-                 dst.block_nbytes)
-    return plan if keep is None else dataclasses.replace(plan, dst_pairs=keep)
+    came_as_runs = pairs.runs is not None
+    plan = _plan(src, dst, layers, run_src, run_dst, run_len * np.uint64(dst.block_nbytes),
+                 _NO_BLOCKS if came_as_runs else pairs.dst, dst.block_nbytes)
+    return dataclasses.replace(plan, dst_pairs=pairs) if came_as_runs else plan
 
 
 def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int] | np.ndarray,
@@ -139,21 +123,11 @@ def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int] | np.n
     return plan_pairs(src, dst, BlockPairs.listed(src_blocks, dst_blocks), layers)
 
 
-def _joined(stretches: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stretches that continue each other on both sides as one run (as `coalesce` merges consecutive pairs)."""
-    seg_src, seg_dst, seg_len = stretches
-    joined = (seg_src[1:] == seg_src[:-1] + seg_len[:-1]) & (seg_dst[1:] == seg_dst[:-1] + seg_len[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    return (seg_src[starts].astype(np.uint64), seg_dst[starts].astype(np.uint64),
-            np.add.reduceat(seg_len, starts).astype(np.uint64))
-
-
-def _strided_plan(src: CacheDesc, dst: CacheDesc, pairs: BlockPairs, layers: LayerSelection) -> Plan:
+def _strided_plan(src: CacheDesc, dst: CacheDesc, pairs: BlockPairs, runs: blockruns.Runs,
+                  layers: LayerSelection) -> Plan:
     """Checked runs that repeat, planned as they came: one plan entry per run and tensor, never one per repetition
     (a block-size remap of vLLM's CPU cache names ~10^5 unit pairs as a few hundred runs repeated ~128 times; written
     out, every per-stretch pass cost more than the copy)."""
-    runs = pairs.runs
-    assert runs is not None
     check_compatible(src, dst)
     s0, d0, tensors = select_tensors(src, dst, layers)
     unit = np.uint64(dst.block_nbytes)
