@@ -145,9 +145,14 @@ async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.sock
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready = loop.create_future()
+    ready: asyncio.Future[None] = loop.create_future()
     fd = sock.fileno()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
     try:
         await ready
     finally:
