@@ -203,7 +203,8 @@ static enum outcome send_views(int fd, struct iovec *iov, size_t n, struct watch
             }
             while (i < n && iov[i].iov_len == 0)
                 i++;
-            enum outcome o = judge(w, now, rq);
+            /* Judged only while bytes remain: a reply sent whole is never taken back. */
+            enum outcome o = i < n ? judge(w, now, rq) : SERVED;
             if (o != SERVED)
                 return o;
             continue;
