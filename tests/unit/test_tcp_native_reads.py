@@ -158,6 +158,32 @@ def test_drop_waits_for_a_read_and_that_read_gives_up_when_its_peer_stops_readin
 
 
 @needs_extension
+def test_a_peer_that_reads_below_the_minimum_rate_is_abandoned() -> None:
+    """THREAT_MODEL T25 on the native path: a peer that keeps reading, but a trickle, never trips the stall timeout;
+    the minimum rate (here 1 MiB/s judged per 0.2 s window) ends the read, and the cache is free again."""
+    tensors = np.zeros((1, 4 << 20), dtype=np.uint8)
+    with _served(tensors) as (table, server, peer):
+        peer.sendall(_frame(CACHE, [(0, 0, 4 << 20)], deadline_ms=60_000))
+        stop = threading.Event()
+
+        def trickle() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.05) and peer.recv(1024):
+                    pass
+
+        reader = threading.Thread(target=trickle)
+        reader.start()
+        try:
+            with pytest.raises(TimeoutError, match="minimum rate"):
+                table.serve(server.fileno(), 5.0, 5.0, 30.0, 300.0, float(1 << 20), 0.2, 4 << 20, 64,  # type: ignore[attr-defined]
+                            NOT_EXIST)
+        finally:
+            stop.set()
+            reader.join(timeout=10)
+        assert table.drop(CACHE)  # type: ignore[attr-defined]
+
+
+@needs_extension
 def test_memory_that_vanishes_under_a_read_is_padded_with_zeros_and_reported(tmp_path: Path) -> None:
     """The model server truncates the segment of a served cache: the kernel refuses the send (EFAULT), the reply
     goes on with zeros, its trailer says how many leading bytes were the source's, and the connection stays usable."""
