@@ -228,29 +228,35 @@ def test_put_keeps_the_first_entry_of_a_cache() -> None:
     assert struct.calcsize("<Q") == 8 and table.drop(CACHE)
 
 
-@needs_extension
-def test_the_data_server_serves_reads_natively_and_hands_the_rest_to_python(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_reads", [pytest.param(True, marks=needs_extension), False],
+                         ids=["native", "python"])
+def test_the_data_server_serves_reads_natively_and_hands_the_rest_to_python(tmp_path: Path, native_reads: bool,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the real DataServer: a cache joins the native table when it joins the registry and leaves it when it
-    is removed; on one connection, native READs, a refused READ and a WRITE (both answered by Python) stay in step."""
+    is removed; on one connection, native READs, a refused READ and a WRITE (both answered by Python) stay in step.
+    Without the extension every request takes the Python path, with the same answers."""
     import asyncio
 
     from kvbroker.types import CacheDesc, DataType
+    from kvbrokerd.backends.tcp import native
     from kvbrokerd.backends.tcp import server as tcp_server
     from kvbrokerd.errors import LlmStatus
     from kvbrokerd.links import linkauth
     from kvbrokerd.registry.caches import Registry
     from tests import dataport
 
+    if not native_reads:
+        monkeypatch.setattr(native, "available", lambda: False)
     registry = Registry(tmp_path / "shm")
     registry.open()
     secret = linkauth.new_secret()
     server = tcp_server.DataServer(registry, lambda _: secret, "127.0.0.1")
     server.start()
-    native = server._native
-    assert native is not None
+    table = server._native
+    assert (table is not None) == native_reads
     try:
         entry = registry.allocate(CacheDesc(num_tensors=2, shape=(4, 1024), data_type=DataType.UINT8))
-        assert native.size() == 1
+        assert table is None or table.size() == 1
         np.frombuffer(entry.views[1], dtype=np.uint8)[:] = np.arange(4096) % 251
         with contextlib.closing(dataport.connect(server.port, secret)) as sock:
             def read(runs: list[tuple[int, int, int]]) -> tuple[int, bytes]:
@@ -270,7 +276,7 @@ def test_the_data_server_serves_reads_natively_and_hands_the_rest_to_python(tmp_
             assert tcp.REPLY.unpack(_recv(sock, tcp.REPLY.size)) == (b"KVRS", 0, 4)
             assert read([(0, 0, 4), (1, 0, 2)]) == (0, b"abcd" + bytes([0, 1]))
         asyncio.run(registry.remove(entry.cache_id, daemon_owned=True))
-        assert native.size() == 0
+        assert table is None or table.size() == 0
     finally:
         server.close()
         registry.close()
