@@ -18,6 +18,7 @@ median of --trials timed trials):
   nixl          NIXL 1.5.1 UCX READs, default UCX (same host; anonymous and /dev/shm memory) and UCX_TLS=tcp
   mooncake      Mooncake Transfer Engine tcp READs, batches of <= 2048 (bench/.venvs/mooncake)
   latency       one 64 KiB block pull (a call, and one message of a pull session), p50/p99, beside a bare gRPC Ping
+  floor         CPU per operation of each daemon and the client: ping, 64 KiB pull, session pull (floor.py)
   planning      kvbrokerd.transfers.planner.plan_blocks for 80 layers x 2 tensors x 1024/4096/16384 scattered blocks
   scale-blocks  one pull of 1 .. 1,048,576 small blocks, contiguous and scattered, with where its time goes (scale.py)
   scale-peers   the same bytes pulled from 1, 2, 4, 8, 16 linked peers at once, and the cost of a link (scale.py)
@@ -52,6 +53,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 PEERS_DIR = BENCH_DIR / "peers"
 sys.path.insert(0, str(PEERS_DIR))
 
+import floor  # noqa: E402
 import scale  # noqa: E402
 from kvbench_common import (  # noqa: E402
     Config,
@@ -75,7 +77,7 @@ from peer_common import (  # noqa: E402
 )
 
 ALL_ITEMS = ("memcpy", "socket", "kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "nixl", "mooncake",
-             "latency", "planning", "scale-blocks", "scale-peers")
+             "latency", "floor", "planning", "scale-blocks", "scale-peers")
 PEER_ITEMS = ("nixl", "mooncake", "kvbroker-nixl")
 """Items that need an optional install (left out of --quick)."""
 CONCURRENCY = (1, 4, 16, 64)
@@ -425,6 +427,10 @@ def bench_kv_latency(cfg: Config, rep: Report, pair: KvPair) -> None:
         f"64B pull {lat['pull64B']:.0f} us, refused pull {lat['refused']:.0f} us, ping {lat['ping']:.0f} us")
 
 
+def bench_kv_floor(cfg: Config, rep: Report, pair: KvPair) -> None:
+    floor.bench_floor(cfg.floor_ops, rep, pair)
+
+
 def py_spy() -> str | None:
     found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     return found if os.access(found, os.X_OK) else None
@@ -493,7 +499,8 @@ def bench_kvbroker(cfg: Config, rep: Report) -> None:
             want_tp = f"kvbroker-{backend}" in cfg.items
             want_conc = "concurrency" in cfg.items and backend != "nixl"
             want_lat = "latency" in cfg.items and backend != "nixl"
-            if not (want_tp or want_conc or want_lat):
+            want_floor = "floor" in cfg.items and backend != "nixl"
+            if not (want_tp or want_conc or want_lat or want_floor):
                 continue
             from kvbrokerd.backends import unavailable
 
@@ -503,7 +510,8 @@ def bench_kvbroker(cfg: Config, rep: Report) -> None:
                 continue
             steps = [(f"kvbroker-{backend}", bench_kv_throughput, want_tp),
                      (f"kvbroker-{backend}-concurrency", bench_kv_concurrency, want_conc),
-                     (f"kvbroker-{backend}-latency", bench_kv_latency, want_lat)]
+                     (f"kvbroker-{backend}-latency", bench_kv_latency, want_lat),
+                     (f"kvbroker-{backend}-floor", bench_kv_floor, want_floor)]
             pair: KvPair | None = None
             try:
                 for name, fn, wanted in steps:
@@ -703,6 +711,7 @@ def render(cfg: Config, rep: Report) -> str:
         lines += ["", f"planning ({rep.planning['layers']} layers x 2 tensors)   blocks      runs        ms   ns/run"]
         for n, pt in rep.planning["points"].items():
             lines.append(f"{'':<36s}{int(n):6d}{pt['runs']:10d}{pt['ms']:10.2f}{pt['ns_per_run']:9.1f}")
+    lines += floor.render_lines(rep)
     lines += scale.render_lines(rep)
     if rep.targets:
         lines += ["", "targets" + (" (--quick: points too small and too few for these to mean anything; a smoke test "
@@ -739,6 +748,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
                    help="run every subject this many times and keep each one's best round (default 1): on a shared "
                         "machine other load only slows subjects down, and not all of them equally")
     p.add_argument("--latency-samples", type=int, help="pulls and pings for the latency series (default 1000)")
+    p.add_argument("--floor-ops", type=int,
+                   help="operations of each kind for the floor item (default 2000; --quick 300)")
     p.add_argument("--concurrency-block", help="block size of the concurrency series (default 256K; --quick 64K)")
     p.add_argument("--pull-timeout", type=float,
                    help=f"deadline of one kvbroker pull, s (default {PULL_TIMEOUT_S:.0f}; --quick 20)")
@@ -772,6 +783,7 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
         rounds=max(1, a.rounds),
         seed=a.seed,
         latency_samples=a.latency_samples or (200 if a.quick else 1000),
+        floor_ops=a.floor_ops or (300 if a.quick else 2000),
         concurrency_block=parse_size(a.concurrency_block or ("64K" if a.quick else "256K")),
         pull_timeout=a.pull_timeout or (20.0 if a.quick else PULL_TIMEOUT_S),
         items=items,
@@ -831,6 +843,10 @@ def merge_rounds(cfg: Config, reports: list[Report]) -> Report:
         if rounds:
             quiet = min(rounds, key=lambda r: r.latency[f"kvbroker-{backend}-ping"]["p50_us"])
             rep.latency.update({k: v for k, v in quiet.latency.items() if k.startswith(f"kvbroker-{backend}-")})
+    for backend in ("shm", "tcp"):  # the floor of the round whose ping was quickest, as for latency
+        floors = [r.details["floor"][backend] for r in reports if backend in r.details.get("floor", {})]
+        if floors:
+            rep.details.setdefault("floor", {})[backend] = min(floors, key=lambda f: float(f["ping"]["wall_us"]))
     planned = [r for r in reports if r.planning.get("points", {}).get("4096")]
     if planned:
         rep.planning = min(planned, key=lambda r: float(r.planning["points"]["4096"]["ms"])).planning
@@ -846,7 +862,7 @@ def run_round(cfg: Config) -> Report:
         ("memcpy", bench_memcpy), ("socket", bench_socket), ("kvbroker", bench_kvbroker), ("nixl", bench_nixl),
         ("mooncake", bench_mooncake), ("planning", bench_planning), ("scale-blocks", scale.bench_blocks),
         ("scale-peers", scale.bench_peers)]
-    kv_items = {"kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "latency"}
+    kv_items = {"kvbroker-shm", "kvbroker-tcp", "kvbroker-nixl", "concurrency", "latency", "floor"}
     t0 = time.perf_counter()
     for name, fn in steps:
         wanted = bool(kv_items & set(cfg.items)) if name == "kvbroker" else name in cfg.items

@@ -39,6 +39,7 @@ class Config:
     items: list[str]
     profile: Path | None
     quick: bool
+    floor_ops: int = 2000
     scale_block: int = 64
     scale_blocks: list[int] = field(default_factory=list)
     scale_peers: list[int] = field(default_factory=list)

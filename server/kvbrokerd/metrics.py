@@ -19,13 +19,16 @@ for the next peer, so a fleet that churns through thousands of pods keeps a boun
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvbrokerd.listen import ListenError, in_use
@@ -33,7 +36,6 @@ from kvbrokerd.listen import ListenError, in_use
 log = logging.getLogger(__name__)
 K = TypeVar("K", str, tuple[str, str])
 
-_MAX_CHILDREN = 4096
 MAX_PEER_LABELS = 256
 """Distinct `peer` label values with series of their own (a decode daemon's prefill peers; beyond: `other`)."""
 _SHARED_PEERS = frozenset({"local", "several", "other"})
@@ -45,11 +47,21 @@ GRANT_PULL_SOURCES = ("remembered", "redeemed")
 """The label values of the state series above: each one exists at zero from the start (a rate over it is defined
 before the first event, as for the connector's series on vLLM's `/metrics`), and docs/vllm.md lists them."""
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BUCKET_LABELS = tuple(repr(float(bound)) for bound in _BUCKETS)
+"""The `le` label of each bucket, as prometheus_client writes it ("0.0001", "1.0", "60.0")."""
 
 
 def _from_zero(counts: dict[K, int], known: Iterable[K]) -> list[tuple[K, int]]:
     """`counts` with every `known` key present (0 until it happened), sorted."""
     return sorted({**dict.fromkeys(known, 0), **counts}.items())
+
+
+class _TransferCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily | GaugeMetricFamily]:
+        return self._metrics.transfer_families()
 
 
 class _StateCollector(Collector):
@@ -97,26 +109,43 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(f"kvbroker_{key}", text, value=state[key])
 
 
+class _Series:
+    """One (op, backend, peer, outcome) label set's numbers, and the stage histograms of its (op, backend, peer)."""
+
+    __slots__ = ("count", "created", "moved")
+
+    def __init__(self) -> None:
+        self.moved = 0
+        self.count = 0
+        self.created = time.time()
+
+
+class _Histograms:
+    """Per stage: observations per bucket (the last one past every bound) and their sum."""
+
+    __slots__ = ("buckets", "created", "sums")
+
+    def __init__(self) -> None:
+        self.buckets = [[0] * (len(_BUCKETS) + 1) for _ in _STAGES]
+        self.sums = [0.0] * len(_STAGES)
+        self.created = time.time()
+
+
 class Metrics:
     def __init__(self, max_peers: int = MAX_PEER_LABELS, linked: Callable[[str], bool] = lambda peer: True) -> None:
         """`linked(peer)`: whether this daemon has a link to `peer` now; a peer without one (a pull naming a cluster
         never linked) gets no series of its own, so calls naming made-up cluster ids cannot use up the places."""
         self.registry = CollectorRegistry()
-        labels = ["op", "backend", "peer", "outcome"]
-        self.bytes = Counter("kvbroker_transfer_bytes", "Bytes moved by finished transfers", labels,
-                             registry=self.registry)
-        self.transfers = Counter("kvbroker_transfers", "Transfers by outcome", labels, registry=self.registry)
-        self.seconds = Histogram("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, "
-                                 "planning), wire (data movement) and total", ["op", "backend", "peer", "stage"],
-                                 buckets=_BUCKETS, registry=self.registry)
         self.max_peers = max_peers
         self._linked = linked
-        # Each transfer's five label look-ups cost more than its bookkeeping (prometheus_client validates and
-        # hashes the labels every time): the children are kept per label set. Bounded: ops, backends and outcomes
-        # are few, peers at most max_peers.
-        self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
+        # The transfer series as plain numbers, exposed at scrape (_TransferCollector): prometheus_client's own
+        # counters and histograms cost ~10 us a transfer (a lock per value, a Python loop over the buckets), a
+        # plain record ~1 us. Written on the event loop only; a scrape reads a copy of the tables.
+        self._series: dict[tuple[str, str, str, str], _Series] = {}
+        self._histograms: dict[tuple[str, str, str], _Histograms] = {}
         self._peers: dict[str, set[tuple[str, str, str, str]]] = {}
         """Peers with series of their own -> the label sets made for them (to remove them with the peer)."""
+        self.registry.register(_TransferCollector(self))
 
     def _peer_label(self, peer: str) -> str:
         if peer in self._peers or peer in _SHARED_PEERS:
@@ -130,31 +159,48 @@ class Metrics:
         """`peer`'s link is gone: its series go (a scrape no longer shows them) and its place is free. Runs on the
         event loop, as `observe` does."""
         for key in self._peers.pop(peer, ()):
-            self._children.pop(key, None)
-            op, backend, _, _ = key
-            for metric, values in ((self.bytes, key), (self.transfers, key),
-                                   *((self.seconds, (op, backend, peer, stage)) for stage in _STAGES)):
-                metric.remove(*values)  # (a label set already removed is no error)
+            self._series.pop(key, None)
+            self._histograms.pop(key[:3], None)
 
     def observe(self, op: str, backend: str, peer: str, outcome: str, moved: int, queue_s: float,
                 wire_s: float) -> None:
         peer = self._peer_label(peer)
         key = (op, backend, peer, outcome)
-        children = self._children.get(key)
-        if children is None:
-            if len(self._children) >= _MAX_CHILDREN:
-                self._children.clear()
-            children = self._children[key] = (
-                self.bytes.labels(*key), self.transfers.labels(*key),
-                *(self.seconds.labels(op, backend, peer, stage) for stage in _STAGES))
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series()
             if peer in self._peers:
                 self._peers[peer].add(key)
-        moved_bytes, count, queue, wire, total = children
-        moved_bytes.inc(moved)
-        count.inc()
-        queue.observe(queue_s)
-        wire.observe(wire_s)
-        total.observe(queue_s + wire_s)
+        series.moved += moved
+        series.count += 1
+        histograms = self._histograms.get(key[:3])
+        if histograms is None:
+            histograms = self._histograms[key[:3]] = _Histograms()
+        for i, value in enumerate((queue_s, wire_s, queue_s + wire_s)):  # the order of _STAGES
+            histograms.buckets[i][bisect.bisect_left(_BUCKETS, value)] += 1
+            histograms.sums[i] += value
+
+    def transfer_families(self) -> list[CounterMetricFamily | HistogramMetricFamily | GaugeMetricFamily]:
+        """The transfer series as a scrape shows them."""
+        labels = ["op", "backend", "peer", "outcome"]
+        moved = CounterMetricFamily("kvbroker_transfer_bytes", "Bytes moved by finished transfers", labels=labels)
+        count = CounterMetricFamily("kvbroker_transfers", "Transfers by outcome", labels=labels)
+        for key, series in sorted(self._series.copy().items()):
+            moved.add_metric(key, series.moved, created=series.created)
+            count.add_metric(key, series.count, created=series.created)
+        seconds = HistogramMetricFamily("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, "
+                                        "planning), wire (data movement) and total",
+                                        labels=["op", "backend", "peer", "stage"])
+        # prometheus_client's histograms show when each series began as a gauge family of its own.
+        created = GaugeMetricFamily("kvbroker_transfer_seconds_created", seconds.documentation,
+                                    labels=["op", "backend", "peer", "stage"])
+        for key3, histograms in sorted(self._histograms.copy().items()):
+            for stage, buckets, total in zip(_STAGES, histograms.buckets, histograms.sums, strict=True):
+                cumulative = list(itertools.accumulate(buckets))
+                seconds.add_metric([*key3, stage], [*zip(_BUCKET_LABELS, cumulative[:-1], strict=True),
+                                                    ("+Inf", cumulative[-1])], total)
+                created.add_metric([*key3, stage], histograms.created)
+        return [moved, count, seconds, created]
 
     def watch(self, read_state: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(read_state))

@@ -26,6 +26,11 @@ def test_quick_benchmark_runs_and_reports_every_item() -> None:
         assert all(v > 0 for v in series.values()), subject
         assert ("1" in series) != subject.endswith("-batch"), subject  # a batch of one pull is no batch
     assert not report["errors"]
+    for backend in ("shm", "tcp"):  # the per-operation floor
+        floor = report["details"]["floor"][backend]
+        assert set(floor) == {"ops", "ping", "pull", "session", "refused"}, floor
+        assert all(floor[kind]["wall_us"] > 0 and floor[kind]["puller_cpu_us"] > 0
+                   for kind in ("ping", "pull", "session", "refused")), floor
     blocks = report["scale"]["blocks"]
     for backend in ("shm", "tcp"):
         for pattern in ("contiguous", "scattered"):

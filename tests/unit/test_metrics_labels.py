@@ -37,3 +37,35 @@ def test_peer_labels_are_capped_and_a_forgotten_peer_frees_its_place() -> None:
     assert "other" in _peers(m)
     m.observe("pull_blocks", "tcp", "1", "DONE", 10, 0.001, 0.002)  # back, but the places are taken
     assert _count(m, "1") == 0 and _count(m, "other") == 3
+
+
+def test_the_transfer_series_read_as_prometheus_clients_own_would() -> None:
+    """Metrics keeps the transfer series as plain numbers (prometheus_client's objects cost ~10 us a transfer): a
+    scrape shows the same families, samples and values as its Counter and Histogram fed the same transfers."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from kvbrokerd import metrics
+
+    reference = CollectorRegistry()
+    labels = ["op", "backend", "peer", "outcome"]
+    moved = Counter("kvbroker_transfer_bytes", "Bytes moved by finished transfers", labels, registry=reference)
+    count = Counter("kvbroker_transfers", "Transfers by outcome", labels, registry=reference)
+    seconds = Histogram("kvbroker_transfer_seconds", "Transfer latency: queue (validation, lookup, planning), wire "
+                        "(data movement) and total", ["op", "backend", "peer", "stage"], buckets=metrics._BUCKETS,
+                        registry=reference)
+    m = Metrics()
+    for i, queue_s in enumerate([0.00005, 0.0001, 0.0003, 1, 1.5, 60, 61, 0.02, 0.0]):
+        key = ("pull_blocks", "tcp" if i % 3 else "shm", str(i % 2), "DONE" if i % 4 else "LLM_TIMEOUT")
+        m.observe(*key, 100 * i, queue_s, queue_s / 2)
+        moved.labels(*key).inc(100 * i)
+        count.labels(*key).inc()
+        for stage, value in zip(("queue", "wire", "total"), (queue_s, queue_s / 2, queue_s + queue_s / 2), strict=True):
+            seconds.labels(*key[:3], stage).observe(value)
+
+    def exposed(registry: CollectorRegistry) -> list[str]:
+        # Creation timestamps differ (the two were made at different instants): their names must not.
+        return sorted(line.rpartition(" ")[0] if "_created{" in line else line
+                      for line in generate_latest(registry).decode().splitlines()
+                      if line.startswith(("kvbroker_transfer", "# TYPE kvbroker_transfer", "# HELP kvbroker_transfer")))
+
+    assert exposed(m.registry) == exposed(reference)

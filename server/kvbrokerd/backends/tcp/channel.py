@@ -57,6 +57,8 @@ _LOOP_MAX_RUNS = 64
 # At most this many small pulls of one link on the event loop at once (each holds a connection); with the worker
 # side's connections (parallel_transfers, each split over at most as many) well inside the server's per-link share.
 _LOOP_MAX_CONNECTIONS = 16
+# Views per recvmsg_into (the kernel's IOV_MAX).
+_IOV_MAX = 1024
 # A client retires a pooled connection idle for longer than this (well before the server's IDLE_TIMEOUT_S).
 _POOL_IDLE_S = 60.0
 
@@ -142,6 +144,40 @@ async def _recv_exact_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.sock
         pos += got
 
 
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _recv_views_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, views: list[memoryview]) -> None:
+    """Fills `views` in order from a non-blocking socket: one recvmsg_into per arrival (scatter/gather), waiting on
+    the loop only when nothing is there yet."""
+    i = 0
+    while i < len(views):
+        try:
+            got = sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _readable(loop, sock)
+            continue
+        if got == 0:
+            raise ConnectionError("peer closed the data connection")
+        while i < len(views) and got >= len(views[i]):
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
+
+
 class TcpChannel(PeerChannel):
     """A pool of authenticated data connections to one peer."""
 
@@ -179,23 +215,7 @@ class TcpChannel(PeerChannel):
                 sock = _fresh(self._loop_idle) or await self._connect_on_loop(loop)
                 ok = False
                 try:
-                    pieces = Pieces.of(plan)
-                    frame = _request_frame(b"KVRQ", remote.cache_id, plan.src_tensor, plan.src_offset, plan.length,
-                                           deadline)
-                    await loop.sock_sendall(sock, frame)
-                    await self._expect_ok_on_loop(loop, sock)
-                    for idx, _, _, dt, do, n in pieces.runs():
-                        try:
-                            await _recv_exact_on_loop(loop, sock, dst.views[dt][do : do + n])
-                        except OSError as e:
-                            if e.errno == errno.EFAULT:
-                                _local_memory_gone(dst, "a pull")
-                            raise
-                        sockio.fence(deadline)
-                        progress.mark(idx, n)
-                    trailer = bytearray(TRAILER.size)
-                    await _recv_exact_on_loop(loop, sock, memoryview(trailer))
-                    _check_trailer(trailer, pieces, progress, remote.cache_id)
+                    await self._read_on_loop(loop, sock, remote.cache_id, dst, plan, progress, deadline)
                     ok = True
                 finally:
                     if ok and not self._closed and len(self._loop_idle) < self._max:
@@ -207,6 +227,41 @@ class TcpChannel(PeerChannel):
         except (OSError, ConnectionError) as e:
             fail(LlmStatus.LLM_LINK_FAILED, f"data connection to {self._addr} failed: {e}")
         return plan.total_bytes
+
+    async def _read_on_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, cache_id: int,
+                            dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> None:
+        """One READ with as few trips through the loop as the bytes allow: the request goes out at once (a small
+        frame fits the socket's buffer), then the reply's head, then the payload and the trailer in one gather."""
+        pieces = Pieces.of(plan)
+        runs = pieces.runs()
+        frame = _request_frame(b"KVRQ", cache_id, plan.src_tensor, plan.src_offset, plan.length, deadline)
+        try:
+            sent = sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(frame):
+            await loop.sock_sendall(sock, memoryview(frame)[sent:])
+        head = bytearray(REPLY.size)
+        await _recv_views_on_loop(loop, sock, [memoryview(head)])
+        magic, status, size = REPLY.unpack(head)
+        if magic != b"KVRS":
+            raise ConnectionError("bad reply frame")
+        if status != 0:
+            message = bytearray(min(size, 1 << 16))
+            await _recv_views_on_loop(loop, sock, [memoryview(message)])
+            _refused(status, message, "read")
+        trailer = bytearray(TRAILER.size)
+        try:
+            await _recv_views_on_loop(loop, sock, [*(dst.views[dt][do : do + n] for _, _, _, dt, do, n in runs),
+                                                   memoryview(trailer)])
+        except OSError as e:
+            if e.errno == errno.EFAULT:
+                _local_memory_gone(dst, "a pull")
+            raise
+        sockio.fence(deadline)  # nothing that arrived late counts as landed
+        for idx, _, _, _, _, n in runs:
+            progress.mark(idx, n)
+        _check_trailer(trailer, pieces, progress, cache_id)
 
     async def _connect_on_loop(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         sock = socket.socket(family(self._addr[0]), socket.SOCK_STREAM)
@@ -228,17 +283,6 @@ class TcpChannel(PeerChannel):
             sock.close()
             raise
         return sock
-
-    async def _expect_ok_on_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        head = bytearray(REPLY.size)
-        await _recv_exact_on_loop(loop, sock, memoryview(head))
-        magic, status, size = REPLY.unpack(head)
-        if magic != b"KVRS":
-            raise ConnectionError("bad reply frame")
-        if status != 0:
-            message = bytearray(min(size, 1 << 16))
-            await _recv_exact_on_loop(loop, sock, memoryview(message))
-            _refused(status, message, "read")
 
     # -- everything else on worker threads ----------------------------------------------------------------------------
     def _connect(self, deadline: float) -> socket.socket:

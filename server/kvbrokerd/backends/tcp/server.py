@@ -28,6 +28,7 @@ import numpy as np
 
 from kvbroker.status import LlmError
 from kvbrokerd.backends.common import memcopy, sockio, staging
+from kvbrokerd.backends.tcp import native
 from kvbrokerd.backends.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
     HELLO,
@@ -128,6 +129,8 @@ class DataServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kvbroker-tcp-accept", daemon=True)
+        # Plain connections' READs are served without Python where the C extension is there (native.py).
+        self._native = native.NativeReads(registry, min_rate) if tls is None and native.available() else None
 
     def start(self) -> None:
         self._set_serving(True)
@@ -137,6 +140,8 @@ class DataServer:
         """Stops accepting and ends every connection. `serving` turns False without a callback: we are stopping."""
         self._stop.set()
         self.serving = False
+        if self._native is not None:
+            self._native.stop()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         if self._thread.is_alive():
@@ -245,8 +250,10 @@ class DataServer:
                 if not self._admit(conn):
                     return
             sockio.send_all(conn.sock, b"KVOK", sockio.Watch(deadline))
-            while not self._stop.is_set() and self._serve_request(conn.sock, version):
-                pass
+            while not self._stop.is_set():
+                pending = self._serve_natively(conn.sock, version)
+                if pending is None or not self._serve_request(conn.sock, version, pending):
+                    break
         except TimeoutError as e:  # a stalled or too slow peer: worth an operator's look (one line per connection)
             log.warning("dropped the data connection from %s: %s", _peer_name(conn.sock), e)
         except (ConnectionError, OSError, struct.error):
@@ -296,28 +303,48 @@ class DataServer:
         conn.link_id = bytes(lid)
         return int(version)
 
-    def _read_request(self, conn: socket.socket, version: int) -> tuple[bytes, int, float, np.ndarray] | None:
-        """(magic, cache id, seconds the request may take, runs), or None when the peer closed or idled out."""
+    def _serve_natively(self, conn: socket.socket, version: int) -> bytes | None:
+        """Lets the C extension serve READs until one needs Python: that request's bytes read so far (b"" without
+        the extension, on TLS or version 1), or None when the connection is done."""
+        if self._native is None or version < 2 or isinstance(conn, ssl.SSLSocket):
+            return b""
+        while True:
+            got = self._native.serve(conn)
+            if not isinstance(got, int):
+                return got
+            log.warning("cache %d lost its memory while a peer read it (a segment shrank or vanished); the read "
+                        "fails, the link stays", got)
+
+    def _read_request(self, conn: socket.socket, version: int,
+                      pending: bytes = b"") -> tuple[bytes, int, float, np.ndarray] | None:
+        """(magic, cache id, seconds the request may take, runs), or None when the peer closed or idled out.
+        `pending`: the request's leading bytes, already read (its head, perhaps its runs too)."""
         head = REQUEST if version >= 2 else _REQUEST_V1
         buf = bytearray(head.size)
-        conn.settimeout(IDLE_TIMEOUT_S)
-        try:
-            got = conn.recv_into(buf)
-        except TimeoutError:
-            return None
-        if got == 0:
-            return None
+        got = len(pending[: head.size])
+        buf[:got] = pending[: head.size]
+        if not got:
+            conn.settimeout(IDLE_TIMEOUT_S)
+            try:
+                got = conn.recv_into(buf)
+            except TimeoutError:
+                return None
+            if got == 0:
+                return None
         watch = sockio.Watch(time.monotonic() + REQUEST_TIMEOUT_S)
         sockio.recv_exact(conn, memoryview(buf)[got:], watch)
         magic, count, cache_id, *rest = head.unpack(buf)
         if magic not in (b"KVRQ", b"KVWR") or not 0 < count <= MAX_RUNS_PER_REQUEST:
             raise ConnectionError("bad request frame")
-        runs = np.frombuffer(sockio.recv_bytes(conn, count * RUN.itemsize, watch), dtype=RUN)
+        frame = pending[head.size :]
+        if len(frame) != count * RUN.itemsize:
+            frame += sockio.recv_bytes(conn, count * RUN.itemsize - len(frame), watch)
+        runs = np.frombuffer(frame, dtype=RUN)
         budget = min(rest[0] / 1e3, MAX_REQUEST_S) if rest and rest[0] else MAX_REQUEST_S
         return magic, cache_id, budget, runs
 
-    def _serve_request(self, conn: socket.socket, version: int) -> bool:
-        request = self._read_request(conn, version)
+    def _serve_request(self, conn: socket.socket, version: int, pending: bytes = b"") -> bool:
+        request = self._read_request(conn, version, pending)
         if request is None:
             return False
         magic, cache_id, budget, runs = request
