@@ -280,3 +280,17 @@ def test_the_data_server_serves_reads_natively_and_hands_the_rest_to_python(tmp_
     finally:
         server.close()
         registry.close()
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_the_native_reader_can_be_turned_off_from_the_environment(setting: str) -> None:
+    """`KVBROKER_TCP_NATIVE=0` (to compare, or to rule the extension out): every READ takes the Python path."""
+    import subprocess
+    import sys
+
+    probe = "from kvbrokerd.backends.tcp import native; print(native.available())"
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                         env={**os.environ, "KVBROKER_TCP_NATIVE": setting}).stdout.strip()
+    from kvbrokerd.backends.tcp import native
+
+    assert got == ("False" if setting == "0" else str(native.available()))

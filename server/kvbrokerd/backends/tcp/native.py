@@ -1,7 +1,7 @@
 """READs the C extension (kvbrokerd._tcpread) serves without Python: a plain version-2 connection's thread hands
 its socket to `NativeReads.serve`, which answers READs of the caches in its table with the GIL released and returns
 only for a request that needs Python (server.py answers it as before). Without the extension (no C compiler at
-install) every request takes the Python path.
+install, or `KVBROKER_TCP_NATIVE=0`) every request takes the Python path.
 
 The table follows the registry: a cache joins it when it joins the registry and leaves it after its last pin,
 before its memory is unmapped (`Registry.on_remove`), and the leaving waits until no native read sends from it.
@@ -11,6 +11,7 @@ Caches registered before the server started are served by Python (listing them w
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -32,7 +33,15 @@ MAX_BYTES = 4 << 20
 minimum rate); larger ones take the Python path, where their per-request cost is small beside their bytes."""
 
 
+NATIVE_ENV = "KVBROKER_TCP_NATIVE"
+"""`KVBROKER_TCP_NATIVE=0` in the daemon's environment: every READ takes the Python path (to compare, or to rule the
+extension out)."""
+
+
 def _load() -> ModuleType | None:
+    if os.environ.get(NATIVE_ENV) == "0":
+        log.info("the tcp data port serves reads in Python: turned off (%s=0)", NATIVE_ENV)
+        return None
     try:
         from kvbrokerd import _tcpread
     except ImportError as e:
