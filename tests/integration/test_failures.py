@@ -235,3 +235,34 @@ async def test_a_caller_that_cancels_cancels_its_transfer(tmp_path: Path) -> Non
         with dst.client() as d:  # and the link is not blamed for it
             assert d.list_links()[0].state == LinkState.READY
             assert d.pull_kv_blocks(CacheIndex(1, src_id), dst_id, BLOCKS, BLOCKS).bytes_moved == 32 << 20
+
+
+def test_the_daemon_answers_by_the_budget_the_caller_states(tmp_path: Path) -> None:
+    """kvbroker's client states each call's budget (`kvbroker-timeout-ms`) and waits a grace longer than it: the
+    daemon answers by the budget, with its report, however much later the call's gRPC deadline is. Without the header
+    (any other gRPC client) the gRPC deadline is the budget."""
+    desc = CacheDesc(num_tensors=2, shape=(8, 64), data_type=DataType.UINT8)
+    with LocalDaemon(tmp_path, 1, backends=("tcp",)) as src, LocalDaemon(tmp_path, 2, backends=("tcp",)) as dst, \
+            src.client() as s, dst.client() as d:
+        a, b = s.allocate_cache(desc), d.allocate_cache(desc)
+        assert d.link_clusters([cluster_of(src)])[0].ok
+        d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [0], [0])  # warm: the lookup of the source cache
+        src.signal(signal.SIGSTOP)  # the pull can only end at its budget
+        try:
+            request = broker_pb2.PullKvBlocksRequest(
+                src_cache_index=types_pb2.CacheIndex(cluster_id=1, cache_id=a.cache_id), dst_cache_id=b.cache_id,
+                src_blocks=[1, 2], dst_blocks=[1, 2])
+            with grpc.insecure_channel(dst.target) as channel:
+                call = broker_pb2_grpc.KvBrokerStub(channel).PullKvBlocks.with_call
+                with pytest.raises(grpc.RpcError) as raw:  # a 60 s gRPC deadline; a stated budget of 0.5 s
+                    call(request, timeout=60, metadata=(("kvbroker-timeout-ms", "500"),))
+            err = raw.value
+            # the daemon's own answer (a gRPC deadline would say "Deadline Exceeded"), with its report: had it
+            # ignored the header, the call would still be waiting
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and err.details().startswith("LLM_TIMEOUT: "), err
+            assert error_from_rpc(err).failed_dst_blocks == [1, 2]
+            with pytest.raises(LlmError) as info:  # the client: the same answer, through its own grace
+                d.pull_kv_blocks(CacheIndex(1, a.cache_id), b, [3], [3], timeout=0.5)
+            assert info.value.status == LlmStatus.LLM_TIMEOUT and info.value.failed_dst_blocks == [3]
+        finally:
+            src.signal(signal.SIGCONT)
