@@ -143,6 +143,13 @@ def engine_main(
     """One engine process: builds the engine, then answers ("prefill" | "decode", ...) messages until "stop"."""
     os.environ.update(env)
     try:
+        import torch
+
+        # vLLM's CPU attention uses AMX tiles without asking Linux for them; a decode engine whose first step is a
+        # decode over pulled KV then dies of SIGILL (KvBrokerConnector asks for them itself: connector.allow_amx).
+        # Every engine asks, so that each subject runs the same kernels.
+        if torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -297,7 +304,11 @@ class Engine:
     def _expect(self, kind: str, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise RuntimeError(f"{self.name}: no answer in {timeout:.0f} s")
-        got, payload = self.conn.recv()
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.name}: the engine process died (exit code {self.proc.exitcode})") from None
         if got != kind:
             raise RuntimeError(f"{self.name}: {payload}")
         return payload
