@@ -2,10 +2,10 @@
 
 Wraps, inside the engine process, the engine core's step and the functions where a request's KV changes hands:
 the scheduler (schedule, update_from_output), the executor (execute_model: a step with tokens is the model's
-forward), the worker-side connector (start_load_kv, get_finished) and, for KvBrokerConnector, its threads (the grant
-keeper's renewal and release, the load thread's send, the pull session's message leaving for gRPC and its completion
-coming back, the outcome reported to the engine). Each call's entry and exit are stamped (time.perf_counter); the
-driver turns one request's stamps into the stages of `stages`.
+forward), the worker-side connector (start_load_kv, get_transfer_results) and, for KvBrokerConnector, its scheduler
+hooks and threads (the grant keeper's renewal and release, the load thread's send, the pull session's message leaving
+for gRPC and its completion coming back, the outcome reported to the engine). Each call's entry and exit are
+stamped (time.perf_counter); the driver turns one request's stamps into the stages of `stages`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def install(trace: Trace, engine_core: Any, worker_connector: Any) -> None:
     trace.wrap(engine_core.model_executor, "execute_model", "execute")
     trace.wrap(engine_core.scheduler, "update_from_output", "update")
     trace.wrap(worker_connector, "start_load_kv", "start_load")
-    trace.wrap(worker_connector, "get_finished", "get_finished", lambda out: len(out[1] or ()))
+    # (NixlConnector answers get_transfer_results itself; vLLM's default asks get_finished)
+    trace.wrap(worker_connector, "get_transfer_results", "transfer_results",
+               lambda out: len(out.finished_recving or ()))
     if type(worker_connector).__name__ != "KvBrokerConnector":
         return
     from kvbroker._session import PullSession, _Pending
@@ -105,11 +107,11 @@ def stages(events: list[tuple[str, float, int]], ttft_ms: float) -> dict[str, fl
             "completion back": completed,
             "outcome reported": _first(events, "reported<", completed or load),
         }
-    received = _first(events, "get_finished<", load or 0.0, lambda n: n > 0)
+    received = _first(events, "transfer_results<", load or 0.0, lambda n: n > 0)
     forward = _first(events, "execute>", received or 0.0)
     # The step that computes the request's token: the first with tokens scheduled after the KV arrived.
     scheduled = _first(events, "schedule<", received or 0.0, lambda n: n > 0)
-    points |= {"engine learns (get_finished)": received, "token step scheduled": scheduled,
+    points |= {"engine learns (transfer results)": received, "token step scheduled": scheduled,
                "forward starts": forward if scheduled is not None else None,
                "forward ends": _first(events, "execute<", forward) if forward is not None else None,
                "token out": ttft_ms}
