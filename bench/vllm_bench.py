@@ -49,6 +49,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SUBJECTS = ("nixl-samehost", "nixl-tcp", "kvbroker-shm", "kvbroker-tcp")
 ENGINE_START_TIMEOUT_S = 300.0
+TRACE_ENV = "KVBROKER_VLLM_BENCH_TRACE"
+"""Set (by --trace): the engines stamp each hand-over of a request (vllm_trace.py) and the driver prints the stages."""
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -143,6 +145,13 @@ def engine_main(
     """One engine process: builds the engine, then answers ("prefill" | "decode", ...) messages until "stop"."""
     os.environ.update(env)
     try:
+        import torch
+
+        # vLLM's CPU attention uses AMX tiles without asking Linux for them; a decode engine whose first step is a
+        # decode over pulled KV then dies of SIGILL (KvBrokerConnector asks for them itself: connector.allow_amx).
+        # Every engine asks, so that each subject runs the same kernels.
+        if torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -201,6 +210,12 @@ def engine_main(
             return count, load_async
 
         scheduler_connector.get_num_new_matched_tokens = counted_new_matched  # type: ignore[method-assign]
+        trace = None
+        if os.environ.get(TRACE_ENV):
+            import vllm_trace
+
+            trace = vllm_trace.Trace()
+            vllm_trace.install(trace, llm.llm_engine.engine_core.engine_core, connector)
         conn.send(("ready", None))
     except Exception as exc:  # the driver shows it and stops the subject
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -221,6 +236,8 @@ def engine_main(
             extra = {"kv_transfer_params": params}
             sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
             received_at.clear()
+            if trace is not None:
+                trace.clear()
             load_started_at.clear()
             matched.clear()
             started = time.perf_counter()
@@ -236,7 +253,8 @@ def engine_main(
                               "ms": (finished - started) * 1e3, "kv_ms": kv_ms,
                               "remote_tokens": max(matched, default=0),
                               "connector_ms": (output.kv_transfer_params or {}).get("kvbroker_transfer_ms"),
-                              "load_start_ms": load_start_ms}))
+                              "load_start_ms": load_start_ms,
+                              "trace": None if trace is None else trace.relative(started)}))
         except Exception as exc:
             conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
     conn.send(("stopped", None))
@@ -297,7 +315,11 @@ class Engine:
     def _expect(self, kind: str, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise RuntimeError(f"{self.name}: no answer in {timeout:.0f} s")
-        got, payload = self.conn.recv()
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.name}: the engine process died (exit code {self.proc.exitcode})") from None
         if got != kind:
             raise RuntimeError(f"{self.name}: {payload}")
         return payload
@@ -356,6 +378,8 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
             prefill.wait_ready()
             decode.wait_ready()
 
+            traces: list[dict[str, Any]] = []
+
             def one(n: int) -> tuple[float, float, bool, int, float | None, float]:
                 prompt = [rng.randrange(8, 500) for _ in range(n)]
                 first = prefill.request(prompt, {"do_remote_decode": True})
@@ -363,10 +387,13 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
                 if not params:
                     raise RuntimeError(f"{subject}: the prefill engine returned no kv_transfer_params")
                 second = decode.request(prompt, params)
+                if second.get("trace") is not None:
+                    traces.append({"tokens": n, "ttft_ms": second["ms"], "events": second["trace"]})
                 return (second["kv_ms"], second["ms"], second["token"] == first["token"], second["remote_tokens"],
                         second["connector_ms"], second["load_start_ms"])
 
             one(min(sizes))  # the handshake and first-use costs: not counted
+            traces.clear()
             points = []
             for n in sizes:
                 runs = [one(n) for _ in range(requests)]
@@ -380,10 +407,37 @@ def run_subject(subject: str, model: str, workdir: Path, sizes: list[int], reque
                       f"kv {point.kv_ms:7.1f} ms{pull}, ttft {point.ttft_ms:7.1f} ms, "
                       f"{point.remote_tokens} tokens from the prefill engine{_flags(point)}", flush=True)
                 points.append(point)
+                if traces:
+                    _print_stages(subject, n, [t for t in traces if t["tokens"] == n])
+            if traces:
+                TRACES.setdefault(subject, []).extend(traces)
             return points
         finally:
             decode.stop()
             prefill.stop()
+
+
+TRACES: dict[str, list[dict[str, Any]]] = {}
+
+
+def _print_stages(subject: str, tokens: int, traces: list[dict[str, Any]]) -> None:
+    """Each stage's median over the point's requests (vllm_trace.stages), and how many engine steps they took."""
+    import vllm_trace
+
+    rows = [vllm_trace.stages(t["events"], t["ttft_ms"]) for t in traces]
+    cells = []
+    for name in rows[0]:
+        known = [r[name] for r in rows if r.get(name) is not None]
+        if known:
+            cells.append(f"{name} +{statistics.median(known):.2f}")
+    steps = statistics.median(vllm_trace.count(t["events"], "step>") for t in traces)
+    hooks = [sum(vllm_trace.inside(t["events"], f"scheduler.{name}", t["ttft_ms"])
+                 for name in ("on_new_request", "num_new_matched_tokens", "after_alloc", "take_plan"))
+             for t in traces]
+    if any(hooks):
+        cells.append(f"(of which in the connector's scheduler hooks {statistics.median(hooks):.2f})")
+    print(f"    {subject} {tokens} stages (median ms, each from the previous): " + ", ".join(cells)
+          + f"; {steps:g} engine steps", flush=True)
 
 
 def run_load(subject: str, model: str, workdir: Path, loads: list[tuple[int, int]], block_size: int, seed: int,
@@ -502,9 +556,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=default.kv_heads)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", type=Path, help="write the results as JSON here")
+    parser.add_argument("--trace", action="store_true", help="stamp each hand-over of a request in the engines and "
+                        "print each stage's median (vllm_trace.py); the stamps go in --save's JSON")
     parser.add_argument("--load", help="load mode instead: N:T pairs, N requests of T-token prompts at once "
                         "(e.g. 16:512,64:128)")
     args = parser.parse_args(argv)
+    if args.trace:
+        os.environ[TRACE_ENV] = "1"  # the engines (spawned) inherit it
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
     subjects = [s for s in args.subjects.split(",") if s]
     if unknown := set(subjects) - set(SUBJECTS):
         parser.error(f"unknown subjects {sorted(unknown)}")
@@ -549,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [asdict(p) for p in points],
         "load_points": [asdict(p) for p in load_points],
         "errors": errors,
+        "traces": TRACES,
         "seconds": round(time.monotonic() - started, 1),
     }
     result = _finite(result)

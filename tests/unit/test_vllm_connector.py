@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.grants import GrantKeeper
 from kvbroker.integrations.vllm.layout import (
     KvLayout,
     UnsupportedLayoutError,
@@ -27,7 +29,7 @@ from kvbroker.integrations.vllm.params import (
     parse_remote,
     prefill_output_params,
 )
-from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.integrations.vllm.scheduler import RELEASE_DELAY_S, SchedulerSide
 from kvbroker.status import LlmStatus
 from kvbroker.types import Grant
 from kvbroker.v1 import broker_pb2
@@ -216,7 +218,7 @@ def _decode_side(trusted: str = "1=127.0.0.1:1") -> SchedulerSide:
 
 
 def _releases(side: SchedulerSide) -> list[str]:
-    return [reason for _, _, _, reason in side.grants._releases]
+    return [r.reason for r in side.grants._releases]
 
 
 def _remote_params(blocks: list[int], num_tokens: int, tag: str = TAG_A) -> dict[str, Any]:
@@ -292,6 +294,52 @@ def test_decode_side_pulls_the_blocks_the_local_prefix_cache_lacks() -> None:
     assert not side.grants._held and _releases(side) == ["pulled"]
     assert req.kv_transfer_params is not None and not req.kv_transfer_params["do_remote_prefill"]
     assert side.num_new_matched_tokens(req, 0) == (0, False)  # one transfer per request
+
+
+def test_a_pulled_requests_grant_is_released_once_the_step_computing_its_token_is_over() -> None:
+    """The release (a call through both daemons) must not share the CPU with the step that computes the request's
+    first token: it waits for that step's output, or RELEASE_DELAY_S on an engine that stops stepping."""
+    side = _decode_side()
+    req = FakeRequest("d-req", 64, _remote_params([10, 11], 64))
+    side.on_new_request(req)
+    assert side.num_new_matched_tokens(req, 0) == (64, True)
+    side.after_alloc(req, all_blocks=[50, 51], new_blocks=[50, 51], num_external_tokens=64)
+    side.take_plan()  # the step that starts the pull
+    side.on_step_output()
+    side.on_pulls_ended({"d-req"})  # at that (or a later) step's output
+    assert not side.grants._held  # no more renewals
+    (release,) = side.grants._releases
+    assert release.reason == "pulled" and release.due >= time.monotonic() + RELEASE_DELAY_S / 2
+    side.take_plan()  # the step that computes its token
+    assert release.due > 0
+    side.on_step_output()  # its output: the token step is over
+    assert release.due == 0
+
+
+class _FakeLinks:
+    def __init__(self) -> None:
+        self.released: list[bytes] = []
+        self.timeout_s = 1.0
+        self.client = SimpleNamespace(release_grant=lambda grant, **_: self.released.append(grant.grant_id))
+
+    def ensure(self, cluster_id: int) -> None:
+        return
+
+    def forget(self, cluster_id: int) -> None:
+        return
+
+
+def test_grant_keeper_sends_a_delayed_release_when_hurried_when_due_or_when_stopped() -> None:
+    links = _FakeLinks()
+    keeper = GrantKeeper(links)  # type: ignore[arg-type]
+    keeper.release("hurried", "pulled", 1, Grant(b"h", b"s"), delay=3600.0)
+    keeper.release("due", "pulled", 1, Grant(b"d", b"s"), delay=0.05)
+    keeper.release("stopped", "pulled", 1, Grant(b"x", b"s"), delay=3600.0)
+    keeper.hurry({"hurried"})
+    wait_until(lambda: set(links.released) == {b"h", b"d"}, what="the hurried and the due release")
+    assert links.released.count(b"h") == 1 and [r.request_id for r in keeper._releases] == ["stopped"]
+    keeper.stop()
+    assert sorted(links.released) == [b"d", b"h", b"x"]
 
 
 def test_decode_side_refuses_incompatible_kv_but_frees_the_prefill_blocks() -> None:

@@ -239,6 +239,7 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.set_endpoints(endpoints)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.on_step_output()  # vLLM calls this at every step that ran the model or moved KV
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvBrokerWorkerMetadata):
             self.scheduler_side.on_transfers(meta.transfers)

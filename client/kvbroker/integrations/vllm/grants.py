@@ -108,6 +108,15 @@ class _Held:
     renew_at: float  # time.monotonic()
 
 
+@dataclass
+class _Release:
+    request_id: str
+    cluster_id: int
+    grant: Grant
+    reason: str
+    due: float  # time.monotonic()
+
+
 class GrantKeeper:
     """Decode side: renews the grant of each request waiting for its KV, and releases grants, on its own thread
     (the engine's scheduler never waits for a prefill daemon)."""
@@ -117,7 +126,7 @@ class GrantKeeper:
         self.links = links
         self.lease_s = lease_s
         self._held: dict[str, _Held] = {}
-        self._releases: list[tuple[str, int, Grant, str]] = []
+        self._releases: list[_Release] = []
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -131,16 +140,28 @@ class GrantKeeper:
             self._start()
             self._cond.notify_all()
 
-    def release(self, request_id: str, reason: str, cluster_id: int = 0, grant: Grant | None = None) -> None:
-        """Stops renewing and tells the prefill daemon (once) that the blocks may be freed."""
+    def release(self, request_id: str, reason: str, cluster_id: int = 0, grant: Grant | None = None,
+                delay: float = 0.0) -> None:
+        """Stops renewing and tells the prefill daemon (once) that the blocks may be freed: at once, or `delay`
+        seconds from now unless `hurry` names the request first."""
         with self._cond:
             held = self._held.pop(request_id, None)
             if held is not None:
                 cluster_id, grant = held.cluster_id, held.grant
             if grant is None:
                 return
-            self._releases.append((request_id, cluster_id, grant, reason))
+            self._releases.append(_Release(request_id, cluster_id, grant, reason, time.monotonic() + delay))
             self._start()
+            self._cond.notify_all()
+
+    def hurry(self, request_ids: set[str]) -> None:
+        """Sends these requests' delayed releases now."""
+        if not request_ids:
+            return
+        with self._cond:
+            for r in self._releases:
+                if r.request_id in request_ids:
+                    r.due = 0.0
             self._cond.notify_all()
 
     def _start(self) -> None:
@@ -149,7 +170,10 @@ class GrantKeeper:
             self._thread.start()
 
     def stop(self) -> None:
+        """Sends the releases still delayed, then stops the thread."""
         with self._cond:
+            for r in self._releases:
+                r.due = 0.0
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
@@ -160,15 +184,18 @@ class GrantKeeper:
             with self._cond:
                 now = time.monotonic()
                 due = [(r, h) for r, h in self._held.items() if h.renew_at <= now]
-                if not due and not self._releases:
-                    if self._stop:
+                releases = [r for r in self._releases if r.due <= now]
+                if not due and not releases:
+                    if self._stop and not self._releases:
                         return
-                    wait = min((h.renew_at for h in self._held.values()), default=now + 60.0) - now
-                    self._cond.wait(max(MIN_RENEW_S, wait))
+                    wait = min([h.renew_at for h in self._held.values()] + [r.due for r in self._releases],
+                               default=now + 60.0) - now
+                    # A renewal is never asked for sooner than MIN_RENEW_S; a delayed release goes when it is due.
+                    self._cond.wait(max(MIN_RENEW_S if not self._releases else 0.0, wait))
                     continue
-                releases, self._releases = self._releases, []
-            for request_id, cluster_id, grant, reason in releases:
-                self._release(request_id, cluster_id, grant, reason)
+                self._releases = [r for r in self._releases if r.due > now]
+            for r in releases:
+                self._release(r.request_id, r.cluster_id, r.grant, r.reason)
             for request_id, held in due:
                 self._renew(request_id, held)
 

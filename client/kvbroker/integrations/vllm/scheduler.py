@@ -38,6 +38,10 @@ from kvbroker.status import LlmError
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
 
+RELEASE_DELAY_S = 0.5
+"""The latest a pulled request's grant is released after its pull ended, on an engine that stops stepping (on one
+that steps: at the next step's output, see `SchedulerSide.on_pulls_ended`)."""
+
 
 @dataclass
 class StepPlan:
@@ -57,6 +61,8 @@ class SchedulerSide:
         self.endpoints: dict[int, WorkerEndpoint] = {}
         self._plan = StepPlan()
         self._pulling: set[str] = set()
+        self._releasing: set[str] = set()
+        """Requests whose pull ended, their grant's release held back until the next step's output (on_pulls_ended)."""
         self._transfers: dict[str, RequestTransfer] = {}
         self._local_tokens: dict[str, int] = {}
         """Decode requests between num_new_matched_tokens and after_alloc: prompt tokens in the local prefix cache."""
@@ -185,9 +191,20 @@ class SchedulerSide:
         return PullSpec(request_id, union, (), remote, start_token=start, end_token=end, parts=parts)
 
     def on_pulls_ended(self, request_ids: set[str]) -> None:
-        """Every rank's pull of these requests ended (vLLM's finished_recving): their grants may go."""
+        """Every rank's pull of these requests ended (vLLM's finished_recving): their grants may go, once the step
+        that computes their first token is over. The release (a call through both daemons, and the prefill engine
+        woken by the grant's event) would otherwise share the CPU with that step, which ends the decode's TTFT: it
+        is sent at the next step's output (`on_step_output`), or `RELEASE_DELAY_S` from now on an engine that stops
+        stepping."""
         for req_id in request_ids:
-            self.grants.release(req_id, "pulled")
+            self.grants.release(req_id, "pulled", delay=RELEASE_DELAY_S)
+        self._releasing |= request_ids
+
+    def on_step_output(self) -> None:
+        """A step ended (its output): the releases held back by `on_pulls_ended` at an earlier step go now."""
+        if self._releasing:
+            self.grants.hurry(self._releasing)
+            self._releasing = set()
 
     def _release(self, request_id: str, remote: RemoteKv, reason: str) -> None:
         """The prefill node may free the blocks now, not when the lease lapses (unless the daemon is untrusted)."""
