@@ -85,26 +85,23 @@ class CacheDesc:
     data_type: DataType = DataType.FLOAT16
     placement: Placement = Placement.HOST
     layout_tag: str = ""
+    # Sizes asked at every stage of every transfer: computed once, plain attributes after.
+    num_blocks: int = field(init=False, repr=False, compare=False)
+    """Blocks per tensor (`shape[0]`)."""
+    block_nbytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of one block of one tensor."""
+    tensor_nbytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of one tensor."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "data_type", DataType(self.data_type))
+        shape = tuple(int(d) for d in self.shape)
+        data_type = DataType(self.data_type)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "data_type", data_type)
         object.__setattr__(self, "placement", Placement(self.placement))
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per tensor (`shape[0]`)."""
-        return self.shape[0]
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block of one tensor."""
-        return math.prod(self.shape[1:]) * self.data_type.itemsize
-
-    @property
-    def tensor_nbytes(self) -> int:
-        """Bytes of one tensor."""
-        return math.prod(self.shape) * self.data_type.itemsize
+        object.__setattr__(self, "num_blocks", shape[0] if shape else 0)
+        object.__setattr__(self, "block_nbytes", math.prod(shape[1:]) * data_type.itemsize)
+        object.__setattr__(self, "tensor_nbytes", math.prod(shape) * data_type.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
