@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvbroker.types import CacheDesc, Placement, TensorLocation
 from kvbrokerd.errors import LlmStatus, fail, param_invalid
 from kvbrokerd.limits import check_text
 
 if TYPE_CHECKING:
-    from kvbrokerd.dataplane.seam import Backend
     from kvbrokerd.registry.caches import CacheEntry
+
+
+class Backend(Protocol):
+    """What this module asks of an engine (dataplane/seam.py's `Backend`, which sits a floor up): the memory kinds
+    it moves, and how it imports a device cache of one."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def memory_kinds(self) -> frozenset[str]: ...
+
+    def import_device_cache(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str) -> CacheEntry: ...
 
 MAX_DEVICE_NAME = 64
 
