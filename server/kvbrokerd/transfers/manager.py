@@ -48,7 +48,7 @@ class TransferManager:
                  max_transfers: int = 256, max_inflight_bytes: int = 16 << 30, metrics: Metrics | None = None,
                  parallel_transfers: int = 2, block_locks: blocklocks.BlockLocks = blocklocks.DEFAULT) -> None:
         self._local = LocalCopyChannel(registry, parts_executor)
-        self.pipeline = Pipeline(registry, links, executor)
+        self.pipeline = Pipeline(registry, links, executor, max_inflight_bytes=max_inflight_bytes)
         self.runner = JobRunner(registry, executor, max_transfers=max_transfers,
                                 max_inflight_bytes=max_inflight_bytes, parallel_transfers=parallel_transfers,
                                 block_locks=block_locks)

@@ -65,12 +65,14 @@ Prepared = tuple[Job, list[Transfer]]
 
 
 class Pipeline:
-    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor) -> None:
+    def __init__(self, registry: Registry, links: LinkTable, executor: concurrent.futures.Executor, *,
+                 max_inflight_bytes: int) -> None:
         self._registry = registry
         self._links = links
         self._executor = executor
+        self._max_group_bytes = max(1, min(MAX_GROUP_BYTES, max_inflight_bytes // 2))
 
-    async def prepare(self, transfers: Sequence[Transfer], max_group_bytes: int = MAX_GROUP_BYTES) -> list[Prepared]:
+    async def prepare(self, transfers: Sequence[Transfer]) -> list[Prepared]:
         """Jobs for transfers to one peer, each with the transfers it carries."""
         granted = [t for t in transfers if t.request.grant is not None]
         if granted:  # a grant is redeemed with the peer (a round trip): concurrently
@@ -82,7 +84,7 @@ class Pipeline:
                 groups.setdefault((t.direction, r.remote_cache_id, r.local_cache_id, r.layers, t.share), []).append(t)
         jobs: list[Prepared] = []
         for group in groups.values():
-            jobs.extend(await self._plan_group(group, max_group_bytes))
+            jobs.extend(await self._plan_group(group))
         return jobs
 
     async def prepare_one(self, direction: Direction, request: BlocksRequest, deadline: Deadline) -> Job:
@@ -183,7 +185,7 @@ class Pipeline:
         return replace(req, remote_cache_id=cache_id, pairs=pairs.with_sources(src), grant=None)
 
     # -- endpoints and plan ----------------------------------------------------------------------------------------
-    async def _plan_group(self, group: list[Transfer], max_group_bytes: int) -> list[Prepared]:
+    async def _plan_group(self, group: list[Transfer]) -> list[Prepared]:
         """Jobs for transfers that name the same caches and layers: one plan per job where they allow it."""
         group = [t for t in group if self._check(t)]
         if not group:
@@ -205,7 +207,7 @@ class Pipeline:
             return Job(first.direction, plan, r.local_cache_id, channel, remote, link)
 
         jobs = []
-        for chunk in _chunks(group, local.desc.block_nbytes * local.desc.num_tensors, max_group_bytes):
+        for chunk in _chunks(group, local.desc.block_nbytes * local.desc.num_tensors, self._max_group_bytes):
             try:
                 plan = await self.plan(src, dst, BlockPairs.joined([t.request.pairs for t in chunk]), r.layers)
             except LlmError as e:

@@ -21,7 +21,7 @@ from kvbroker.types import TransferResult
 from kvbrokerd.errors import LlmError
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.transfers.manager import TransferManager
-from kvbrokerd.transfers.pipeline import MAX_GROUP_BYTES, Transfer
+from kvbrokerd.transfers.pipeline import Transfer
 from kvbrokerd.transfers.reports import TransferReport
 from kvbrokerd.transfers.requests import BlocksRequest, Direction, Job
 from kvbrokerd.transfers.tracking import Deadline, Tracked
@@ -122,8 +122,7 @@ async def _step(manager: TransferManager, members: list[_Member]) -> None:
 async def _peer(manager: TransferManager, members: list[_Member]) -> None:
     try:
         owner = {id(m.transfer): m for m in members}
-        jobs = await manager.pipeline.prepare([m.transfer for m in members],
-                                              max(1, min(MAX_GROUP_BYTES, manager.runner.max_inflight_bytes // 2)))
+        jobs = await manager.pipeline.prepare([m.transfer for m in members])
         for m in members:
             if m.transfer.error is not None:
                 m.fail(m.transfer.error)
