@@ -139,7 +139,7 @@ def handle_format() -> dict[str, Any]:
     out["cuda_malloc"]["read"] = len(location.device.ipc_handle) == CUDA_HANDLE_BYTES  # type: ignore[union-attr]
     out["cuda_malloc"]["offset"] = location.offset
     del block, location
-    settings = torch.cuda.memory._set_allocator_settings
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: None)
     try:
         settings("expandable_segments:True")
         segment = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
@@ -149,6 +149,8 @@ def handle_format() -> dict[str, Any]:
             out["expandable_segment"] = {"torch_refused": str(e)[:300]}
         else:
             out["expandable_segment"] = describe(shared)
+            if out["expandable_segment"]["type"] != "e":  # the setting did not take: nothing to judge
+                out["expandable_segment"]["not_run"] = "expandable segments did not turn on in this torch"
             try:
                 cuda_ipc_handle(shared)
                 out["expandable_segment"]["refused"] = False
@@ -160,7 +162,8 @@ def handle_format() -> dict[str, Any]:
     finally:
         settings("expandable_segments:False")
         torch.cuda.empty_cache()
-    out["ok"] = bool(out["cuda_malloc"]["read"]) and out["expandable_segment"].get("refused", True) is not False
+    segment_ok = "not_run" in out["expandable_segment"] or out["expandable_segment"].get("refused", True) is not False
+    out["ok"] = bool(out["cuda_malloc"]["read"]) and segment_ok
     return out
 
 
