@@ -10,6 +10,15 @@ belong to something else by then). An IPC handle covers a whole allocation: each
 handle plus its offset in it. Legacy CUDA IPC handles do not exist for virtual-memory (VMM) allocations, which torch's
 `expandable_segments` and vLLM's cumem allocator make: those are refused here, with the reason.
 
+torch's `_share_cuda_` has written three handle formats (c10/cuda/CUDACachingAllocator.cpp, `shareIpcHandle`; torch
+reads them back by length: exactly 64 bytes is the old format, anything else starts with a version byte):
+- torch <= 2.4: the raw 64-byte `cudaIpcMemHandle_t` of the allocation;
+- torch >= 2.5: one version byte (1 from 2.5, 2 once expandable segments could use fabric handles, 3 in torch 2.13),
+  one type byte, then the payload: `c` (a cudaMalloc block) is followed by the same 64-byte `cudaIpcMemHandle_t` in
+  every version; `e` (an expandable segment) by a header and POSIX file descriptors or fabric handles of cuMemCreate
+  memory, which no `cudaIpcMemHandle_t` can name (its layout changed in version 3).
+`cuda_ipc_handle` reads all of them; the daemon only ever sees the 64-byte handle.
+
 Nothing here imports torch or cuda-python until a function that needs them is called (importing kvbroker stays
 light). docs/device.md has the whole story.
 """
@@ -28,9 +37,13 @@ from typing import Any
 
 from kvbroker.types import CacheDesc, DataType, DeviceMemory, Placement, TensorLocation
 
-__all__ = ["ExportedAllocation", "cuda_allocation", "raw_locations", "torch_cache", "torch_locations"]
+__all__ = ["ExportedAllocation", "cuda_allocation", "cuda_ipc_handle", "raw_locations", "torch_cache",
+           "torch_locations"]
 
 CUDA_HANDLE_BYTES = 64
+TORCH_HANDLE_VERSIONS = (1, 2, 3)
+"""Versions of torch's storage handle format read here: the `c` payload is the same 64 bytes in each."""
+_CUDA_MALLOC, _EXPANDABLE_SEGMENT = ord("c"), ord("e")
 
 _TORCH_DTYPES = {
     "float16": DataType.FLOAT16, "bfloat16": DataType.BFLOAT16, "float32": DataType.FLOAT32,
@@ -143,14 +156,51 @@ def torch_locations(tensors: Sequence[Any]) -> list[TensorLocation]:
         kind = t.device.type
         storage = t.untyped_storage()
         shared = storage._share_cuda_() if kind == "cuda" else storage._share_npu_()
+        if shared[1] is None:  # torch shares a storage without data (zero bytes) with no handle
+            raise ValueError(f"tensor {i} has no device memory (an empty storage): nothing to register")
         handle, storage_bytes, storage_offset = bytes(shared[1]), int(shared[2]), int(shared[3])
-        if kind == "cuda" and len(handle) != CUDA_HANDLE_BYTES:
-            # torch gives expandable segments a handle of another format (not a cudaIpcMemHandle_t).
-            raise ValueError(f"tensor {i}: {_VMM_REFUSAL}")
+        if kind == "cuda":
+            try:
+                handle = cuda_ipc_handle(handle)
+            except ValueError as e:
+                raise ValueError(f"tensor {i}: {e}") from None
         offset = storage_offset + t.storage_offset() * t.element_size()
         locations.append(TensorLocation("", offset, DeviceMemory(
             kind, _torch_device_name(t), handle, storage_offset + storage_bytes)))
     return locations
+
+
+def cuda_ipc_handle(shared: bytes) -> bytes:
+    """The 64-byte `cudaIpcMemHandle_t` in a handle torch's `storage._share_cuda_()` returned, whichever torch wrote
+    it (module docstring). ValueError, naming the reason, for an expandable segment, a format version newer than
+    this kvbroker knows, or bytes that are no torch CUDA handle."""
+    if len(shared) == CUDA_HANDLE_BYTES:  # torch <= 2.4; torch itself tells the formats apart by this length too
+        return bytes(shared)
+    if len(shared) < 2:
+        raise ValueError(f"{len(shared)} bytes are not a torch CUDA storage handle")
+    version, kind = shared[0], shared[1]
+    if kind == _EXPANDABLE_SEGMENT and version in TORCH_HANDLE_VERSIONS:
+        raise ValueError(_EXPANDABLE_REFUSAL)
+    if version not in TORCH_HANDLE_VERSIONS:
+        raise ValueError(f"torch wrote its CUDA storage handle in format version {version}; this kvbroker reads the "
+                         "raw 64-byte handle (torch <= 2.4) and versions "
+                         f"{', '.join(map(str, TORCH_HANDLE_VERSIONS))} (torch 2.5 to 2.13): update kvbroker")
+    if kind != _CUDA_MALLOC:
+        raise ValueError(f"torch CUDA storage handle version {version} has the unknown type byte {kind:#04x} "
+                         "(known: 'c' for a cudaMalloc block, 'e' for an expandable segment)")
+    payload = bytes(shared[2:])
+    if len(payload) != CUDA_HANDLE_BYTES:
+        raise ValueError(f"a torch 'c' CUDA storage handle carries a {CUDA_HANDLE_BYTES}-byte cudaIpcMemHandle_t "
+                         f"after its 2-byte header; this one carries {len(payload)} bytes")
+    return payload
+
+
+_EXPANDABLE_REFUSAL = (
+    "the tensor lies in a torch expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or "
+    "torch.cuda.memory._set_allocator_settings): torch exported it as cuMemCreate memory (file descriptors or fabric "
+    "handles of this process), not as a cudaIpcMemHandle_t, and kvbrokerd imports legacy CUDA IPC handles only (UCX's "
+    "cuda_ipc lane needs memory that legacy IPC can export, too): allocate the KV cache with expandable_segments:False "
+    "(docs/device.md)")
 
 
 def _torch_device_name(t: Any) -> str:

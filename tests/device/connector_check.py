@@ -8,7 +8,9 @@ register_gpu (read the runs, register or allocate), the prefill stages what a st
 pulls by block ids (a scattered pull, every byte verified on the GPU against the prefill's seeded pattern, blocks
 outside the plan untouched; then whole-cache pulls for GB/s), and the release reaches the prefill worker. Modes:
 "host" (host-staged, the daemons' default backends: no NIXL) and "device" (device-direct, `--backends nixl`).
-Baselines: torch device-to-device copy_ and pinned device-to-host copy_ of the same bytes.
+Baselines: torch device-to-device copy_ and pinned device-to-host copy_ of the same bytes; each mode's whole-cache
+pull must reach its floor relative to them (tests/device/verdicts.py), and device-direct's daemons run with
+UCX_PROTO_INFO=y, the transport UCX picked read back from their logs (`ucx`).
 """
 
 from __future__ import annotations
@@ -132,8 +134,10 @@ def baselines(torch: Any, views: dict[str, Any], rounds: int) -> dict[str, float
     return out
 
 
-def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dict[str, str]) -> dict[str, Any]:
-    """One mode end to end; raises AssertionError naming the failed step."""
+def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dict[str, str],
+             floor: float | None = None) -> dict[str, Any]:
+    """One mode end to end; raises AssertionError naming the failed step. A pull under the mode's floor comes back
+    with "ok": False and the reason (every figure kept)."""
     import torch
 
     from kvbroker import Client, Grant
@@ -141,9 +145,12 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
     from kvbroker.integrations.vllm.config import ConnectorConfig
     from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
     from kvbroker.integrations.vllm.worker import WorkerSide
+    from tests.device.verdicts import floor_verdict, ucx_summary
 
     num_blocks = num_blocks_for(mib)
     backends = ("nixl",) if mode == "device" else None
+    if mode == "device":
+        env = {**env, "UCX_PROTO_INFO": "y"}
     out: dict[str, Any] = {"mode": mode, "blocks": num_blocks, "cache_bytes": LAYERS * num_blocks * PAGE}
     ctx = mp.get_context("spawn")
     started = time.monotonic()
@@ -254,17 +261,28 @@ def run_mode(mode: str, device: str, work: Path, mib: int, rounds: int, env: dic
     out["daemon_log_problems"] = [line[:300] for line in logs.splitlines() if " ERROR " in line or "Traceback" in line]
     if out["caches_left"] or out["daemon_log_problems"]:
         raise AssertionError(f"{mode}: caches left or daemon log problems")
+    if mode == "device":
+        out["ucx"] = ucx_summary(logs)
+    if not device.startswith("cuda"):
+        out["floor"] = {"skipped": "CPU tensors: no device memcpy to compare with"}
+        return out
+    baseline = out.get("torch_d2d_GBps") if mode == "device" else out.get("torch_d2h_pinned_GBps")
+    out["floor"] = floor_verdict(mode, out["pull_GBps"], baseline, floor)
+    if not out["floor"]["ok"]:
+        out.update(ok=False, error=out["floor"]["why"])
     return out
 
 
-def run(device: str, modes: list[str], work: Path, mib: int, rounds: int, root: Path) -> dict[str, Any]:
+def run(device: str, modes: list[str], work: Path, mib: int, rounds: int, root: Path,
+        floors: dict[str, float | None] | None = None) -> dict[str, Any]:
     env = {"PYTHONPATH": os.pathsep.join([str(root / "client"), str(root / "server"), str(root),
                                           os.environ.get("PYTHONPATH", "")])}
     results: dict[str, Any] = {}
     for mode in modes:
         try:
             (work / mode).mkdir(parents=True, exist_ok=True)
-            results[mode] = {"ok": True, **run_mode(mode, device, work / mode, mib, rounds, env)}
+            results[mode] = {"ok": True, **run_mode(mode, device, work / mode, mib, rounds, env,
+                                                     (floors or {}).get(mode))}
         except BaseException as e:  # one mode's failure must not hide the other's result
             results[mode] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     return results

@@ -3,6 +3,12 @@ every byte verified, GB/s printed as JSON.
 
     python tests/device/cuda_check.py --out result.json          # about 2-4 minutes; bounded by --limit-s (480 s)
     python tests/device/cuda_check.py --dry-run                   # no GPU: the connector part on the CPU
+    OUT=/tmp/out bash tests/device/run.sh                         # on the device machine: bundle installed first
+
+0. The handle format (seconds): what this torch's `storage._share_cuda_()` returns for a cudaMalloc block (the raw
+   64-byte handle, or a version byte and a type byte before it) and that kvbroker.device reads the 64-byte
+   cudaIpcMemHandle_t out of it; then the same for a tensor in an expandable segment, which must be refused with the
+   reason. A failure here is reported, and the parts below still run (they would fail on it, saying where).
 
 Needs an NVIDIA GPU and torch with CUDA. The raw nixl check and the connector's device-direct mode also need
 cuda-python and NIXL's wheel for the driver's CUDA (pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1); without them
@@ -19,6 +25,9 @@ tests/device/bundle.sh assembles the missing wheels (docs/device.md). Without a 
    several times (GB/s), then pushes blocks back (verified). Beside it, the same bytes copied device-to-device by
    torch (copy_) and by cudaMemcpy. Finally both caches are unregistered (the daemons close their mappings) before
    this process frees the memory, and the daemons' logs are checked for errors.
+   The whole-cache pull must reach a floor relative to the device's own memcpy measured in the same run
+   (tests/device/verdicts.py says which and why), and the daemons run with UCX_PROTO_INFO=y: the UCX transport that
+   moved the bytes is read from their logs and carried in the result (`ucx`).
 2. The connector (tests/device/connector_check.py): a prefill process and this one build vLLM-shaped per-layer KV
    views on cuda:0 and run the connector's worker data path between two daemons, host-staged and device-direct.
 """
@@ -29,6 +38,7 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -43,6 +53,7 @@ sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server"), str(ROOT)]
 
 NO_DEVICE_EXIT = 2
 SEED = 20261
+UCX_ENV = {"UCX_PROTO_INFO": "y"}  # UCX logs the protocol and transport it picks per operation (verdicts.py)
 
 
 def no_device_reason() -> str | None:
@@ -109,6 +120,53 @@ def device_baselines(torch: Any, src: Any, dst: Any, rounds: int) -> dict[str, A
     return out
 
 
+def handle_format() -> dict[str, Any]:
+    """What this torch's `_share_cuda_` writes, for a cudaMalloc block and for an expandable segment, and what
+    kvbroker.device makes of each (the block: its 64-byte handle; the segment: a refusal naming the reason)."""
+    import torch
+
+    from kvbroker.device import CUDA_HANDLE_BYTES, cuda_ipc_handle, torch_locations
+
+    def describe(handle: bytes) -> dict[str, Any]:
+        legacy = len(handle) == CUDA_HANDLE_BYTES
+        return {"bytes": len(handle), "version": None if legacy else handle[0],
+                "type": None if legacy or len(handle) < 2 else chr(handle[1])}
+
+    out: dict[str, Any] = {"torch": torch.__version__}
+    block = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    out["cuda_malloc"] = describe(bytes(block.untyped_storage()._share_cuda_()[1]))  # type: ignore[no-untyped-call]
+    [location] = torch_locations([block[4096:]])
+    out["cuda_malloc"]["read"] = len(location.device.ipc_handle) == CUDA_HANDLE_BYTES  # type: ignore[union-attr]
+    out["cuda_malloc"]["offset"] = location.offset
+    del block, location
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: None)
+    try:
+        settings("expandable_segments:True")
+        segment = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        try:
+            shared = bytes(segment.untyped_storage()._share_cuda_()[1])  # type: ignore[no-untyped-call]
+        except RuntimeError as e:  # torch <= 2.4 cannot share expandable segments at all
+            out["expandable_segment"] = {"torch_refused": str(e)[:300]}
+        else:
+            out["expandable_segment"] = describe(shared)
+            if out["expandable_segment"]["type"] != "e":  # the setting did not take: nothing to judge
+                out["expandable_segment"]["not_run"] = "expandable segments did not turn on in this torch"
+            try:
+                cuda_ipc_handle(shared)
+                out["expandable_segment"]["refused"] = False
+            except ValueError as e:
+                out["expandable_segment"]["refused"] = "expandable segment" in str(e)
+        del segment
+    except Exception as e:  # a torch without the setting: the cudaMalloc part stands
+        out["expandable_segment"] = {"not_run": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        settings("expandable_segments:False")
+        torch.cuda.empty_cache()
+    segment_ok = "not_run" in out["expandable_segment"] or out["expandable_segment"].get("refused", True) is not False
+    out["ok"] = bool(out["cuda_malloc"]["read"]) and segment_ok
+    return out
+
+
 def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     import numpy as np
     import torch
@@ -116,6 +174,7 @@ def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     from kvbroker import CacheIndex, ClusterInfo
     from kvbroker._local import LocalDaemon
     from kvbroker.device import cuda_allocation, raw_locations, torch_cache
+    from tests.device.verdicts import floor_verdict, ucx_summary
 
     block = args.block_kib << 10
     num_tensors = args.tensors
@@ -140,9 +199,10 @@ def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     dst_locs = raw_locations([(t.data_ptr(), t.numel(), allocation.device) for t in dst], [allocation])
     summary["offsets"] = {"src": [loc.offset for loc in src_locs[:3]], "dst": [loc.offset for loc in dst_locs[:3]]}
 
-    work = Path(tempfile.mkdtemp(prefix="kvb-cuda-check-"))
+    work = args.work / "raw"
+    work.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "client"), str(ROOT / "server"),
-                                          os.environ.get("PYTHONPATH", "")])}
+                                          os.environ.get("PYTHONPATH", "")]), **UCX_ENV}
     with LocalDaemon(work, 1, backends=("nixl",), env=env) as a, LocalDaemon(work, 2, backends=("nixl",), env=env) as b:
         summary["daemon_logs"] = [str(a.log_path), str(b.log_path)]
         with a.client() as ca, b.client() as cb:
@@ -205,10 +265,26 @@ def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     del src, dst, src_alloc, dst_alloc
     torch.cuda.synchronize()
     logs = "".join(Path(p).read_text(errors="replace") for p in summary["daemon_logs"])
+    summary["ucx"] = ucx_summary(logs)
+    memcpy = max(summary.get("torch_copy_GBps", 0.0), summary.get("cudaMemcpy_GBps", 0.0))
+    summary["floor"] = floor_verdict("device", summary["pull_GBps"], memcpy, args.floor_device)
+    if not summary["floor"]["ok"]:
+        raise AssertionError(summary["floor"]["why"])
     summary["daemon_log_problems"] = [line[:300] for line in logs.splitlines()
                                       if " ERROR " in line or "Traceback" in line or "cudaIpcCloseMemHandle" in line]
     if summary["daemon_log_problems"] or summary["caches_left"]:
         raise AssertionError("daemon logs report problems, or caches were left")
+
+
+def copy_logs(work: Path, logs_dir: Path) -> list[str]:
+    """Every daemon log under `work`, copied to `logs_dir` as <part>-<mode>-<file> (the result names them)."""
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for log in sorted(work.rglob("*.log")):
+        name = "-".join(log.relative_to(work).parts)
+        shutil.copyfile(log, logs_dir / name)
+        copied.append(name)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,8 +300,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="no GPU: the connector part with CPU tensors standing in for device tensors (host mode)")
     ap.add_argument("--limit-s", type=int, default=480)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--floor-device", type=float, default=None,
+                    help="device-direct floor, a fraction of the device-to-device memcpy (tests/device/verdicts.py)")
+    ap.add_argument("--floor-host", type=float, default=None,
+                    help="host-staged floor, a fraction of the pinned device-to-host memcpy")
+    ap.add_argument("--bundle-report", type=Path, help="tests/device/install_bundle.py's report, carried in the result")
+    ap.add_argument("--logs-dir", type=Path, help="copy every daemon's log here at the end")
     args = ap.parse_args(argv)
+    args.work = Path(tempfile.mkdtemp(prefix="kvb-cuda-check-"))
     summary: dict[str, Any] = {"check": "cuda", "ok": False, "versions": versions()}
+    if args.bundle_report is not None and args.bundle_report.exists():
+        summary["bundle"] = json.loads(args.bundle_report.read_text())
     modes = [m for m in args.modes.split(",") if m]
     if args.dry_run:
         summary["dry_run"] = "CPU tensors stand in for device tensors; device-direct needs CUDA IPC: not run"
@@ -245,7 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     failed: list[str] = []
     try:
+        if not args.dry_run:
+            try:
+                summary["handle_format"] = handle_format()
+            except Exception as e:
+                summary["handle_format"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                            "traceback": traceback.format_exc()[-2000:]}
+            if not summary["handle_format"]["ok"]:
+                failed.append("handle_format")
         missing_nixl = None if args.dry_run else nixl_reason()
+        if missing_nixl is not None:
+            skipped = summary.get("bundle", {}).get("skipped", [])
+            summary["degraded"] = (f"host-staged only: NIXL cannot load here ({missing_nixl})"
+                                   + (f"; bundle wheels this Python could not take: {', '.join(skipped)}"
+                                      if skipped else ""))
         if args.dry_run or args.connector_only:
             pass
         elif missing_nixl is not None:
@@ -262,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
 
         device = "cpu" if args.dry_run else "cuda:0"
         runnable = [m for m in modes if m == "host" or (m == "device" and not args.dry_run and missing_nixl is None)]
-        work = Path(tempfile.mkdtemp(prefix="kvb-connector-check-"))
+        work = args.work / "connector"
         mib = min(args.connector_mib, 8) if args.dry_run else args.connector_mib
-        results = connector_check.run(device, runnable, work, mib, args.rounds, ROOT)
+        floors = {"device": args.floor_device, "host": args.floor_host}
+        results = connector_check.run(device, runnable, work, mib, args.rounds, ROOT, floors)
         for m in modes:
             if m not in runnable:
                 results[m] = {"skipped": summary["dry_run"] if args.dry_run else f"no nixl: {missing_nixl}"}
@@ -278,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
         summary["seconds"] = round(time.monotonic() - t0, 1)
         summary["failed"] = failed
+        if args.logs_dir is not None:
+            summary["logs"] = copy_logs(args.work, args.logs_dir)
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:

@@ -1,10 +1,12 @@
 """tests/device/cuda_check.py as a test: the whole check where a CUDA device is usable (skipped elsewhere); on
-machines without one, its clean refusal, and its dry run: the connector part (two processes, two daemons,
-host-staged) with CPU tensors standing in for device tensors."""
+machines without one, its clean refusal, and the dry run of the device script (tests/device/run.sh: install the
+bundle wheel by wheel, then the check), whose connector part (two processes, two daemons, host-staged) runs with CPU
+tensors standing in for device tensors."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +37,21 @@ def test_without_a_cuda_device_the_check_says_so_and_exits_2() -> None:
     assert str(summary["skipped"]).startswith("no CUDA device: ") and "no CUDA device: " in stderr
 
 
-def test_the_dry_run_moves_the_connectors_blocks_between_two_processes_on_the_cpu() -> None:
-    """CPU tensors stand in for device tensors: the host-staged data path (register, stage, pull by block ids,
-    copy in, release, close) between a prefill process and this one, every byte verified; device-direct is
-    reported as not run, never as passed."""
-    rc, summary, _ = _run("--dry-run", "--rounds", "2")
-    assert rc == 0 and summary["ok"] is True, summary
+def test_the_device_scripts_dry_run_moves_the_connectors_blocks_between_two_processes_on_the_cpu(
+        tmp_path: Path) -> None:
+    """The device script as the device machine runs it, less the GPU: CPU tensors stand in for device tensors in
+    the host-staged data path (register, stage, pull by block ids, copy in, release, close) between a prefill
+    process and this one, every byte verified; device-direct is reported as not run, never as passed; the result,
+    the install report and the daemons' logs land under $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "KVB_WHEELS": str(tmp_path / "no-bundle"), "KVB_DEVICE_SITE": str(tmp_path / "site")}
+    done = subprocess.run(["bash", str(SCRIPT.with_name("run.sh")), "--dry-run", "--rounds", "2"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "out" / "cuda_check.json").read_text())
+    assert done.returncode == 0 and summary["ok"] is True, (summary, done.stderr[-2000:])
+    assert "nothing installed" in summary["bundle"]["note"]
+    assert summary["logs"] and all((tmp_path / "out" / "logs" / name).exists() for name in summary["logs"])
+    assert "skipped" in summary["connector"]["host"]["floor"] and "handle_format" not in summary
     connector = summary["connector"]
     assert isinstance(connector, dict)
     host = connector["host"]

@@ -30,6 +30,7 @@ import torch
 from kvbroker._client import Client
 from kvbroker.device import torch_locations
 from kvbroker.integrations.vllm.cuda_layout import KvRuns, block_ranges, read_runs, run_tensors
+from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -141,8 +142,11 @@ class HostStaged(GpuKv):
         for t in self.host:
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
             if int(err) != 0:
+                # Handled here: read it back, or torch's next kernel-launch check reports it as the kernel's failure.
+                cleared = clear_last_error()
                 log.warning("kvbroker connector: cannot pin the host KV buffer (cudaHostRegister error %s); copies "
-                            "go through pageable memory, slower", int(err))
+                            "go through pageable memory, slower%s", int(err),
+                            "" if cleared is not None else " (CUDA's last error could not be cleared: no libcudart)")
                 break
             pinned.append(t.data_ptr())
         return pinned
