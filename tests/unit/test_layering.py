@@ -2,8 +2,9 @@
 
 From the top: `service/` (requests in, answers out) over `transfers/` (one pass per request) over `backends/` (the
 engines) over `links/` (who we talk to) over the seam (`dataplane/seam.py`: what an engine implements) over
-`registry/` (what we serve) over the rest of `dataplane/` (block pairs, plans, claims). Every import counts, wherever it is written: at the top, in
-a function, or under `if TYPE_CHECKING:` (an annotation names a dependency of the contract as much as a call does).
+`registry/` (what we serve) over the rest of `dataplane/` (block pairs, plans, claims). Every import counts,
+wherever it is written: at the top, in a function, or under `if TYPE_CHECKING:` (an annotation names a dependency
+of the contract as much as a call does).
 An arrow running back up that exists today is listed in `KNOWN_UPWARD` with why, rather than the rule loosened; the
 list is checked too, so that fixing one fails until its entry is removed."""
 
