@@ -9,6 +9,10 @@ grants_ended_total {outcome=released|lapsed|capped|cache_removed} (holds of this
 grants_redeemed_total (RedeemGrant calls answered) and grant_pulls_total {source=remembered|redeemed} (pulls by grant
 made, and whether a renewal's answer spared the RedeemGrant round trip).
 
+With tracing on (kvbrokerd.tracing), each bucket of transfer_seconds that a sampled transfer landed in carries the
+latest such transfer's trace id as its exemplar ({trace_id="..."}; shown in the OpenMetrics exposition only, which
+Prometheus asks for when its exemplar storage is on): a slow bucket on a dashboard links to a trace that was slow.
+
 `peer` is the remote cluster id of the transfer (`local` for a copy within this daemon, `several` for a batch over
 more than one peer). Its cardinality is bounded: at most `max_peers` (MAX_PEER_LABELS) linked cluster ids get series
 of their own, the first ones seen; the transfers of any further peer, and those naming a cluster this daemon has no

@@ -45,8 +45,11 @@ def available() -> bool:
     """Whether `start` can work here (the SDK and the OTLP/gRPC exporter are installed); imports nothing."""
     import importlib.util
 
-    return all(importlib.util.find_spec(name) is not None for name in
-               ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc"))
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in
+                   ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc"))
+    except (ImportError, ValueError):  # a parent that is no package (something else named `opentelemetry`)
+        return False
 
 
 def start(endpoint: str, *, cluster_id: int = 0, exporter: SpanExporter | None = None) -> None:
