@@ -1,6 +1,7 @@
 """The cost of tracing: kvbench's latency item (64 KiB pulls as calls and as session messages, refused pulls, a bare
 ping; shm and tcp) with tracing off, with tracing on and every request sampled, and, where a tree of another
-revision is given, that revision's code; the modes alternate round by round, so that they share the machine's load.
+revision is given, that revision's code; the modes alternate round by round (each one first in turn), so that they
+share the machine's load.
 
     git archive main | (mkdir -p /tmp/kvb-main && tar -x -C /tmp/kvb-main)
     cp server/kvbrokerd/*.so /tmp/kvb-main/server/kvbrokerd/      # the same native helpers (their C is unchanged)
@@ -73,8 +74,10 @@ def main() -> None:
                         "OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "kvbench"}
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     loads = []
+    names = list(modes)
     for r in range(args.rounds):
-        for mode, env in modes.items():
+        for mode in names[r % len(names):] + names[:r % len(names)]:  # each mode first in turn: no order bias
+            env = modes[mode]
             loads.append(os.getloadavg()[0])
             results[mode].append(run(env, args.samples))
             print(f"round {r + 1}: {mode} done (spans so far {sink.spans})", file=sys.stderr, flush=True)

@@ -224,6 +224,32 @@ def test_a_pull_by_a_grant_its_daemon_described_in_a_renewal_links_to_the_grant_
     assert (parent.trace_id, grant_rpc.span_id) in pull.links
 
 
+def test_a_failed_pull_and_a_layer_wise_pull_are_traced_with_their_status(traced: Traced) -> None:
+    from kvbroker import CacheIndex, NotYetLinkError
+
+    parent = TraceContext.parse("00-8bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    assert parent is not None
+    with traced.p.client() as pc, traced.d.client() as dc:
+        src, dst = pc.allocate_cache(DESC), dc.allocate_cache(DESC)
+        with pytest.raises(NotYetLinkError):  # no link from the decode daemon to cluster 999
+            dc.pull_kv_blocks(CacheIndex(999, 1), dst, [0], [1], trace_context=parent)
+        layers: list[object] = []
+        with tracecontext.use(parent):
+            dc.pull_kv_blocks(CacheIndex(traced.p.cluster_id, src.cache_id), dst, [0, 1], [2, 3],
+                              on_layer=layers.append)
+    assert layers
+    r = traced.receiver
+    spans = wait_until(lambda: [s for s in r.of(parent.trace_id) if s.name.startswith("transfer")]
+                       if len(r.of(parent.trace_id)) >= 4 else [], what="the spans of both pulls")
+    by_op = {s.attributes["kvbroker.op"]: s for s in spans}
+    failed = by_op["pull_blocks"]
+    assert failed.attributes["kvbroker.status"] == "LLM_NOT_YET_LINK"
+    rpc = next(s for s in r.of(parent.trace_id) if s.span_id == failed.parent)
+    assert rpc.name == "kvbroker.v1.KvBroker/PullKvBlocks" and rpc.attributes["kvbroker.status"] == "LLM_NOT_YET_LINK"
+    stream = by_op["pull_blocks_stream"]
+    assert stream.parent == parent.span_id and stream.attributes["kvbroker.status"] == "DONE"
+
+
 @pytest.mark.parametrize("traceparent", [
     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",  # a flag digit short
     "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # an all-zero trace id

@@ -276,9 +276,12 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     async def PullKvBlocksStream(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[broker_pb2.PullKvBlocksProgress]:
         result: TransferResult | None = None
+        # A stream has no RPC span of its own (tracing.trace_rpcs wraps unary calls): its transfer continues the
+        # caller's trace itself.
+        trace = None if tracing.tracer is None else TraceContext.from_metadata(context.invocation_metadata())
         try:
             async for item in self.node.transfers.pull_blocks_by_layer(_pull_blocks(request),
-                                                                       time_remaining(context)):
+                                                                       time_remaining(context), trace):
                 if isinstance(item, TransferResult):
                     # Held back until the transfer has ended (and been counted DONE): a caller that closes the
                     # stream as soon as it has the result must not turn a finished pull into a CANCELLED one.

@@ -116,10 +116,11 @@ class TransferManager:
         with self.track("copy_blocks", "local", timeout) as t:
             return await self.execute(self.prepare_copy(src_cache_id, dst_cache_id, src_blocks, dst_blocks_list), t)
 
-    async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None
+    async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None,
+                                   trace_context: TraceContext | None = None
                                    ) -> AsyncIterator[tuple[int, int] | TransferResult]:
         """Yields (destination layer, bytes) as each layer lands, then the TransferResult."""
-        with self.track("pull_blocks_stream", req.remote_cluster_id, timeout) as t:
+        with self.track("pull_blocks_stream", req.remote_cluster_id, timeout, trace_context) as t:
             job = await self.prepare_blocks(Direction.PULL, req, t.deadline)
             t.started(job.backend)
             completed: list[int] = []
