@@ -1,7 +1,7 @@
 """OpenTelemetry traces of the daemon's requests (docs/tracing.md): off unless `--otlp-traces-endpoint` is given.
 
-Off, nothing of OpenTelemetry is imported and a request pays one check (`tracer is None` where an RPC's handlers are
-installed, `deadline.span is None` on a transfer's way). On (`start`), the SDK exports spans over OTLP/gRPC with a
+Off, nothing of OpenTelemetry is imported, the RPC handlers are the plain ones (`trace_rpcs` leaves them), and a
+transfer checks `deadline.span is None` at each stage (`stage` then hands back a shared null context). On (`start`), the SDK exports spans over OTLP/gRPC with a
 batch processor (a thread of its own; the event loop never waits for the collector), sampled as OTEL_TRACES_SAMPLER
 and OTEL_TRACES_SAMPLER_ARG say (default: follow the caller's decision, sample every request that arrives without
 one), named as OTEL_SERVICE_NAME says (default `kvbrokerd`).
