@@ -1,10 +1,10 @@
 """OpenTelemetry traces of the daemon's requests (docs/tracing.md): off unless `--otlp-traces-endpoint` is given.
 
 Off, nothing of OpenTelemetry is imported, the RPC handlers are the plain ones (`trace_rpcs` leaves them), and a
-transfer checks `deadline.span is None` at each stage (`stage` then hands back a shared null context). On (`start`), the SDK exports spans over OTLP/gRPC with a
-batch processor (a thread of its own; the event loop never waits for the collector), sampled as OTEL_TRACES_SAMPLER
-and OTEL_TRACES_SAMPLER_ARG say (default: follow the caller's decision, sample every request that arrives without
-one), named as OTEL_SERVICE_NAME says (default `kvbrokerd`).
+transfer checks `deadline.span is None` at each stage (`stage` then hands back a shared null context). On (`start`),
+the SDK exports spans over OTLP/gRPC with a batch processor (a thread of its own; the event loop never waits for the
+collector), sampled as OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG say (default: follow the caller's decision,
+sample every request that arrives without one), named as OTEL_SERVICE_NAME says (default `kvbrokerd`).
 
 Spans: one per RPC of the local API that moves or grants blocks, continuing the caller's `traceparent` (validated and
 bounded by kvbroker.tracecontext: a malformed or oversized one is dropped, and the request starts a trace of its
