@@ -27,9 +27,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
+# WITH_TRACING=1 adds OpenTelemetry (kvbroker[trace]) for --otlp-traces-endpoint (docs/tracing.md).
+ARG WITH_TRACING=0
 RUN python3 -m venv /opt/kvbroker \
  && /opt/kvbroker/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvbroker/bin/pip install --find-links /wheels 'kvbroker[server]' \
+      $(if [ "$WITH_TRACING" = 1 ]; then echo 'kvbroker[trace]'; fi) \
  && /opt/kvbroker/bin/kvbrokerd --help > /dev/null \
  && /opt/kvbroker/bin/python -c "from kvbrokerd.backends.common import memcopy; print(memcopy.copy_path()[1])"
 

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 
 from kvbroker import convert as cv
+from kvbroker import tracecontext
 from kvbroker._errors import error_from_rpc
 from kvbroker._session import AsyncPullSession, PullSession
 from kvbroker.blockruns import Runs
@@ -36,6 +37,7 @@ from kvbroker.status import (
     ParamInvalidError,
     reply_grace,
 )
+from kvbroker.tracecontext import UNSET, TraceContext
 from kvbroker.types import (
     Blocks,
     CacheDesc,
@@ -212,6 +214,8 @@ class _Call(Generic[_R]):
     """Turns the response message into the method's return value."""
     timeout: float | None
     """Seconds; None: the client's default (`_Calls._deadline` checks and fills it in)."""
+    trace_context: TraceContext | None = UNSET
+    """The caller's trace, sent as `traceparent` metadata (UNSET: the current one, `tracecontext.current`)."""
 
 
 if TYPE_CHECKING:
@@ -333,15 +337,20 @@ class _Calls:
             raise ParamInvalidError(LlmStatus.LLM_PARAM_INVALID, f"timeout must be > 0 seconds, got {timeout}")
         return self.default_timeout if timeout is None else timeout
 
-    def _options(self, timeout: float | None) -> dict[str, Any]:
+    def _options(self, timeout: float | None, trace_context: TraceContext | None = UNSET) -> dict[str, Any]:
         """A call's gRPC deadline and metadata. The daemon is told the call's own budget (`TIMEOUT_HEADER`) and
         answers within it; the call waits `reply_grace` longer for that answer, so that on a busy host the caller
-        still gets the daemon's status and report rather than a bare DEADLINE_EXCEEDED."""
+        still gets the daemon's status and report rather than a bare DEADLINE_EXCEEDED. The caller's trace context
+        (`trace_context`, else the current one) goes along as `traceparent` (and `tracestate`)."""
         budget = self._deadline(timeout)
+        metadata: tuple[tuple[str, str], ...] = _CALL_METADATA
+        trace = tracecontext.current(trace_context)
+        if trace is not None:
+            metadata = (*metadata, *trace.metadata())
         if budget is None:
-            return {"timeout": None, "metadata": _CALL_METADATA}
+            return {"timeout": None, "metadata": metadata}
         return {"timeout": budget + reply_grace(budget),
-                "metadata": (*_CALL_METADATA, (TIMEOUT_HEADER, str(max(1, round(budget * 1000)))))}
+                "metadata": (*metadata, (TIMEOUT_HEADER, str(max(1, round(budget * 1000)))))}
 
     def _fetch_deadline(self, timeout: float | None, wait: float) -> float | None:
         """A long poll outlives a default deadline shorter than its wait."""
@@ -572,7 +581,7 @@ class _Calls:
     @_rpc()
     def create_grant(self, cache_ids: Sequence[int], blocks: Sequence[int], lease: float, *, max_hold: float = 0.0,
                      label: str = "", event_topics: Sequence[str] = (), units_per_block: int = 1,
-                     timeout: float | None = None) -> _Call[Grant]:
+                     timeout: float | None = None, trace_context: TraceContext | None = UNSET) -> _Call[Grant]:
         """Grants linked peers the right to pull `blocks` of local caches `cache_ids` (e.g. a finished prefill
         request's KV, one cache per TP rank) for `lease` seconds unless renewed.
 
@@ -587,6 +596,9 @@ class _Calls:
             units_per_block: each granted block stands for this many consecutive blocks of the caches (block b:
                 b * units_per_block onwards), e.g. an engine block addressed in finer units; 1..65536.
             timeout: deadline in seconds (default: the client's `timeout`).
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`); when the daemon traces, the
+                grant remembers its span, which a peer's pull by the grant links to. Default: the current one
+                (`tracecontext.use`, else OpenTelemetry's current span); None: none.
 
         Returns:
             The grant: hand `grant.token()` to the peer that will pull, keep it to renew or release.
@@ -599,7 +611,7 @@ class _Calls:
         req = broker_pb2.CreateGrantRequest(cache_ids=list(cache_ids), blocks=_blocks(blocks),
                                             lease_ms=_ms(lease), max_hold_ms=_ms(max_hold or None), label=label,
                                             event_topics=list(event_topics), units_per_block=units_per_block)
-        return _Call("CreateGrant", req, _grant, timeout)
+        return _Call("CreateGrant", req, _grant, timeout, trace_context)
 
     @_rpc()
     def renew_grant(self, grant: Grant, lease: float = 0.0, *, cluster_id: int = 0,
@@ -647,7 +659,8 @@ class _Calls:
     def pull_granted_kv_blocks(self, cluster_id: int, grant: Grant, dst_cache: CacheRef, dst_blocks: Blocks,
                                *, cache_slot: int = 0, first_block: int = 0, src_blocks: Blocks = (),
                                ext_param: KvCacheExtParam | None = None, timeout: float | None = None,
-                               block_runs: Runs | None = None) -> _Call[TransferResult]:
+                               block_runs: Runs | None = None, trace_context: TraceContext | None = UNSET
+                               ) -> _Call[TransferResult]:
         """PullKvBlocks of blocks that `cluster_id` granted: its daemon names the cache and the blocks.
 
         Args:
@@ -662,6 +675,9 @@ class _Calls:
             timeout: deadline in seconds (default: the client's `timeout`).
             block_runs: instead of `src_blocks` and `dst_blocks` (then empty), the pairs as runs
                 (`kvbroker.blockruns.Runs`, e.g. a remap's few strided runs), sent as they are.
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`), continued by the daemon's spans
+                when it traces; default: the current one (`tracecontext.use`, else OpenTelemetry's current span);
+                None: none.
 
         Returns:
             The TransferResult, as `pull_kv_blocks` returns it.
@@ -674,7 +690,7 @@ class _Calls:
         req = _pull_request(CacheIndex(cluster_id, 0), dst_cache, src_blocks, dst_blocks, ext_param, block_runs)
         req.grant.CopyFrom(broker_pb2.GrantClaim(grant=_grant_ref(grant), cache_slot=cache_slot,
                                                  first_block=first_block))
-        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout)
+        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout, trace_context)
 
     @_rpc()
     def fetch_notifications(self, topic: str, max_count: int = 1024, wait: float = 0.0, *,
@@ -723,7 +739,8 @@ class _Calls:
     @_rpc()
     def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: CacheRef, src_blocks: Blocks,
                        dst_blocks: Blocks, ext_param: KvCacheExtParam | None = None, *,
-                       timeout: float | None = None) -> _Call[TransferResult]:
+                       timeout: float | None = None, trace_context: TraceContext | None = UNSET
+                       ) -> _Call[TransferResult]:
         """Pulls blocks of a linked cluster's cache into blocks of a local cache (LLM-DataDist PullKvBlocks).
 
         Args:
@@ -733,6 +750,9 @@ class _Calls:
             dst_blocks: destination block indices, as many as `src_blocks`.
             ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
             timeout: deadline in seconds (default: the client's `timeout`).
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`), continued by the daemon's spans
+                when it traces; default: the current one (`tracecontext.use`, else OpenTelemetry's current span);
+                None: none.
 
         Returns:
             Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
@@ -746,7 +766,7 @@ class _Calls:
             LlmError: any other failure, as the subclass of its status, with the same report.
         """
         req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
-        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout)
+        return _Call("PullKvBlocks", req, cv.transfer_result_from_pb, timeout, trace_context)
 
     @_rpc()
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: CacheRef, batch_index: int = 0, size: int = -1,
@@ -782,7 +802,8 @@ class _Calls:
     @_rpc()
     def push_kv_blocks(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_blocks: Blocks,
                        dst_blocks: Blocks, ext_param: KvCacheExtParam | None = None, *,
-                       timeout: float | None = None) -> _Call[TransferResult]:
+                       timeout: float | None = None, trace_context: TraceContext | None = UNSET
+                       ) -> _Call[TransferResult]:
         """Writes blocks of a local cache into blocks of a linked cluster's cache (LLM-DataDist PushKvBlocks).
 
         Args:
@@ -792,6 +813,9 @@ class _Calls:
             dst_blocks: destination block indices, as many as `src_blocks`.
             ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
             timeout: deadline in seconds (default: the client's `timeout`).
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`), continued by the daemon's spans
+                when it traces; default: the current one (`tracecontext.use`, else OpenTelemetry's current span);
+                None: none.
 
         Returns:
             Bytes moved, the backend that moved them, the transfer id and the number of byte runs.
@@ -804,7 +828,7 @@ class _Calls:
             LlmError: any other failure, as the subclass of its status, with the same report.
         """
         req = _push_request(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
-        return _Call("PushKvBlocks", req, cv.transfer_result_from_pb, timeout)
+        return _Call("PushKvBlocks", req, cv.transfer_result_from_pb, timeout, trace_context)
 
     @_rpc()
     def push_kv_cache(self, src_cache: CacheRef, dst_cache_index: CacheIndex, src_batch_index: int = 0,
@@ -867,13 +891,17 @@ class _Calls:
 
     @_rpc()
     def transfer_kv_blocks_batch(self, groups: Sequence[PullBlocks | PushBlocks], *,
-                                 timeout: float | None = None) -> _Call[TransferResult]:
+                                 timeout: float | None = None, trace_context: TraceContext | None = UNSET
+                                 ) -> _Call[TransferResult]:
         """Several block pulls and pushes (K and V caches, MLA parts) as one transfer: all validated before any byte
         moves, one deadline, one terminal state.
 
         Args:
             groups: the pulls and pushes, each as `pull_kv_blocks` or `push_kv_blocks` would take it.
             timeout: deadline in seconds (default: the client's `timeout`).
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`), continued by the daemon's spans
+                when it traces; default: the current one (`tracecontext.use`, else OpenTelemetry's current span);
+                None: none.
 
         Returns:
             Bytes moved in all, the backends used (comma-separated), the transfer id and the number of byte runs.
@@ -885,7 +913,7 @@ class _Calls:
             LlmTimeoutError: the deadline passed; the `failed_dst_blocks` report covers every group.
             LlmError: any other failure, as the subclass of its status, with the same report.
         """
-        return _Call("TransferKvBlocksBatch", _batch_request(groups), _batch_result, timeout)
+        return _Call("TransferKvBlocksBatch", _batch_request(groups), _batch_result, timeout, trace_context)
 
 
 CALLS: tuple[str, ...] = tuple(name for name, row in vars(_Calls).items() if isinstance(row, _Rpc))
@@ -904,17 +932,18 @@ class Client(_Calls):
         self._keepalive: threading.Thread | None = None
         self._closing = threading.Event()
 
-    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+    def _call(self, method: str, request: Any, timeout: float | None,
+              trace_context: TraceContext | None = UNSET) -> Any:
         if self._stub is None:
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return getattr(self._stub, method)(request, **self._options(timeout))
+            return getattr(self._stub, method)(request, **self._options(timeout, trace_context))
         except grpc.RpcError as err:
             raise error_from_rpc(err, method) from None
 
     def _run(self, call: _Call[_R]) -> _R:
-        return call.decode(self._call(call.method, call.request, call.timeout))
+        return call.decode(self._call(call.method, call.request, call.timeout, call.trace_context))
 
     def _start_keepalive(self) -> None:
         if self.lease_ttl is None or self._keepalive is not None:
@@ -959,6 +988,7 @@ class Client(_Calls):
         ext_param: KvCacheExtParam | None = None,
         *,
         timeout: float | None = None,
+        trace_context: TraceContext | None = UNSET,
         on_layer: Callable[[LayerLanded], None] | None = None,
     ) -> TransferResult:
         """Pulls blocks of a linked cluster's cache into blocks of a local cache (LLM-DataDist PullKvBlocks).
@@ -972,6 +1002,9 @@ class Client(_Calls):
             dst_blocks: destination block indices, as many as `src_blocks`.
             ext_param: layer ranges (source and destination) and tensors per layer; None: every layer.
             timeout: deadline in seconds (default: the client's `timeout`).
+            trace_context: the trace this call belongs to (`kvbroker.tracecontext`), continued by the daemon's spans
+                when it traces; default: the current one (`tracecontext.use`, else OpenTelemetry's current span);
+                None: none.
             on_layer: called with each destination layer as it lands: the pull then runs layer by layer, so that a
                 decode engine can start on layer 0 while later layers are still in flight.
 
@@ -988,10 +1021,10 @@ class Client(_Calls):
         """
         if on_layer is None:
             return super().pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param,
-                                          timeout=timeout)
+                                          timeout=timeout, trace_context=trace_context)
         req = _pull_request(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         try:
-            for msg in self._stream("PullKvBlocksStream", req, timeout):
+            for msg in self._stream("PullKvBlocksStream", req, timeout, trace_context):
                 item = _progress(msg)
                 if isinstance(item, TransferResult):
                     return item
@@ -1022,9 +1055,11 @@ class Client(_Calls):
         self._call("Ping", broker_pb2.PingRequest(), None)  # creates the channel; fails fast if the daemon is down
         return PullSession(self._stub, _CALL_METADATA, self.default_timeout, deadline)
 
-    def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
+    def _stream(self, method: str, request: Any, timeout: float | None,
+                trace_context: TraceContext | None = UNSET) -> Iterator[Any]:
         self._call("Ping", broker_pb2.PingRequest(), timeout)  # creates the channel; fails fast if the daemon is down
-        return getattr(self._stub, method)(request, **self._options(timeout))  # type: ignore[no-any-return]
+        options = self._options(timeout, trace_context)
+        return getattr(self._stub, method)(request, **options)  # type: ignore[no-any-return]
 
 
 class AsyncClient(_Calls):
@@ -1039,17 +1074,18 @@ class AsyncClient(_Calls):
         self._channel: grpc.aio.Channel | None = None
         self._keepalive: asyncio.Task[None] | None = None
 
-    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+    async def _call(self, method: str, request: Any, timeout: float | None,
+                    trace_context: TraceContext | None = UNSET) -> Any:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
             self._stub = broker_pb2_grpc.KvBrokerStub(self._channel)
         try:
-            return await getattr(self._stub, method)(request, **self._options(timeout))
+            return await getattr(self._stub, method)(request, **self._options(timeout, trace_context))
         except grpc.RpcError as err:
             raise error_from_rpc(err, method) from None
 
     async def _run(self, call: _Call[_R]) -> _R:
-        return call.decode(await self._call(call.method, call.request, call.timeout))
+        return call.decode(await self._call(call.method, call.request, call.timeout, call.trace_context))
 
     async def _start_keepalive(self) -> None:
         if self.lease_ttl is None or self._keepalive is not None:

@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 import grpc.aio
 
-from kvbroker import blockruns
+from kvbroker import blockruns, tracecontext
 from kvbroker import convert as cv
 from kvbroker._errors import error_from_rpc, with_block_lists
 from kvbroker.status import LlmError, LlmStatus, ParamInvalidError, make_error
@@ -62,6 +62,10 @@ def _add_pull(msg: broker_pb2.PullSessionRequest, pull: SessionPull, pull_id: in
         req.grant.grant.secret = pull.grant.secret
         req.grant.cache_slot = pull.cache_slot
         req.grant.first_block = pull.first_block
+    trace = tracecontext.current() if pull.trace_context is None else pull.trace_context
+    if trace is not None:
+        one.traceparent = trace.traceparent
+        one.tracestate = trace.tracestate
 
 
 def _pairs(pull: SessionPull) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvbroker.blockruns import Runs
 from kvbroker.status import LlmStatus
+from kvbroker.tracecontext import TraceContext
 
 Blocks = Sequence[int] | np.ndarray
 """Block indices: a sequence of ints, or a numpy array of them (long lists then cost no Python int each)."""
@@ -312,3 +313,6 @@ class SessionPull:
     """This pull's own deadline in seconds, from when the daemon reads it (None: the client's `timeout`)."""
     block_runs: Runs | None = None
     """Instead of `src_blocks` and `dst_blocks` (then empty): the pairs as runs, sent as they are."""
+    trace_context: TraceContext | None = None
+    """The trace of the request this pull serves (`kvbroker.tracecontext`), which the daemon's span of the pull
+    continues; None: the submitter's current one (`tracecontext.use`, or OpenTelemetry's current span), if any."""

@@ -50,6 +50,10 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     log_format: str = field(default="text", metadata={"help": "text or json"})
     metrics_listen: str = field(default="", metadata={"help": "Prometheus endpoint host:port (empty = off)"})
+    otlp_traces_endpoint: str = field(default="", metadata={
+        "help": "OpenTelemetry collector that receives this daemon's traces over OTLP/gRPC: host:port (plaintext) "
+                "or https://host:port (empty = tracing off); needs kvbroker[trace]; OTEL_SERVICE_NAME and "
+                "OTEL_TRACES_SAMPLER(_ARG) apply (docs/tracing.md)"})
     tls_cert: str = field(default="", metadata={"help": "PEM certificate of this daemon (mutual TLS on the peer API)"})
     tls_key: str = field(default="", metadata={"help": "PEM private key of tls_cert"})
     tls_ca: str = field(default="", metadata={"help": "PEM CA bundle that peers' certificates must chain to"})
@@ -126,6 +130,8 @@ class Config:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be a prefix length from 0 to {bits}")
         if self.metrics_listen and not _is_host_port(self.metrics_listen):
             raise ConfigError(f"metrics_listen: {self.metrics_listen!r} is not host:port")
+        if self.otlp_traces_endpoint:
+            _check_traces_endpoint(self.otlp_traces_endpoint)
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ConfigError("tls_cert, tls_key, tls_ca: give all three for mutual TLS, or none")
@@ -189,6 +195,17 @@ def _is_host_port(value: str) -> bool:
             return False
         return True
     return ":" not in host
+
+
+def _check_traces_endpoint(value: str) -> None:
+    scheme, sep, address = value.rpartition("://")
+    if (sep and scheme not in ("http", "https")) or not _is_host_port(address.rstrip("/")):
+        raise ConfigError(f"otlp_traces_endpoint: {value!r} is neither host:port nor http(s)://host:port")
+    from kvbrokerd import tracing
+
+    if not tracing.available():
+        raise ConfigError(f"otlp_traces_endpoint: tracing needs OpenTelemetry's SDK and OTLP exporter, which are not "
+                          f"installed: {tracing.INSTALL_HINT}")
 
 
 _TRUE = {"1", "true", "yes", "on"}

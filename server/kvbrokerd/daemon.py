@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.types import LinkState
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvbrokerd import backends
+from kvbrokerd import backends, tracing
 from kvbrokerd.backends.common import memcopy
 from kvbrokerd.config import Config
 from kvbrokerd.dataplane.seam import Backend, LocalContext
@@ -112,6 +112,9 @@ class Daemon:
         cfg = self.config
         _claim_addresses(cfg)  # before anything is created: a refusal leaves no trace and touches nobody's socket
         try:
+            if cfg.otlp_traces_endpoint:  # first: the services install their traced handlers when they are made
+                tracing.start(cfg.otlp_traces_endpoint, cluster_id=cfg.cluster_id)
+                log.info("tracing on: spans to %s over OTLP/gRPC", cfg.otlp_traces_endpoint)
             self._registry = Registry(Path(cfg.shm_dir), cfg.max_caches)
             self._registry.open()
             epoch = self._registry.instance
@@ -294,6 +297,8 @@ class Daemon:
             self._registry.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.config.otlp_traces_endpoint:
+            tracing.shutdown()  # exports the spans still buffered
         if self._owns_socket:
             _remove_socket(self.config.listen)
         self._stopped.set()

@@ -9,6 +9,10 @@ grants_ended_total {outcome=released|lapsed|capped|cache_removed} (holds of this
 grants_redeemed_total (RedeemGrant calls answered) and grant_pulls_total {source=remembered|redeemed} (pulls by grant
 made, and whether a renewal's answer spared the RedeemGrant round trip).
 
+With tracing on (kvbrokerd.tracing), each bucket of transfer_seconds that a sampled transfer landed in carries the
+latest such transfer's trace id as its exemplar ({trace_id="..."}; shown in the OpenMetrics exposition only, which
+Prometheus asks for when its exemplar storage is on): a slow bucket on a dashboard links to a trace that was slow.
+
 `peer` is the remote cluster id of the transfer (`local` for a copy within this daemon, `several` for a batch over
 more than one peer). Its cardinality is bounded: at most `max_peers` (MAX_PEER_LABELS) linked cluster ids get series
 of their own, the first ones seen; the transfers of any further peer, and those naming a cluster this daemon has no
@@ -28,7 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvbrokerd.listen import ListenError, in_use
@@ -121,14 +125,24 @@ class _Series:
 
 
 class _Histograms:
-    """Per stage: observations per bucket (the last one past every bound) and their sum."""
+    """Per stage: observations per bucket (the last one past every bound) and their sum; and, once a traced
+    transfer was observed, per stage and bucket the latest traced one (trace id, value, unix time): an exemplar."""
 
-    __slots__ = ("buckets", "created", "sums")
+    __slots__ = ("buckets", "created", "exemplars", "sums")
 
     def __init__(self) -> None:
         self.buckets = [[0] * (len(_BUCKETS) + 1) for _ in _STAGES]
         self.sums = [0.0] * len(_STAGES)
         self.created = time.time()
+        self.exemplars: list[list[tuple[str, float, float] | None]] | None = None
+
+
+def _exemplify(histograms: _Histograms, trace_id: str, values: tuple[float, float, float]) -> None:
+    if histograms.exemplars is None:
+        histograms.exemplars = [[None] * (len(_BUCKETS) + 1) for _ in _STAGES]
+    now = time.time()
+    for i, value in enumerate(values):
+        histograms.exemplars[i][bisect.bisect_left(_BUCKETS, value)] = (trace_id, value, now)
 
 
 class Metrics:
@@ -163,7 +177,9 @@ class Metrics:
             self._histograms.pop(key[:3], None)
 
     def observe(self, op: str, backend: str, peer: str, outcome: str, moved: int, queue_s: float,
-                wire_s: float) -> None:
+                wire_s: float, trace_id: str | None = None) -> None:
+        """`trace_id`: the transfer's trace (32 hex digits) if it was sampled: the buckets it lands in show it as
+        their exemplar (OpenMetrics), so that a dashboard's slow bucket links to a slow transfer's trace."""
         peer = self._peer_label(peer)
         key = (op, backend, peer, outcome)
         series = self._series.get(key)
@@ -179,6 +195,8 @@ class Metrics:
         for i, value in enumerate((queue_s, wire_s, queue_s + wire_s)):  # the order of _STAGES
             histograms.buckets[i][bisect.bisect_left(_BUCKETS, value)] += 1
             histograms.sums[i] += value
+        if trace_id:
+            _exemplify(histograms, trace_id, (queue_s, wire_s, queue_s + wire_s))
 
     def transfer_families(self) -> list[CounterMetricFamily | HistogramMetricFamily | GaugeMetricFamily]:
         """The transfer series as a scrape shows them."""
@@ -195,10 +213,15 @@ class Metrics:
         created = GaugeMetricFamily("kvbroker_transfer_seconds_created", seconds.documentation,
                                     labels=["op", "backend", "peer", "stage"])
         for key3, histograms in sorted(self._histograms.copy().items()):
-            for stage, buckets, total in zip(_STAGES, histograms.buckets, histograms.sums, strict=True):
+            exemplars = histograms.exemplars
+            for i, (stage, buckets, total) in enumerate(zip(_STAGES, histograms.buckets, histograms.sums,
+                                                            strict=True)):
                 cumulative = list(itertools.accumulate(buckets))
-                seconds.add_metric([*key3, stage], [*zip(_BUCKET_LABELS, cumulative[:-1], strict=True),
-                                                    ("+Inf", cumulative[-1])], total)
+                rows: list[Any] = [*zip((*_BUCKET_LABELS, "+Inf"), cumulative, strict=True)]
+                if exemplars is not None:
+                    rows = [row if seen is None else (*row, Exemplar({"trace_id": seen[0]}, seen[1], seen[2]))
+                            for row, seen in zip(rows, list(exemplars[i]), strict=True)]
+                seconds.add_metric([*key3, stage], rows, total)
                 created.add_metric([*key3, stage], histograms.created)
         return [moved, count, seconds, created]
 

@@ -122,7 +122,8 @@ class _FakeContext:
 
 
 class _BrokenTransfers:
-    async def pull_blocks_by_layer(self, req: Any, timeout: float | None) -> AsyncIterator[tuple[int, int]]:
+    async def pull_blocks_by_layer(self, req: Any, timeout: float | None,
+                                   trace_context: object = None) -> AsyncIterator[tuple[int, int]]:
         yield 0, 512
         raise RuntimeError("a bug of ours")
 

@@ -79,6 +79,8 @@ def test_precedence_flags_env_file(tmp_path: Path) -> None:
     (["--cluster-id", "1", "--broken-link-ttl", "0.5"], "broken_link_ttl"),
     (["--cluster-id", "1", "--idle-link-ttl", "-1"], "idle_link_ttl"),
     (["--cluster-id", "1", "--idle-link-ttl", "nan"], "idle_link_ttl"),
+    (["--cluster-id", "1", "--otlp-traces-endpoint", "collector"], "otlp_traces_endpoint"),
+    (["--cluster-id", "1", "--otlp-traces-endpoint", "grpc://collector:4317"], "otlp_traces_endpoint"),
 ])
 def test_bad_values_name_the_field(args: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -177,3 +179,13 @@ def test_ipv6_literals_are_addresses_wherever_ipv4_ones_are() -> None:
                       "[fd00::1]:7100", "--metrics-listen", "[::1]:9100"], {})
     assert (config.peer_listen, config.advertise_address, config.metrics_listen) == \
         ("[::]:7100", "[fd00::1]:7100", "[::1]:9100")
+
+
+@pytest.mark.parametrize("endpoint", ["collector:4317", "http://127.0.0.1:4317", "https://otel.example:4317",
+                                      "[::1]:4317"])
+def test_traces_endpoint_from_flag_and_env(endpoint: str) -> None:
+    config, _ = load(["--cluster-id", "1", "--insecure-peers", "--otlp-traces-endpoint", endpoint], {})
+    assert config.otlp_traces_endpoint == endpoint
+    config, _ = load(["--cluster-id", "1", "--insecure-peers"], {"KVBROKER_OTLP_TRACES_ENDPOINT": endpoint})
+    assert config.otlp_traces_endpoint == endpoint
+    assert load(["--cluster-id", "1", "--insecure-peers"], {})[0].otlp_traces_endpoint == ""  # off by default

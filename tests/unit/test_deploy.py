@@ -636,3 +636,58 @@ def test_dashboard_metrics_and_labels_are_the_ones_the_daemon_exports(tmp_path: 
             for label, value in re.findall(r'(\w+)!?="([^"$]+)"', t["expr"]):
                 assert any(f'{label}="{value}"' in labels for _, labels in samples), \
                     f"{p['title']}: no series has {label}={value!r}"
+
+
+# ------------------------------------------------------------------------------------------- compose with traces
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of an override file, as far as these files use it: mappings merge key by key, lists of
+    ports and volumes add up, anything else is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        elif isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = [*out[key], *(v for v in value if v not in out[key])]
+        else:
+            out[key] = value
+    return out
+
+
+def test_tracing_compose_validates_alone_and_over_compose_yaml() -> None:
+    schema_file = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    override: dict[str, Any] = yaml.safe_load((DEPLOY / "compose-tracing.yaml").read_text())
+    for doc in (override, _merged(_compose(), override)):
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+        assert not errors, errors
+
+
+def test_tracing_compose_brokers_send_to_the_collector_which_forwards_to_jaeger(tmp_path: Path) -> None:
+    override: dict[str, Any] = yaml.safe_load((DEPLOY / "compose-tracing.yaml").read_text())
+    merged = _merged(_compose(), override)["services"]
+    token = tmp_path / "token"
+    token.write_text("a-token-of-thirty-two-characters")
+    token.chmod(0o600)
+    collector_config = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    grpc_port = collector_config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rpartition(":")[2]
+    names = set()
+    for name in ("broker-a", "broker-b"):
+        service = merged[name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        assert set(env) - {"OTEL_SERVICE_NAME"} <= config.environment_variables()
+        names.add(env["OTEL_SERVICE_NAME"])
+        cfg, _ = config.load([], {**env, "KVBROKER_PEER_TOKEN_FILE": str(token)})  # a valid config (SDK here)
+        assert cfg.otlp_traces_endpoint == f"otel-collector:{grpc_port}"
+        assert service["build"]["args"]["WITH_TRACING"] == "1" and service["build"]["dockerfile"] == "Dockerfile"
+        assert service["depends_on"]["otel-collector"]["condition"] == "service_started"
+        assert "peer-token" in service["depends_on"]  # the base file's dependencies are kept
+    assert len(names) == 2
+    assert "ARG WITH_TRACING=0" in (ROOT / "Dockerfile").read_text()
+    mount = next(v for v in merged["otel-collector"]["volumes"] if v.startswith("./otel-collector.yaml:"))
+    assert mount.split(":")[1] in " ".join(merged["otel-collector"]["command"])
+    exporter = collector_config["service"]["pipelines"]["traces"]["exporters"][0]
+    assert collector_config["exporters"][exporter]["endpoint"].partition(":")[0] == "jaeger"
+    assert "jaeger" in merged

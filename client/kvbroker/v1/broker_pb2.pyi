@@ -1523,10 +1523,18 @@ class SessionPull(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     PULL_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the caller, distinct among the session's pulls in flight; echoed in the pull's completion."""
     timeout_ms: _builtins.int
     """The pull's own deadline, from the moment the daemon reads it, in milliseconds; 0: 60 s."""
+    traceparent: _builtins.str
+    """The W3C trace context of the request this pull serves (a session carries many requests' pulls): with tracing on,
+    the pull's span continues this trace. Used for nothing else; a malformed or oversized one (over 256 and 512
+    characters) is dropped, and the pull starts a trace of its own. Empty: the stream's `traceparent` metadata.
+    """
+    tracestate: _builtins.str
     @_builtins.property
     def pull(self) -> Global___PullKvBlocksRequest:
         """The pull, as PullKvBlocks takes it (with `grant` for granted blocks)."""
@@ -1537,10 +1545,12 @@ class SessionPull(_message.Message):
         id: _builtins.int = ...,
         pull: Global___PullKvBlocksRequest | None = ...,
         timeout_ms: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pull", b"pull"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "pull", b"pull", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "pull", b"pull", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -463,6 +463,7 @@ class RedeemGrantResponse(_message.Message):
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed."""
     instance_epoch: _builtins.str
@@ -471,6 +472,11 @@ class RedeemGrantResponse(_message.Message):
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
     units_per_block: _builtins.int
     """Each granted block stands for this many consecutive blocks of the caches (0 or 1: the blocks themselves)."""
+    traceparent: _builtins.str
+    """The W3C traceparent of the span the grant was made under (CreateGrant's, when the responder traces), so that a
+    pull's span can link to it; empty otherwise. For linking spans only: the caller validates it and drops a
+    malformed one. Added without a protocol bump (an older side ignores or never sends it).
+    """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted caches, in slot order."""
@@ -488,10 +494,11 @@ class RedeemGrantResponse(_message.Message):
         instance_epoch: _builtins.str = ...,
         mac: _builtins.bytes = ...,
         units_per_block: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -541,12 +548,15 @@ class PeerRenewGrantResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed again."""
     mac: _builtins.bytes
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
     units_per_block: _builtins.int
     instance_epoch: _builtins.str
+    traceparent: _builtins.str
+    """As RedeemGrantResponse.traceparent (sent with the rest of what a redemption would answer)."""
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """What a RedeemGrant would answer (the granted caches in slot order, the blocks, units per block) and the
@@ -566,10 +576,11 @@ class PeerRenewGrantResponse(_message.Message):
         blocks: _abc.Iterable[_builtins.int] | None = ...,
         units_per_block: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

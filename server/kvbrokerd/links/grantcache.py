@@ -32,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvbroker.tracecontext import TraceContext
+
 MAX_ENTRIES = 4096
 """Remembered grants per link (a decode node's waiting requests on one prefill daemon; beyond: the least recently
 used is forgotten and its pull redeems)."""
@@ -56,6 +58,15 @@ class Remembered:
     units_per_block: int
     good_until: float
     """time.monotonic() until which the grant surely lives (the stated lease from our send, less SAFETY_S)."""
+    traceparent: str = ""
+    """The span the grant was made under, as its daemon said (validated: a W3C traceparent or empty)."""
+
+
+def _valid_traceparent(traceparent: str) -> str:
+    if not traceparent:
+        return ""
+    parsed = TraceContext.parse(traceparent)
+    return "" if parsed is None else parsed.traceparent
 
 
 def _digest(secret: bytes) -> bytes:
@@ -89,9 +100,10 @@ class GrantCache:
         return ticket
 
     def remember(self, ticket: int, grant_id: bytes, secret: bytes, cache_ids: Sequence[int],
-                 blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int) -> None:
+                 blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int,
+                 traceparent: str = "") -> None:
         """`ticket`: from `asking`, before the call was sent at `sent_at` (time.monotonic()); `expires_in_ms`: the
-        lease the answer stated."""
+        lease the answer stated; `traceparent`: the grant's span, as the answer stated it (kept only if valid)."""
         if self._asking.get(bytes(grant_id)) != ticket:
             return  # released, failed or asked again meanwhile
         del self._asking[bytes(grant_id)]
@@ -100,7 +112,8 @@ class GrantCache:
         if not cache_ids or not blocks or len(blocks) > self.max_blocks or good_until <= time.monotonic():
             return  # an older peer's answer (nothing to remember), a huge grant, or a lease too short to use
         self._entries[bytes(grant_id)] = Remembered(_digest(bytes(secret)), tuple(cache_ids), array.array("Q", blocks),
-                                                    max(1, units_per_block), good_until)
+                                                    max(1, units_per_block), good_until,
+                                                    _valid_traceparent(traceparent))
         self._blocks += len(blocks)
         while len(self._entries) > self.max_entries or self._blocks > self.max_blocks:
             self._drop(next(iter(self._entries)))

@@ -139,7 +139,7 @@ class Link:
             return await self.redeem_grant(grant_id, secret, hold_s, timeout)
         self.grant_answers["remembered"] += 1
         return peer_pb2.RedeemGrantResponse(cache_ids=known.cache_ids, blocks=known.blocks,
-                                            units_per_block=known.units_per_block,
+                                            units_per_block=known.units_per_block, traceparent=known.traceparent,
                                             instance_epoch=self.remote_epoch), known.good_until
 
     async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
@@ -183,7 +183,7 @@ class Link:
             self.check_answer(resp, "RenewGrant", req)
             if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
                 self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
-                                     resp.units_per_block, sent_at, resp.expires_in_ms)
+                                     resp.units_per_block, sent_at, resp.expires_in_ms, resp.traceparent)
             return int(resp.expires_in_ms)
         finally:
             if self.renewing.get(grant_id) is renewal:

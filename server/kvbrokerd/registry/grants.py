@@ -73,6 +73,8 @@ class Grant:
     event_topics: tuple[str, ...]
     units_per_block: int = 1
     """Each granted block stands for this many consecutive blocks of the caches."""
+    traceparent: str = ""
+    """The span CreateGrant ran under (tracing on), which a peer's pull by the grant links to; else empty."""
     holds: dict[object, float] = field(default_factory=dict)
     """Peer link -> time.monotonic() until which that link may read the blocks: a redeemed pull's hold, or the lease
     a renewal's answer stated (the peer may pull until then without redeeming). No end frees the blocks earlier."""
@@ -128,9 +130,10 @@ class GrantTable:
 
     # -- the holder's operations ---------------------------------------------------------------------------------
     def create(self, cache_ids: Sequence[int], blocks: Sequence[int], lease_ms: int, max_hold_ms: int, label: str,
-               event_topics: Sequence[str], num_blocks_of: Callable[[int], int], units_per_block: int = 1
-               ) -> tuple[Grant, bytes]:
-        """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache)."""
+               event_topics: Sequence[str], num_blocks_of: Callable[[int], int], units_per_block: int = 1,
+               traceparent: str = "") -> tuple[Grant, bytes]:
+        """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache). `traceparent`: the span
+        the grant is made under (made by this daemon's tracing: valid and 55 characters), for pulls to link to."""
         units = units_per_block or 1
         if not 1 <= units <= MAX_UNITS_PER_BLOCK:
             param_invalid(f"units_per_block must be in [0, {MAX_UNITS_PER_BLOCK}], got {units_per_block}")
@@ -167,7 +170,7 @@ class GrantTable:
         grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
         now = time.monotonic()
         grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), block_list, lease_s,
-                      now + lease_s, now + hold_s, label, tuple(event_topics), units)
+                      now + lease_s, now + hold_s, label, tuple(event_topics), units, traceparent)
         self._grants[grant_id] = grant
         self.covered_blocks += len(block_list)
         return grant, secret

@@ -14,9 +14,11 @@ from kvbroker import blockruns
 from kvbroker import convert as cv
 from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
 from kvbroker.status import LlmStatus
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd import backends as backend_index
+from kvbrokerd import tracing
 from kvbrokerd.dataplane.pairs import BlockPairs
 from kvbrokerd.errors import LlmError, fail
 from kvbrokerd.limits import MAX_ADDRESS_BYTES, MAX_CACHE_LISTING_BYTES, MAX_LAYOUT_TAG_BYTES, check_text
@@ -33,6 +35,10 @@ from kvbrokerd.transfers.requests import BlocksRequest, CacheRequest, Direction,
 
 log = logging.getLogger(__name__)
 
+SERVICE_NAME = "kvbroker.v1.KvBroker"
+TRACED_RPCS = ("PullKvBlocks", "PushKvBlocks", "PullKvCache", "PushKvCache", "CopyKvBlocks", "TransferKvBlocksBatch",
+               "CreateGrant", "RenewGrant", "ReleaseGrant")
+"""The calls that get a span of their own while tracing is on: those that move or grant blocks."""
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
 
@@ -103,6 +109,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         """Releases of caches whose callers gave up while they were made (kept referenced until they finish)."""
         self._pull_sessions = 0
         """Open PullKvBlocksSession streams (at most MAX_PULL_SESSIONS)."""
+        tracing.trace_rpcs(self, SERVICE_NAME, TRACED_RPCS)
 
     @property
     def _shm_dir(self) -> str:
@@ -269,9 +276,12 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
     async def PullKvBlocksStream(self, request: broker_pb2.PullKvBlocksRequest, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[broker_pb2.PullKvBlocksProgress]:
         result: TransferResult | None = None
+        # A stream has no RPC span of its own (tracing.trace_rpcs wraps unary calls): its transfer continues the
+        # caller's trace itself.
+        trace = None if tracing.tracer is None else TraceContext.from_metadata(context.invocation_metadata())
         try:
             async for item in self.node.transfers.pull_blocks_by_layer(_pull_blocks(request),
-                                                                       time_remaining(context)):
+                                                                       time_remaining(context), trace):
                 if isinstance(item, TransferResult):
                     # Held back until the transfer has ended (and been counted DONE): a caller that closes the
                     # stream as soon as it has the result must not turn a finished pull into a CANCELLED one.
@@ -297,8 +307,11 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             return
         self._pull_sessions += 1
         try:
+            stream_trace = None
+            if tracing.tracer is not None:
+                stream_trace = TraceContext.from_metadata(context.invocation_metadata())
             session = PullSession(self.node.transfers, _pull_blocks, time_remaining(context),
-                                  self.node.max_session_message_pairs)
+                                  self.node.max_session_message_pairs, stream_trace)
             async for msg in session.serve(request_iterator):
                 yield msg
         except LlmError as err:  # a bound that no completion can answer: the stream ends with it
@@ -389,7 +402,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         grant, secret = self.node.grants.create(
             list(request.cache_ids), list(request.blocks), request.lease_ms, request.max_hold_ms, request.label,
             list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0],
-            request.units_per_block)
+            request.units_per_block, "" if tracing.tracer is None else _grant_span(request))
         return broker_pb2.CreateGrantResponse(grant=broker_pb2.GrantRef(grant_id=grant.grant_id, secret=secret),
                                               expires_in_ms=grant.expires_in_ms())
 
@@ -506,3 +519,13 @@ def _wait(context: grpc.aio.ServicerContext) -> float:
         return 10.0
     return max(0.0, min(10.0, remaining - min(0.1, remaining * 0.2)))
 
+
+
+def _grant_span(request: broker_pb2.CreateGrantRequest) -> str:
+    """The traceparent of the span CreateGrant runs under (its RPC's), described for operators; "" if none."""
+    span = tracing.current_span()
+    if span is None:
+        return ""
+    span.set_attributes({"kvbroker.blocks": len(request.blocks), "kvbroker.caches": len(request.cache_ids),
+                         "kvbroker.grant_label": request.label[:tracing.MAX_ATTRIBUTE_CHARS]})
+    return tracing.traceparent_of(span)

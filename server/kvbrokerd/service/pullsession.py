@@ -24,8 +24,10 @@ from collections.abc import AsyncIterator, Callable
 
 from kvbroker import blockruns
 from kvbroker.status import LlmStatus
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import TransferResult
 from kvbroker.v1 import broker_pb2
+from kvbrokerd import tracing
 from kvbrokerd.errors import LlmError
 from kvbrokerd.limits import DEFAULT_SESSION_MESSAGE_PAIRS
 from kvbrokerd.service.errors import report_to_pb
@@ -51,8 +53,11 @@ class PullSession:
     """One PullKvBlocksSession stream: reads pulls, starts each message's as one step, streams completions."""
 
     def __init__(self, transfers: TransferManager, parse: Callable[[broker_pb2.PullKvBlocksRequest], BlocksRequest],
-                 stream_timeout: float | None, max_message_pairs: int = DEFAULT_SESSION_MESSAGE_PAIRS) -> None:
+                 stream_timeout: float | None, max_message_pairs: int = DEFAULT_SESSION_MESSAGE_PAIRS,
+                 stream_trace: TraceContext | None = None) -> None:
+        """`stream_trace`: the trace context of the stream's metadata (tracing on), for pulls that carry none."""
         self._transfers = transfers
+        self._stream_trace = stream_trace
         self._parse = parse
         self._stream_timeout = stream_timeout
         self._max_message_pairs = max_message_pairs
@@ -158,7 +163,10 @@ class PullSession:
                 continue
             ids.append(p.id)
             seen.add(p.id)
-            pulls.append(StepPull(request, self._timeout(p.timeout_ms)))
+            trace = None
+            if tracing.tracer is not None:
+                trace = TraceContext.parse(p.traceparent, p.tracestate) if p.traceparent else self._stream_trace
+            pulls.append(StepPull(request, self._timeout(p.timeout_ms), trace))
         for pull_id, fut in zip(ids, start_step(self._transfers, pulls), strict=True):
             self._in_flight[pull_id] = fut
             fut.add_done_callback(functools.partial(self._done, pull_id))

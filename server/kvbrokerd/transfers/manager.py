@@ -19,7 +19,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import TransferResult
+from kvbrokerd import tracing
 from kvbrokerd.backends.common.localcopy import LocalCopyChannel
 from kvbrokerd.dataplane import blocklocks
 from kvbrokerd.dataplane.pairs import block_array
@@ -60,10 +62,12 @@ class TransferManager:
         return await self.pipeline.prepare_one(direction, req, deadline)
 
     async def prepare_cache(self, direction: Direction, req: CacheRequest, deadline: Deadline) -> Job:
-        local, link, remote = await self.pipeline.endpoints(direction, req.remote_cluster_id, req.remote_cache_id,
-                                                            req.local_cache_id, deadline)
+        with tracing.stage(deadline.span, "endpoints"):
+            local, link, remote = await self.pipeline.endpoints(direction, req.remote_cluster_id,
+                                                                req.remote_cache_id, req.local_cache_id, deadline)
         src, dst = (remote.desc, local.desc) if direction == Direction.PULL else (local.desc, remote.desc)
-        plan = plan_cache(src, dst, req.src_batch_index, req.dst_batch_index, req.size, req.layers)
+        with tracing.stage(deadline.span, "plan"):
+            plan = plan_cache(src, dst, req.src_batch_index, req.dst_batch_index, req.size, req.layers)
         return Job(direction, plan, req.local_cache_id, channel_of(link), remote, link)
 
     def prepare_copy(self, src_cache_id: int, dst_cache_id: int, src_blocks: Sequence[int],
@@ -87,8 +91,9 @@ class TransferManager:
         # A copy is a pull from this daemon itself.
         return Job(Direction.PULL, plan, dst_cache_id, self._local, LocalCopyChannel.describe(src))
 
-    def track(self, op: str, peer: int | str, timeout: float | None) -> Tracked:
-        return Tracked(self.metrics, op, str(peer), Deadline(timeout))
+    def track(self, op: str, peer: int | str, timeout: float | None,
+              trace_context: TraceContext | None = None) -> Tracked:
+        return Tracked(self.metrics, op, str(peer), Deadline(timeout), trace_context)
 
     async def execute(self, job: Job, t: Tracked) -> TransferResult:
         t.started(job.backend)
@@ -111,10 +116,11 @@ class TransferManager:
         with self.track("copy_blocks", "local", timeout) as t:
             return await self.execute(self.prepare_copy(src_cache_id, dst_cache_id, src_blocks, dst_blocks_list), t)
 
-    async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None
+    async def pull_blocks_by_layer(self, req: BlocksRequest, timeout: float | None,
+                                   trace_context: TraceContext | None = None
                                    ) -> AsyncIterator[tuple[int, int] | TransferResult]:
         """Yields (destination layer, bytes) as each layer lands, then the TransferResult."""
-        with self.track("pull_blocks_stream", req.remote_cluster_id, timeout) as t:
+        with self.track("pull_blocks_stream", req.remote_cluster_id, timeout, trace_context) as t:
             job = await self.prepare_blocks(Direction.PULL, req, t.deadline)
             t.started(job.backend)
             completed: list[int] = []

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvbroker.status import make_error
 from kvbroker.types import CacheDesc
+from kvbrokerd import tracing
 from kvbrokerd.dataplane.pairs import BlockPairs, TooLongForTheLoop
 from kvbrokerd.dataplane.plan import Plan
 from kvbrokerd.dataplane.seam import PeerChannel, RemoteCache
@@ -129,7 +130,8 @@ class Pipeline:
     async def _redeem(self, t: Transfer) -> None:
         if self._check(t):
             try:
-                t.request = await self._redeemed(t.direction, t.request, t.deadline)
+                with tracing.stage(t.deadline.span, "redeem"):
+                    t.request = await self._redeemed(t.direction, t.request, t.deadline)
             except LlmError as e:
                 t.error = e
 
@@ -155,6 +157,8 @@ class Pipeline:
         deadline.when_over(link.readers.begin(claim.grant_id, deadline.at))
         granted, lives_until = await link.granted(claim.grant_id, claim.secret, deadline.remaining() + HOLD_MARGIN_S,
                                                   deadline.remaining())  # a renewal's answer, or a RedeemGrant
+        if deadline.span is not None and granted.traceparent:  # the span the grant was made under (CreateGrant's)
+            tracing.link(deadline.span, granted.traceparent, **{"kvbroker.link": "grant"})
         if lives_until < deadline.at:  # the grant's cap is near: the pull must end before it (its fence stops it)
             if lives_until - time.monotonic() < MIN_GRANTED_PULL_S:
                 fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"the grant ends in "
@@ -193,9 +197,10 @@ class Pipeline:
         first = group[0]
         r = first.request
         try:
-            local, link, remote = await self.endpoints(first.direction, r.remote_cluster_id, r.remote_cache_id,
-                                                       r.local_cache_id, min((t.deadline for t in group),
-                                                                             key=lambda d: d.at))
+            with tracing.stage(first.deadline.span, "endpoints"):
+                local, link, remote = await self.endpoints(first.direction, r.remote_cluster_id, r.remote_cache_id,
+                                                           r.local_cache_id, min((t.deadline for t in group),
+                                                                                 key=lambda d: d.at))
         except LlmError as e:
             for t in group:  # each its own error: each is answered (and its details amended) on its own
                 t.error = e if len(group) == 1 else make_error(e.status, e.message, dict(e.details))
@@ -209,7 +214,8 @@ class Pipeline:
         jobs = []
         for chunk in _chunks(group, local.desc.block_nbytes * local.desc.num_tensors, self._max_group_bytes):
             try:
-                plan = await self.plan(src, dst, BlockPairs.joined([t.request.pairs for t in chunk]), r.layers)
+                with tracing.stage(chunk[0].deadline.span, "plan"):
+                    plan = await self.plan(src, dst, BlockPairs.joined([t.request.pairs for t in chunk]), r.layers)
             except LlmError as e:
                 if len(chunk) == 1:
                     chunk[0].error = e

@@ -13,10 +13,12 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Callable
 
+from kvbrokerd import tracing
 from kvbrokerd.dataplane import blocklocks
 from kvbrokerd.dataplane.plan import Plan, Progress
 from kvbrokerd.dataplane.seam import PeerChannel
@@ -69,11 +71,12 @@ class JobRunner:
             return await self._run(job, deadline, transfer_id, plan, on_loop, inline)
         gate = self._gate_of(channel)
         try:
-            async with asyncio.timeout(deadline.remaining()):
-                await gate.acquire()
+            with tracing.stage(deadline.span, "turn"):
+                async with asyncio.timeout(deadline.remaining()):
+                    await gate.acquire()
         except TimeoutError:
             err = LlmError(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} waited for its turn past its deadline")
-            self._on_failure(job, err, transfer_id, Progress(plan))
+            self._on_failure(job, err, transfer_id, Progress(plan), deadline)
             raise err from None
         try:
             return await self._run(job, deadline, transfer_id, plan, False, False)
@@ -99,10 +102,11 @@ class JobRunner:
                  f"{self.max_inflight_bytes} ({self.inflight_bytes} in flight); retry later or split the request")
         progress = Progress(plan)
         try:
-            claim = await self._claim_destination(job, plan, deadline, transfer_id)
+            with tracing.stage(deadline.span, "claim"):
+                claim = await self._claim_destination(job, plan, deadline, transfer_id)
         except LlmError as e:
             if e.status == LlmStatus.LLM_TIMEOUT:  # waited for its turn past the deadline: report every block
-                self._on_failure(job, e, transfer_id, progress)
+                self._on_failure(job, e, transfer_id, progress, deadline)
             raise
         pinned: list[CacheEntry] = []
         try:
@@ -113,6 +117,12 @@ class JobRunner:
                 self._registry.unpin(entry)
             self._block_locks.release(claim)
             raise
+        copying = None
+        if deadline.span is not None:
+            deadline.span.set_attribute("kvbroker.blocks", plan.num_dst_blocks)
+            copying = tracing.open_stage(deadline.span, "copy", {
+                "kvbroker.backend": job.backend, "kvbroker.bytes": plan.total_bytes,
+                "kvbroker.blocks": plan.num_dst_blocks})
         work: asyncio.Future[int]
         if on_loop:
             work = asyncio.ensure_future(job.channel.pull_on_loop(job.remote, pinned[0], plan, progress,
@@ -136,7 +146,7 @@ class JobRunner:
                 fail(LlmStatus.LLM_TIMEOUT, f"transfer {transfer_id} passed its deadline")
             return work.result()
         except LlmError as e:
-            self._on_failure(job, e, transfer_id, progress)
+            self._on_failure(job, e, transfer_id, progress, deadline)
             raise
         except asyncio.CancelledError:
             # The caller cancelled or disconnected: stop moving bytes for it.
@@ -147,6 +157,9 @@ class JobRunner:
             log.info("cancelled by the caller")
             raise
         finally:
+            if copying is not None:
+                tracing.close_stage(copying, sys.exc_info()[1])
+
             def release(_: object = None) -> None:
                 self.in_flight -= 1
                 self.inflight_bytes -= plan.total_bytes
@@ -185,7 +198,13 @@ class JobRunner:
             return lambda: channel.pull(remote, local, plan, progress, deadline.at)
         return lambda: channel.push(local, remote, plan, progress, deadline.at)
 
-    def _on_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress) -> None:
+    def _on_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress, deadline: Deadline) -> None:
+        with tracing.stage(deadline.span, "report", **{"kvbroker.status": e.status.name}) as span:
+            self._report_failure(job, e, transfer_id, progress)
+            if span is not None:
+                span.set_attribute("kvbroker.failed_blocks", len(e.details["transfer_report"].failed_dst_blocks))
+
+    def _report_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress) -> None:
         if job.link is not None:
             if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST:
                 job.link.forget_cache(job.remote.cache_id)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbroker.status import make_error
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import TransferResult
 from kvbrokerd.errors import LlmError
 from kvbrokerd.logs import LOG_CONTEXT
@@ -39,6 +40,8 @@ class StepPull:
 
     request: BlocksRequest
     timeout: float | None
+    trace_context: TraceContext | None = None
+    """The trace of the request the pull serves (tracing on), which its span continues."""
 
 
 @dataclass(eq=False)
@@ -86,7 +89,7 @@ def start_step(manager: TransferManager, pulls: Sequence[StepPull]) -> list[asyn
     loop = asyncio.get_running_loop()
     members = []
     for p in pulls:
-        tracked = manager.track("pull_blocks", p.request.remote_cluster_id, p.timeout)
+        tracked = manager.track("pull_blocks", p.request.remote_cluster_id, p.timeout, p.trace_context)
         members.append(_Member(p, tracked, loop.create_future(),
                                Transfer(Direction.PULL, p.request, tracked.deadline, share=p.timeout)))
     task = asyncio.ensure_future(_step(manager, members))

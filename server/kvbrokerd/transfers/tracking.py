@@ -10,11 +10,17 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
+from kvbroker.tracecontext import TraceContext
+from kvbrokerd import tracing
 from kvbrokerd.errors import LlmError
 from kvbrokerd.logs import LOG_CONTEXT
 from kvbrokerd.metrics import Metrics
 from kvbrokerd.transfers.reports import TransferReport
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +30,12 @@ MAX_REPLY_MARGIN_S = 0.25
 
 
 class Deadline:
-    """The caller's deadline, minus a margin so that the caller gets our report instead of a bare timeout."""
+    """The caller's deadline, minus a margin so that the caller gets our report instead of a bare timeout.
+
+    It travels with the request through every stage, and so carries the request's span too (`span`: None unless
+    tracing is on; the stages put theirs under it, tracing.stage)."""
+
+    span: Span | None = None
 
     def __init__(self, timeout: float | None) -> None:
         budget = DEFAULT_DEADLINE_S if timeout is None else timeout
@@ -58,7 +69,10 @@ class Tracked:
     """One transfer request from arrival to its terminal state: its id and log context (every log line of the
     transfer carries them, threads included), and its metrics (outcome, bytes, queue and wire time)."""
 
-    def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline) -> None:
+    def __init__(self, metrics: Metrics | None, op: str, peer: str, deadline: Deadline,
+                 trace_context: TraceContext | None = None) -> None:
+        """`trace_context`: the caller's, where it came with the request itself (a session's pull) rather than with
+        the call (then the current span, its RPC's, is the parent)."""
         self.id = f"{_ID_PREFIX}{next(_ID_COUNTER):06x}"
         self.op, self.peer, self.deadline = op, peer, deadline
         self.backend = "none"
@@ -67,6 +81,8 @@ class Tracked:
         self._arrived = time.monotonic()
         self._wire_started: float | None = None
         self._token: contextvars.Token[Mapping[str, str]] | None = None
+        if tracing.tracer is not None:
+            deadline.span = tracing.transfer_span(op, peer, trace_context)
 
     def started(self, backend: str) -> None:
         """Validation and planning are over: data starts to move over `backend`."""
@@ -91,9 +107,13 @@ class Tracked:
             outcome = "DONE"
         now = time.monotonic()
         wire_started = self._wire_started or now
+        span = self.deadline.span
         if self._metrics is not None:
             self._metrics.observe(self.op, self.backend, self.peer, outcome, self.moved,
-                                  wire_started - self._arrived, now - wire_started)
+                                  wire_started - self._arrived, now - wire_started,
+                                  None if span is None else tracing.sampled_trace_id(span))
+        if span is not None:
+            tracing.end_transfer(span, self.id, self.backend, self.moved, outcome)
         if outcome not in ("DONE", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST", "LLM_NOT_YET_LINK"):
             log.info("ended %s after %.1f ms (%d bytes moved)", outcome, (now - self._arrived) * 1e3, self.moved)
         if self._token is not None:
