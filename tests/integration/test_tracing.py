@@ -239,9 +239,12 @@ def test_a_failed_pull_and_a_layer_wise_pull_are_traced_with_their_status(traced
                               on_layer=layers.append)
     assert layers
     r = traced.receiver
-    spans = wait_until(lambda: [s for s in r.of(parent.trace_id) if s.name.startswith("transfer")]
-                       if len(r.of(parent.trace_id)) >= 4 else [], what="the spans of both pulls")
-    by_op = {s.attributes["kvbroker.op"]: s for s in spans}
+
+    def both() -> dict[object, Span]:
+        ops = {s.attributes["kvbroker.op"]: s for s in r.of(parent.trace_id) if s.name.startswith("transfer")}
+        return ops if {"pull_blocks", "pull_blocks_stream"} <= ops.keys() else {}
+
+    by_op = wait_until(both, what="the spans of both pulls")  # each exported when its batch is
     failed = by_op["pull_blocks"]
     assert failed.attributes["kvbroker.status"] == "LLM_NOT_YET_LINK"
     rpc = next(s for s in r.of(parent.trace_id) if s.span_id == failed.parent)
