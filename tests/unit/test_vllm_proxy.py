@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvbroker.integrations.vllm_proxy import PdProxy, ProxyConfig, Upstream, _parse_args, count_json_values
+from kvbroker.tracecontext import TraceContext
 from tests.helpers import comes_true, wait_until
 
 KV_PARAMS = {
@@ -1048,3 +1049,48 @@ def test_every_setting_of_the_proxy_is_a_flag_with_its_default() -> None:
         doubled += ["--" + f.name.replace("_", "-"), str(f.default * 2)]  # type: ignore[operator]
     config = _parse_args(doubled)[1]
     assert all(getattr(config, f.name) == f.default * 2 for f in settings)  # type: ignore[operator]
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_clients_trace_reaches_both_servers_and_their_kv_transfer_params(serve: Any, ratio: float) -> None:
+    """A valid `traceparent` goes on to both servers (their own spans join it) and, in `kv_transfer_params`, to both
+    connectors (the prefill's grant and the decode's pull join it), whatever the proxy's own ratio."""
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([p.url], [d.url], trace_ratio=ratio), "127.0.0.1", 0).start() as proxy:
+        status, _ = post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"},
+                         {"traceparent": TRACEPARENT, "tracestate": "k=v"})
+    assert status == 200
+    ((_, p_headers, p_body),) = p.requests
+    ((_, d_headers, d_body),) = d.requests
+    for headers in (p_headers, d_headers):
+        assert (headers["traceparent"], headers["tracestate"]) == (TRACEPARENT, "k=v")
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "kvbroker_traceparent": TRACEPARENT,
+                                            "kvbroker_tracestate": "k=v"}
+    assert d_body["kv_transfer_params"] == {**KV_PARAMS, "kvbroker_traceparent": TRACEPARENT,
+                                            "kvbroker_tracestate": "k=v"}
+
+
+@pytest.mark.parametrize("traceparent", ["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", "x" * 5000,
+                                         "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"])
+def test_a_malformed_trace_is_dropped_and_without_a_ratio_no_trace_is_made(serve: Any, traceparent: str) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with proxy_for(p.url, d.url) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"}, {"traceparent": traceparent})[0] == 200
+    for server in (p, d):
+        ((_, headers, body),) = server.requests
+        assert "traceparent" not in headers and "kvbroker_traceparent" not in body["kv_transfer_params"]
+
+
+def test_with_a_ratio_of_one_the_proxy_starts_one_sampled_trace_for_both_legs(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([p.url], [d.url], trace_ratio=1.0), "127.0.0.1", 0).start() as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+    started = p.requests[0][1]["traceparent"]
+    context = TraceContext.parse(started)
+    assert context is not None and context.sampled
+    assert d.requests[0][1]["traceparent"] == started
+    assert p.requests[0][2]["kv_transfer_params"]["kvbroker_traceparent"] == started
+    assert d.requests[0][2]["kv_transfer_params"]["kvbroker_traceparent"] == started

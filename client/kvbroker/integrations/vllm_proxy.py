@@ -37,12 +37,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import re
+import secrets
 import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any
@@ -56,11 +58,16 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "kvbroker's P/D proxy needs aiohttp: pip install 'kvbroker[proxy]'"
     ) from _exc
 
+from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
+
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
 
 PD_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEALTH_ROUTES = ("/health", "/healthz")
 REQUEST_ID_HEADER = "X-Request-Id"
+TRACE_PARAM = "kvbroker_traceparent"
+TRACE_STATE_PARAM = "kvbroker_tracestate"
+"""`kv_transfer_params` keys of the request's trace context (integrations/vllm/params.py reads them)."""
 SERVER_NAME = "kvbroker-pd-proxy"
 # The client header a vLLM server acts on besides the request id (which the proxy makes itself): its API key.
 _FORWARDED_HEADERS = ("Authorization",)
@@ -149,6 +156,10 @@ class ProxyConfig:
     health_timeout: float = _setting(2.0, "seconds a health check may take")
     eject_after: int = _setting(
         3, "failed health checks or requests in a row after which a server gets no requests until a check passes")
+    trace_ratio: float = _setting(
+        0.0, "share of requests that come without a W3C traceparent for which the proxy starts a sampled trace, "
+        "passed to both servers and their daemons (0: none; a valid traceparent a client sends is always passed on)",
+        zero_allowed=True)
 
 
 class UpstreamError(Exception):
@@ -201,12 +212,12 @@ class _ClientStalled(Exception):
     """The client did not take a piece of the answer within `client_timeout`."""
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
-    answer with one token and where the KV is."""
+    answer with one token and where the KV is (and, with a trace, the trace its grant is made under)."""
     dropped = _STRIPPED_FIELDS + _PREFILL_DROPPED_FIELDS
     request = {key: value for key, value in body.items() if key not in dropped}
-    request["kv_transfer_params"] = {"do_remote_decode": True}
+    request["kv_transfer_params"] = {"do_remote_decode": True, **_trace_params(trace)}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
@@ -214,11 +225,29 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
+                trace: TraceContext | None = None) -> dict[str, Any]:
     request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
     if kv_transfer_params is not None:
-        request["kv_transfer_params"] = kv_transfer_params
+        request["kv_transfer_params"] = {**kv_transfer_params, **_trace_params(trace)}
     return request
+
+
+def request_trace(headers: Mapping[str, str], ratio: float) -> TraceContext | None:
+    """The trace a request belongs to: the client's (a valid `traceparent`; anything else is dropped), else a new
+    one for `ratio` of requests (sampled: the servers and daemons that trace record it), else none."""
+    client = TraceContext.parse(headers.get(TRACEPARENT), headers.get(TRACESTATE))
+    if client is not None or ratio <= 0 or random.random() >= ratio:
+        return client
+    return TraceContext(f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01")
+
+
+def _trace_params(trace: TraceContext | None) -> dict[str, str]:
+    """The trace as `kv_transfer_params` carry it to the connector (which passes it to its daemon: the prefill's
+    grant and the decode's pull then join the request's trace)."""
+    if trace is None:
+        return {}
+    return {TRACE_PARAM: trace.traceparent, **({TRACE_STATE_PARAM: trace.tracestate} if trace.tracestate else {})}
 
 
 def single_sequence_problem(path: str, body: dict[str, Any]) -> str | None:
@@ -537,16 +566,19 @@ class PdProxy:
         headers[REQUEST_ID_HEADER] = request_id
         if (client_id := request.headers.get(REQUEST_ID_HEADER)) is not None:
             _log.info("%s: the client's X-Request-Id is %.200r", request_id, client_id)
+        trace = request_trace(request.headers, self.config.trace_ratio)
+        if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
+            headers.update(trace.metadata())
         wants_stream = bool(body.get("stream", False))
 
         started = time.perf_counter()
-        prefill_request = await self._encode(prefill_body(body), body_size)
+        prefill_request = await self._encode(prefill_body(body, trace), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
         prefilled = time.perf_counter()
 
         decode = self._decode_pool.pick()
         assert decode is not None
-        decode_request = await self._encode(decode_body(body, kv_params), body_size)
+        decode_request = await self._encode(decode_body(body, kv_params, trace), body_size)
         answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id)
         _log.info(
             "%s %s: prefill %.1f ms on %s, decode %.1f ms on %s",
