@@ -463,6 +463,8 @@ class RedeemGrantResponse(_message.Message):
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    VIEW_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    VIEW_UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed."""
     instance_epoch: _builtins.str
@@ -471,6 +473,7 @@ class RedeemGrantResponse(_message.Message):
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
     units_per_block: _builtins.int
     """Each granted block stands for this many consecutive blocks of the caches (0 or 1: the blocks themselves)."""
+    view_units_per_block: _builtins.int
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted caches, in slot order."""
@@ -478,6 +481,10 @@ class RedeemGrantResponse(_message.Message):
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted blocks, in order."""
+
+    @_builtins.property
+    def view_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The grant's views (CreateGrantRequest.view_cache_ids), in slots len(cache_ids) onwards, and their units."""
 
     def __init__(
         self,
@@ -488,10 +495,12 @@ class RedeemGrantResponse(_message.Message):
         instance_epoch: _builtins.str = ...,
         mac: _builtins.bytes = ...,
         units_per_block: _builtins.int = ...,
+        view_cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        view_units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block", "view_cache_ids", b"view_cache_ids", "view_units_per_block", b"view_units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -541,12 +550,15 @@ class PeerRenewGrantResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
+    VIEW_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    VIEW_UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed again."""
     mac: _builtins.bytes
     """HMAC-SHA256 under the link's secret of this answer (without this field), bound to the request's LinkProof."""
     units_per_block: _builtins.int
     instance_epoch: _builtins.str
+    view_units_per_block: _builtins.int
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """What a RedeemGrant would answer (the granted caches in slot order, the blocks, units per block) and the
@@ -557,6 +569,10 @@ class PeerRenewGrantResponse(_message.Message):
 
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def view_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in RedeemGrantResponse."""
+
     def __init__(
         self,
         *,
@@ -566,10 +582,12 @@ class PeerRenewGrantResponse(_message.Message):
         blocks: _abc.Iterable[_builtins.int] | None = ...,
         units_per_block: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
+        view_cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        view_units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "units_per_block", b"units_per_block", "view_cache_ids", b"view_cache_ids", "view_units_per_block", b"view_units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -56,6 +56,8 @@ class Remembered:
     units_per_block: int
     good_until: float
     """time.monotonic() until which the grant surely lives (the stated lease from our send, less SAFETY_S)."""
+    view_cache_ids: tuple[int, ...] = ()
+    view_units_per_block: int = 1
 
 
 def _digest(secret: bytes) -> bytes:
@@ -89,7 +91,8 @@ class GrantCache:
         return ticket
 
     def remember(self, ticket: int, grant_id: bytes, secret: bytes, cache_ids: Sequence[int],
-                 blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int) -> None:
+                 blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int, *,
+                 view_cache_ids: Sequence[int] = (), view_units_per_block: int = 1) -> None:
         """`ticket`: from `asking`, before the call was sent at `sent_at` (time.monotonic()); `expires_in_ms`: the
         lease the answer stated."""
         if self._asking.get(bytes(grant_id)) != ticket:
@@ -100,7 +103,8 @@ class GrantCache:
         if not cache_ids or not blocks or len(blocks) > self.max_blocks or good_until <= time.monotonic():
             return  # an older peer's answer (nothing to remember), a huge grant, or a lease too short to use
         self._entries[bytes(grant_id)] = Remembered(_digest(bytes(secret)), tuple(cache_ids), array.array("Q", blocks),
-                                                    max(1, units_per_block), good_until)
+                                                    max(1, units_per_block), good_until,
+                                                    tuple(view_cache_ids), max(1, view_units_per_block))
         self._blocks += len(blocks)
         while len(self._entries) > self.max_entries or self._blocks > self.max_blocks:
             self._drop(next(iter(self._entries)))
