@@ -157,3 +157,28 @@ def test_the_prefill_grant_covers_each_ranks_view_in_its_units(tmp_path: Any) ->
         assert side.layout is not None and not side.layout.token_view
         assert "remap=-" in side.endpoints[0].layout_tag
         side.shutdown()
+
+
+def test_a_daemon_that_makes_no_view_leaves_the_engine_without_remaps() -> None:
+    """A daemon that predates views ignores `view_of` and allocates new memory: the worker sees that the "view" is
+    not over its cache's memory, gives it back, and its tag offers no token view (remaps with it are refused by
+    field, never pulled into memory vLLM does not read)."""
+    pytest.importorskip("torch", reason="the connector's worker side needs torch (vLLM's KV tensors)")
+    from kvbroker.integrations.vllm.worker import WorkerSide
+
+    freed: list[int] = []
+    cache = SimpleNamespace(cache_id=10, record=SimpleNamespace(tensors=("kvbroker-x-c10",)))
+    elsewhere = SimpleNamespace(cache_id=11, record=SimpleNamespace(tensors=("kvbroker-x-c11",)))
+    worker = WorkerSide(ConnectorConfig(target="unix:///nonexistent.sock"), "engine", 0, _engine(32))
+    worker.client = SimpleNamespace(allocate_cache=lambda desc, view_of: elsewhere,  # type: ignore[assignment]
+                                    deallocate_cache=lambda cache_id, timeout: freed.append(cache_id))
+    worker.cache = cache  # type: ignore[assignment]
+    worker._open_view()
+    assert worker.view is None and freed == [11] and not worker.layout.token_view
+    assert "remap=-" in worker.layout.tag()
+    worker.client = SimpleNamespace(allocate_cache=lambda desc, view_of: SimpleNamespace(  # type: ignore[assignment]
+        cache_id=12, record=SimpleNamespace(tensors=cache.record.tensors)))
+    worker.layout = _engine(32)
+    worker._open_view()
+    assert worker.view is not None and worker.view.cache_id == 12 and worker.layout.token_view
+    worker.loads.close()

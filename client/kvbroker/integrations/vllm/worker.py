@@ -15,6 +15,7 @@ restarts (a new instance epoch) every hold made before is freed at once (its gra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -191,7 +192,8 @@ class WorkerSide:
             # A daemon that predates views ignores view_of and allocates new memory: never use that.
             log.warning("kvbroker connector: the daemon does not make views of a cache (older kvbrokerd); pulls "
                         "between engines of different block sizes are refused")
-            self.client.deallocate_cache(view.cache_id, timeout=5.0)
+            with contextlib.suppress(LlmError):  # (else its lease frees it)
+                self.client.deallocate_cache(view.cache_id, timeout=5.0)
             view = None
         self.view = view
         if view is None:
@@ -322,11 +324,12 @@ class WorkerSide:
             return self.layout, [PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, dst,
                                           tuple(spec.local_blocks), first_block=spec.first_block,
                                           ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout)]
-        settled = settle(self.layout, layout_of_tag(remote.layout_tag))
+        described = layout_of_tag(remote.layout_tag)
+        settled = settle(self.layout, described)
         assert settled is not None  # (refusal settled them)
         mine, theirs = settled
         # Their token view's slots follow their caches' in the grant; ours is another cache of the same memory.
-        first_slot = remote.tp_size if theirs.token_units and not layout_of_tag(remote.layout_tag).token_units else 0
+        first_slot = described.tp_size if theirs.token_units and not described.token_units else 0
         if mine.token_units and not self.layout.token_units:
             assert self.view is not None  # (no view: the tag says no remap, and refusal refused)
             dst = self.view.cache_id
