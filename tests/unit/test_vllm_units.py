@@ -104,6 +104,9 @@ def test_a_remap_with_an_engine_without_token_units_is_refused_by_field() -> Non
         "none)")
     units = refusal(dataclasses.replace(_engine(32), token_view=False), _engine(32, token_units=True).tag())
     assert units is not None and units.field == "units" and "local head vs remote token16" in units.message
+    # Token units of different sizes (an existing config of blocks of 8 and one of 16) do not meet.
+    eight = refusal(_engine(16, token_units=True), _engine(8, token_units=True).tag())
+    assert eight is not None and eight.field == "block" and "local token16, remote token8" in eight.message
     # AMX blocks are cut in tiles of 16 tokens: a token view of 8-token units cannot meet one.
     amx = dataclasses.replace(_engine(32), memory=MEMORY_CPU_AMX)
     assert refusal(amx, dataclasses.replace(_engine(8), memory=MEMORY_CPU_AMX).tag()) is not None

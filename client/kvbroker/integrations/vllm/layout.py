@@ -222,9 +222,14 @@ class KvLayout:
         return self if self.token_units else dataclasses.replace(self, token_units=True, token_view=False)
 
     @property
+    def units(self) -> str:
+        """How the daemon addresses the cache: "head", or "token<chunk_tokens>" (the tag's `units`)."""
+        return f"token{self.chunk_tokens}" if self.token_units else "head"
+
+    @property
     def remap_units(self) -> str:
         """The token units a block-size remap can use here ("" when none: a GPU engine, a layout moved whole)."""
-        return self.token_layout().fields()["units"] if self.token_units or self.token_view else ""
+        return f"token{self.chunk_tokens}" if self.token_units or self.token_view else ""
 
     @property
     def grant_units(self) -> int:
@@ -236,7 +241,7 @@ class KvLayout:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
                 "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
-                "units": f"token{self.chunk_tokens}" if self.token_units else "head", "groups": self.groups,
+                "units": self.units, "groups": self.groups,
                 "state": self.state or "-", "remap": f"token{self.chunk_tokens}" if self.token_view else "-",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes)}

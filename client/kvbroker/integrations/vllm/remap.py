@@ -64,7 +64,7 @@ def settle(ours: KvLayout, remote: KvLayout) -> tuple[KvLayout, KvLayout] | None
     """The layouts a pull between these engines addresses, (ours, theirs), in the same units on both sides: the
     caches themselves where they are addressed alike and the blocks are the same size (or both in token units), else
     both sides' token units; None when one side has none (its blocks move whole)."""
-    if ours.token_units == remote.token_units and (ours.token_units or ours.block_size == remote.block_size):
+    if ours.units == remote.units and (ours.token_units or ours.block_size == remote.block_size):
         return ours, remote
     if ours.remap_units and ours.remap_units == remote.remap_units:
         return ours.token_layout(), remote.token_layout()
@@ -109,10 +109,13 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
                                 f"{ours.memory} layout move whole, between equal block sizes only)")
     settled = settle(ours, remote)
     if settled is None:
-        name = "block" if small != large else "units"
         local_units, remote_units = ours.remap_units or "none", remote.remap_units or "none"
-        return Refusal(name, f"{name}: local {ours.fields()[name]} vs remote {remote.fields()[name]} (a block-size "
-                             f"remap needs token units on both engines: local {local_units}, remote {remote_units})")
+        if small != large:
+            return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (a block-size "
+                                    f"remap needs token units on both engines: local {local_units}, remote "
+                                    f"{remote_units})")
+        return Refusal("units", f"units: local {ours.units} vs remote {remote.units} (no units both engines "
+                                f"address: token units local {local_units}, remote {remote_units})")
     addressed, remote = settled
     if addressed.token_units and addressed.memory == MEMORY_CPU_AMX and AMX_TILE_TOKENS not in (
             addressed.chunk_tokens, remote.chunk_tokens):
