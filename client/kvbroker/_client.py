@@ -405,13 +405,16 @@ class _Calls:
         return _Call("Ping", broker_pb2.PingRequest(), _nothing, timeout)
 
     @_rpc(session=True)
-    def allocate_cache(self, desc: CacheDesc, *, timeout: float | None = None) -> _Call[Cache]:
+    def allocate_cache(self, desc: CacheDesc, *, view_of: CacheRef | None = None,
+                       timeout: float | None = None) -> _Call[Cache]:
         """Allocates daemon-owned shared memory for a cache and maps it in this process.
 
         The cache belongs to this client's session (see `lease_ttl`); the first such call starts the keep-alive.
 
         Args:
             desc: the cache's tensors: how many, their shape (blocks first) and data type.
+            view_of: no new memory: the cache is another view of the memory of this cache, which this session
+                allocated (the same tensors of the same bytes, cut into other blocks); released on its own.
             timeout: deadline in seconds (default: the client's `timeout`).
 
         Returns:
@@ -423,7 +426,8 @@ class _Calls:
             OSError: the cache's shared memory could not be mapped here.
             LlmError: any other failure, as the subclass of its status (LLM_FAILED: the daemon is unreachable).
         """
-        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id)
+        req = broker_pb2.AllocateCacheRequest(desc=cv.desc_to_pb(desc), session_id=self.session_id,
+                                              view_of=0 if view_of is None else _cache_id(view_of))
         return _Call("AllocateCache", req, self._adopt, timeout)
 
     @_rpc()
@@ -581,6 +585,7 @@ class _Calls:
     @_rpc()
     def create_grant(self, cache_ids: Sequence[int], blocks: Sequence[int], lease: float, *, max_hold: float = 0.0,
                      label: str = "", event_topics: Sequence[str] = (), units_per_block: int = 1,
+                     view_cache_ids: Sequence[int] = (), view_units_per_block: int = 1,
                      timeout: float | None = None, trace_context: TraceContext | None = UNSET) -> _Call[Grant]:
         """Grants linked peers the right to pull `blocks` of local caches `cache_ids` (e.g. a finished prefill
         request's KV, one cache per TP rank) for `lease` seconds unless renewed.
@@ -595,6 +600,10 @@ class _Calls:
                 the notification's cluster_id is this daemon's own).
             units_per_block: each granted block stands for this many consecutive blocks of the caches (block b:
                 b * units_per_block onwards), e.g. an engine block addressed in finer units; 1..65536.
+            view_cache_ids: the same blocks in these caches too (views of the caches' memory: `allocate_cache`'s
+                `view_of`), in slots len(cache_ids) onwards, each granted block standing for `view_units_per_block`
+                of their blocks. A peer daemon that predates them reads only `cache_ids`.
+            view_units_per_block: 1..65536.
             timeout: deadline in seconds (default: the client's `timeout`).
             trace_context: the trace this call belongs to (`kvbroker.tracecontext`); when the daemon traces, the
                 grant remembers its span, which a peer's pull by the grant links to. Default: the current one
@@ -610,7 +619,9 @@ class _Calls:
         """
         req = broker_pb2.CreateGrantRequest(cache_ids=list(cache_ids), blocks=_blocks(blocks),
                                             lease_ms=_ms(lease), max_hold_ms=_ms(max_hold or None), label=label,
-                                            event_topics=list(event_topics), units_per_block=units_per_block)
+                                            event_topics=list(event_topics), units_per_block=units_per_block,
+                                            view_cache_ids=list(view_cache_ids),
+                                            view_units_per_block=view_units_per_block)
         return _Call("CreateGrant", req, _grant, timeout, trace_context)
 
     @_rpc()

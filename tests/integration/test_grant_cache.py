@@ -243,3 +243,33 @@ def test_a_prefill_restart_drops_the_remembered_answers(tmp_path: Path) -> None:
         finally:
             pair.close()
             p.stop()
+
+
+def test_a_renewal_remembers_the_grants_views_and_a_pull_from_one_makes_no_redeem_call(pd: Pd) -> None:
+    """A grant's views (other blocks over its caches' memory: the vLLM connector's token units) ride in the renewal's
+    answer too: a pull from a view's slot by the renewed grant goes without a RedeemGrant, in the view's units."""
+    quarter = CacheDesc(num_tensors=2, shape=(32, 16))
+    with pd.p.client() as owner:  # (a view is made of a cache of the caller's own session)
+        base = owner.allocate_cache(DESC)
+        fill(base, 5)
+        view = owner.allocate_cache(quarter, view_of=base)
+        grant = owner.create_grant([base.cache_id], [3, 1], 30.0, view_cache_ids=[view.cache_id],
+                                   view_units_per_block=4)
+        dst_view = pd.dc.allocate_cache(quarter, view_of=pd.dst)
+        try:
+            pd.renew(grant)
+            redeemed, remembered, asked = pd.counts()
+            before = snapshot(pd.dst)
+            pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, dst_view, [0, 5], src_blocks=[13, 4], cache_slot=1)
+            assert pd.counts() == (redeemed, remembered + 1, asked)
+            for t in range(2):
+                src, got, old = (x.view("uint8").reshape(32, -1) for x in (base.tensors[t], pd.dst.tensors[t],
+                                                                          before[t]))
+                assert (got[[0, 5]] == src[[13, 4]]).all()
+                assert (got[[q for q in range(32) if q not in (0, 5)]] == old[[q for q in range(32)
+                                                                               if q not in (0, 5)]]).all()
+        finally:
+            owner.release_grant(grant)
+            pd.dc.deallocate_cache(dst_view)
+            owner.deallocate_cache(view)
+            owner.deallocate_cache(base)

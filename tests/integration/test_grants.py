@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvbroker import (
@@ -114,6 +115,48 @@ def test_a_grant_of_units_covers_every_unit_of_its_blocks_and_no_other(pd: Pd) -
     pd.refused_untouched(KvCacheNotExistError, "released", grant, [0], src_blocks=[7], timeout=2.0)
     assert [e.outcome for _, e in wait_until(pd.events, what="the release's event, once the holds are over")] == [
         "released"]
+
+
+def test_a_view_is_the_same_memory_in_other_blocks_and_a_grant_covers_it_in_its_own_units(pd: Pd) -> None:
+    """A cache of 8 blocks viewed as 32 quarter blocks (the vLLM connector's token units over its head units): a
+    grant of blocks [3, 1] in units of 2 (the cache's blocks 6, 7 and 2, 3) covers the view's quarters 24..31 and
+    8..15 in the slots after the caches, in units of 8, and nothing else."""
+    quarter = CacheDesc(num_tensors=2, shape=(32, 16))
+    view = pd.pc.allocate_cache(quarter, view_of=pd.src)
+    assert view.cache_id != pd.src.cache_id
+    assert bytes(view.tensors[1]) == bytes(pd.src.tensors[1])
+    grant = pd.grant([3, 1], units_per_block=2, view_cache_ids=[view.cache_id], view_units_per_block=8)
+    before = snapshot(pd.dst)
+    # Into quarters of the destination: it is viewed too.
+    dst_view = pd.dc.allocate_cache(quarter, view_of=pd.dst)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, dst_view, [0, 9], src_blocks=[13, 27], cache_slot=2,
+                                 timeout=2.0)
+    after = snapshot(pd.dst)
+    for t in range(2):
+        src, dst, old = (np.asarray(x).view(np.uint8).reshape(32, -1) for x in (pd.src.tensors[t], after[t], before[t]))
+        assert np.array_equal(dst[[0, 9]], src[[13, 27]])
+        untouched = [q for q in range(32) if q not in (0, 9)]
+        assert np.array_equal(dst[untouched], old[untouched])
+    for match, kwargs in ((r"does not cover src blocks \[16\]", {"src_blocks": [16], "cache_slot": 2}),
+                          ("no cache_slot 3", {"cache_slot": 3})):
+        with pytest.raises(ParamInvalidError, match=match):
+            pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, dst_view, [0], timeout=2.0,
+                                         **kwargs)
+    assert [bytes(t) for t in pd.dst.tensors] == [bytes(t) for t in after]
+    with pytest.raises(KvCacheNotExistError, match="does not exist"):
+        pd.dc.allocate_cache(quarter, view_of=pd.dst.cache_id + 1000)
+    with pd.p.client() as stranger, pytest.raises(ParamInvalidError, match="not a live cache this daemon allocated "
+                                                                         "for this session"):
+        stranger.allocate_cache(quarter, view_of=pd.src)  # only the session that holds the memory views it
+    with pytest.raises(ParamInvalidError, match="has 2 tensors of 1024 bytes, not 2 of 512"):
+        pd.pc.allocate_cache(CacheDesc(num_tensors=2, shape=(16, 16)), view_of=pd.src)
+    # The view outlives the release of its base's name, and its own release leaves the base's memory alone.
+    pd.dc.deallocate_cache(dst_view)
+    pd.dc.pull_granted_kv_blocks(pd.p.cluster_id, grant, pd.dst, [2], src_blocks=[6], timeout=2.0)
+    pd.pc.deallocate_cache(view)  # a granted view removed: the grant ends, as for any of its caches
+    (_, event), = wait_until(pd.events, what="the grant's end posted")
+    assert event.outcome == "cache removed"
+    assert bytes(pd.src.tensors[0])  # still mapped and readable
 
 
 def test_pulls_a_grant_does_not_cover_are_refused_before_any_byte_moves(pd: Pd) -> None:

@@ -31,13 +31,14 @@ LAYERS, BLOCKS, HEAD = 2, 12, 32
 MODEL_HEADS = 2
 
 
-def _layout(tp: int, block: int, mla: bool = False, heads: int = MODEL_HEADS, token_units: bool = False) -> KvLayout:
+def _layout(tp: int, block: int, mla: bool = False, heads: int = MODEL_HEADS, token_units: bool = False,
+            token_view: bool = False) -> KvLayout:
     per_rank = 1 if mla else max(1, heads // tp)
     parts = 1 if mla else 2
     return KvLayout(num_layers=LAYERS, num_blocks=BLOCKS, block_size=block, num_kv_heads=per_rank, head_size=HEAD,
                     dtype="float32", page_bytes=per_rank * parts * block * HEAD * 4, model_id="m", tp_size=tp,
                     total_kv_heads=1 if mla else heads, memory=MEMORY_MLA if mla else MEMORY_CPU,
-                    token_units=token_units)
+                    token_units=token_units, token_view=token_view)
 
 
 def _value(layer: int, head: int, part: int, tokens: np.ndarray) -> np.ndarray:
@@ -126,21 +127,46 @@ CASES = [
 def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
         daemons: tuple[LocalDaemon, LocalDaemon], p_tp: int, p_block: int, d_tp: int, d_block: int, mla: bool,
         heads: int, token_units: bool) -> None:
+    _pull_and_check(daemons, _layout(p_tp, p_block, mla, heads, token_units),
+                    _layout(d_tp, d_block, mla, heads, token_units))
+
+
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "mla", "heads"), [
+    pytest.param(1, 32, 1, 32, False, 2, id="homogeneous"),
+    pytest.param(1, 32, 1, 64, False, 2, id="block32-to-64"),
+    pytest.param(1, 64, 1, 32, False, 2, id="block64-to-32"),
+    pytest.param(2, 64, 1, 32, False, 2, id="tp2-block64-to-tp1-block32"),
+    pytest.param(1, 32, 4, 64, False, 2, id="tp1-to-tp4-replicas-block64"),
+    pytest.param(2, 16, 1, 32, True, 1, id="mla-tp2-to-tp1-block32"),
+])
+def test_default_engines_remap_block_sizes_through_their_token_views(
+        daemons: tuple[LocalDaemon, LocalDaemon], p_tp: int, p_block: int, d_tp: int, d_block: int, mla: bool,
+        heads: int) -> None:
+    """No setting on either side: each engine's cache in head units has a view in token units (the same memory),
+    granted with it; a pull between different block sizes goes view to view, one between equal ones cache to cache."""
+    _pull_and_check(daemons, _layout(p_tp, p_block, mla, heads, token_view=True),
+                    _layout(d_tp, d_block, mla, heads, token_view=True))
+
+
+def _pull_and_check(daemons: tuple[LocalDaemon, LocalDaemon], theirs: KvLayout, ours: KvLayout) -> None:
     p_daemon, d_daemon = daemons
-    theirs = _layout(p_tp, p_block, mla, heads, token_units)
-    ours = _layout(d_tp, d_block, mla, heads, token_units)
+    p_tp, p_block, d_tp, d_block = theirs.tp_size, theirs.block_size, ours.tp_size, ours.block_size
+    mla = theirs.memory == MEMORY_MLA
     num_tokens = 3 * max(p_block, d_block) + 5  # a partial last block on both sides
     p_blocks = [7, 2, 9, 4, 0, 11, 5, 1, 3][: -(-num_tokens // p_block)]
     # The decode engine found its first block in its local prefix cache: the pull starts at its second block.
     d_blocks = [6, 3, 10, 1, 8, 0, 2, 4, 5][: -(-num_tokens // d_block)]
     start = d_block
-    engine = f"engine-p-{p_tp}-{p_block}-{d_tp}-{d_block}-{int(mla)}-{int(token_units)}"
+    units = theirs.fields()["units"] + ("-view" if theirs.token_view else "")
+    engine = f"engine-p-{p_tp}-{p_block}-{d_tp}-{d_block}-{int(mla)}-{units}"
     with p_daemon.client() as p:
         caches = [p.allocate_cache(theirs.desc()) for _ in range(p_tp)]
         for rank, cache in enumerate(caches):
             _fill(cache, theirs, rank, p_blocks, num_tokens)
+        views = [p.allocate_cache(theirs.token_layout().desc(), view_of=c) for c in caches] if theirs.token_view else []
         grant = p.create_grant([c.cache_id for c in caches], p_blocks, 60.0,
-                               units_per_block=theirs.grant_units)
+                               units_per_block=theirs.grant_units, view_cache_ids=[v.cache_id for v in views],
+                               view_units_per_block=theirs.token_layout().grant_units)
         remote = RemoteKv(cluster_id=p_daemon.cluster_id, grant=grant, block_ids=(tuple(p_blocks),), request_id="p-req",
                           engine_id=engine, layout_tag=theirs.tag(), num_tokens=num_tokens, tp_size=p_tp)
         spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, first_block=1,
@@ -162,7 +188,7 @@ def test_decode_ranks_take_every_head_and_token_from_the_prefill_ranks(
             for worker, _ in workers:
                 worker.shutdown()
             p.release_grant(grant)
-            for cache in caches:
+            for cache in views + caches:
                 p.deallocate_cache(cache.cache_id)
 
 

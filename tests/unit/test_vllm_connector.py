@@ -487,8 +487,8 @@ def test_an_idle_step_waits_for_a_pull_in_flight_but_never_past_its_bound() -> N
                 landed.set()
             return super().wait(timeout)
 
-    worker._items = lambda spec: [PullItem(spec.request_id, 1, Grant(bytes(16), bytes(32)), 0, 0,
-                                           spec.local_blocks)]
+    worker._items = lambda spec: (worker.layout, [PullItem(spec.request_id, 1, Grant(bytes(16), bytes(32)), 0, 0,
+                                                           spec.local_blocks)])
     worker.loads.submit = slow_loads
     worker._pull_ended = step = Step()
     # A step that waited out a bound it need not wait would still end (the bound is an hour): pytest-timeout would
@@ -550,7 +550,7 @@ def _gqa(tp: int, block: int = BS, token_units: bool = False, heads: int = 2, **
     (_gqa(1, num_layers=4), "layers", "layers: local 3 vs remote 4"),
     (_gqa(3, heads=2), "tp", "tp: local 2 vs remote 3 (neither divides the other)"),
     (_gqa(1, block=48), "block", "block: local 32 vs remote 48 (neither divides the other)"),
-    (_gqa(1, block=64), "block", "set kvbroker_token_units on both engines"),
+    (_gqa(1, block=64), "block", "needs token units on both engines: local none, remote none"),
     (_gqa(1, token_units=True), "units", "units: local head vs remote token16"),
     (_gqa(5000, heads=2), "tp", "tp: remote 5000 is out of range"),
 ])

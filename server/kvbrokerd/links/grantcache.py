@@ -60,6 +60,8 @@ class Remembered:
     """time.monotonic() until which the grant surely lives (the stated lease from our send, less SAFETY_S)."""
     traceparent: str = ""
     """The span the grant was made under, as its daemon said (validated: a W3C traceparent or empty)."""
+    view_cache_ids: tuple[int, ...] = ()
+    view_units_per_block: int = 1
 
 
 def _valid_traceparent(traceparent: str) -> str:
@@ -101,7 +103,7 @@ class GrantCache:
 
     def remember(self, ticket: int, grant_id: bytes, secret: bytes, cache_ids: Sequence[int],
                  blocks: Sequence[int], units_per_block: int, sent_at: float, expires_in_ms: int,
-                 traceparent: str = "") -> None:
+                 traceparent: str = "", *, view_cache_ids: Sequence[int] = (), view_units_per_block: int = 1) -> None:
         """`ticket`: from `asking`, before the call was sent at `sent_at` (time.monotonic()); `expires_in_ms`: the
         lease the answer stated; `traceparent`: the grant's span, as the answer stated it (kept only if valid)."""
         if self._asking.get(bytes(grant_id)) != ticket:
@@ -113,7 +115,8 @@ class GrantCache:
             return  # an older peer's answer (nothing to remember), a huge grant, or a lease too short to use
         self._entries[bytes(grant_id)] = Remembered(_digest(bytes(secret)), tuple(cache_ids), array.array("Q", blocks),
                                                     max(1, units_per_block), good_until,
-                                                    _valid_traceparent(traceparent))
+                                                    _valid_traceparent(traceparent), tuple(view_cache_ids),
+                                                    max(1, view_units_per_block))
         self._blocks += len(blocks)
         while len(self._entries) > self.max_entries or self._blocks > self.max_blocks:
             self._drop(next(iter(self._entries)))

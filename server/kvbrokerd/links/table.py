@@ -140,6 +140,8 @@ class Link:
         self.grant_answers["remembered"] += 1
         return peer_pb2.RedeemGrantResponse(cache_ids=known.cache_ids, blocks=known.blocks,
                                             units_per_block=known.units_per_block, traceparent=known.traceparent,
+                                            view_cache_ids=known.view_cache_ids,
+                                            view_units_per_block=known.view_units_per_block,
                                             instance_epoch=self.remote_epoch), known.good_until
 
     async def redeem_grant(self, grant_id: bytes, secret: bytes, hold_s: float, timeout: float
@@ -183,7 +185,8 @@ class Link:
             self.check_answer(resp, "RenewGrant", req)
             if resp.instance_epoch == self.remote_epoch:  # an older peer sends neither: nothing is remembered
                 self.grants.remember(ticket, grant_id, secret, resp.cache_ids, resp.blocks,
-                                     resp.units_per_block, sent_at, resp.expires_in_ms, resp.traceparent)
+                                     resp.units_per_block, sent_at, resp.expires_in_ms, resp.traceparent,
+                                     view_cache_ids=resp.view_cache_ids, view_units_per_block=resp.view_units_per_block)
             return int(resp.expires_in_ms)
         finally:
             if self.renewing.get(grant_id) is renewal:

@@ -60,6 +60,8 @@ class CacheEntry:
     """Client session whose lease keeps the cache alive ("" = no lease)."""
     addresses: list[int] = field(default_factory=list)
     """Base address of each tensor in this process (for memmove; valid while the entry is pinned)."""
+    view_of: int = 0
+    """Another view of the memory of this allocated cache (`allocate_view`): its segment is that cache's."""
 
     def extents(self) -> dict[str, int]:
         """Bytes each segment must hold for the tensors in it."""
@@ -224,6 +226,25 @@ class Registry:
             (self.shm_dir / name).unlink(missing_ok=True)
             raise
 
+    def allocate_view(self, desc: CacheDesc, owner: str, base_id: int) -> CacheEntry:
+        """A second cache over the memory of allocated cache `base_id`, which `owner` (a session) holds: the same
+        tensors and bytes, other blocks. It keeps the memory mapped until released, whatever becomes of the base."""
+        validate_desc(desc)
+        self._check_capacity()
+        with self._lock:
+            base = self.get(base_id)
+            if not owner or base.owner != owner or not base.daemon_owned or base.view_of or base.closing:
+                param_invalid(f"view_of: cache {base_id} is not a live cache this daemon allocated for this session")
+            if (desc.num_tensors, desc.tensor_nbytes) != (base.desc.num_tensors, base.desc.tensor_nbytes):
+                param_invalid(f"a view of cache {base_id} has {base.desc.num_tensors} tensors of "
+                              f"{base.desc.tensor_nbytes} bytes, not {desc.num_tensors} of {desc.tensor_nbytes}")
+            # Its own descriptor of the file: the base may be released (and its descriptor closed) first.
+            segments = {name: shmseg.Segment(name, os.dup(seg.fd), seg.size, seg.uid, seg.writable)
+                        for name, seg in base.segments.items()}
+        entry = self._add(self._reserve_id(), desc, base.tensors, segments, daemon_owned=True, owner=owner,
+                          view_of=base_id)
+        return entry
+
     def register(self, desc: CacheDesc, tensors: Sequence[TensorLocation], owner: str = "") -> CacheEntry:
         validate_desc(desc)
         if len(tensors) != desc.num_tensors:
@@ -328,14 +349,15 @@ class Registry:
             return cache_id
 
     def _add(self, cache_id: int, desc: CacheDesc, tensors: tuple[TensorLocation, ...],
-             segments: dict[str, shmseg.Segment], daemon_owned: bool, owner: str) -> CacheEntry:
+             segments: dict[str, shmseg.Segment], daemon_owned: bool, owner: str, view_of: int = 0) -> CacheEntry:
         try:
             maps = {name: seg.map() for name, seg in segments.items()}
         except (OSError, ValueError) as e:
             param_invalid(f"cannot map shm segment: {e}")
         views = [memoryview(maps[t.segment])[t.offset : t.offset + desc.tensor_nbytes] for t in tensors]
         addresses = [int(np.frombuffer(v, np.uint8).ctypes.data) for v in views]
-        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, segments, views, owner=owner, addresses=addresses)
+        entry = CacheEntry(cache_id, desc, tensors, daemon_owned, segments, views, owner=owner, addresses=addresses,
+                           view_of=view_of)
         with self._lock:
             if len(self._caches) >= self.max_caches:  # again: AllocateCache runs on worker threads
                 for v in views:
@@ -367,7 +389,7 @@ class Registry:
         entry.views = []
         for seg in entry.segments.values():
             seg.close()
-        if entry.daemon_owned:
+        if entry.daemon_owned and not entry.view_of:  # (a view's file is its base's: the base unlinks it)
             for name in entry.segments:
                 (self.shm_dir / name).unlink(missing_ok=True)
 

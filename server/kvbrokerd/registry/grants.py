@@ -73,6 +73,9 @@ class Grant:
     event_topics: tuple[str, ...]
     units_per_block: int = 1
     """Each granted block stands for this many consecutive blocks of the caches."""
+    view_cache_ids: tuple[int, ...] = ()
+    """The same blocks in these caches too (other views of the caches' memory), in slots len(cache_ids) onwards."""
+    view_units_per_block: int = 1
     traceparent: str = ""
     """The span CreateGrant ran under (tracing on), which a peer's pull by the grant links to; else empty."""
     holds: dict[object, float] = field(default_factory=dict)
@@ -131,26 +134,29 @@ class GrantTable:
     # -- the holder's operations ---------------------------------------------------------------------------------
     def create(self, cache_ids: Sequence[int], blocks: Sequence[int], lease_ms: int, max_hold_ms: int, label: str,
                event_topics: Sequence[str], num_blocks_of: Callable[[int], int], units_per_block: int = 1,
+               view_cache_ids: Sequence[int] = (), view_units_per_block: int = 1,
                traceparent: str = "") -> tuple[Grant, bytes]:
-        """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache). `traceparent`: the span
-        the grant is made under (made by this daemon's tracing: valid and 55 characters), for pulls to link to."""
-        units = units_per_block or 1
-        if not 1 <= units <= MAX_UNITS_PER_BLOCK:
-            param_invalid(f"units_per_block must be in [0, {MAX_UNITS_PER_BLOCK}], got {units_per_block}")
+        """`num_blocks_of(cache_id)`: the cache's block count (fails for an unknown cache). `view_cache_ids`: the
+        same blocks in these caches too, in units of `view_units_per_block`. `traceparent`: the span the grant is
+        made under (made by this daemon's tracing: valid and 55 characters), for pulls to link to."""
+        units, view_units = units_per_block or 1, view_units_per_block or 1
+        for name, value in (("units_per_block", units_per_block), ("view_units_per_block", view_units_per_block)):
+            if not 0 <= value <= MAX_UNITS_PER_BLOCK:
+                param_invalid(f"{name} must be in [0, {MAX_UNITS_PER_BLOCK}], got {value}")
         self.sweep()
-        if not 1 <= len(cache_ids) <= MAX_CACHES:
-            param_invalid(f"a grant covers 1..{MAX_CACHES} caches, got {len(cache_ids)}")
-        if len(set(cache_ids)) != len(cache_ids):
-            param_invalid("cache_ids repeat a cache")
+        if not 1 <= len(cache_ids) <= MAX_CACHES - len(view_cache_ids):
+            param_invalid(f"a grant covers 1..{MAX_CACHES} caches, got {len(cache_ids) + len(view_cache_ids)}")
+        if len({*cache_ids, *view_cache_ids}) != len(cache_ids) + len(view_cache_ids):
+            param_invalid("cache_ids and view_cache_ids repeat a cache")
         if not 1 <= len(blocks) <= MAX_BLOCKS:
             param_invalid(f"a grant covers 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
         block_list = _block_array(blocks)
         if len(set(block_list)) != len(block_list):
             param_invalid("blocks repeat a block")
         top = max(block_list)
-        for cache_id in cache_ids:
-            if (top + 1) * units > (n := num_blocks_of(cache_id)):
-                param_invalid(f"block {top} (of {units} blocks each) is out of range for cache {cache_id} ({n} blocks)")
+        for cache_id, each in [(c, units) for c in cache_ids] + [(c, view_units) for c in view_cache_ids]:
+            if (top + 1) * each > (n := num_blocks_of(cache_id)):
+                param_invalid(f"block {top} (of {each} blocks each) is out of range for cache {cache_id} ({n} blocks)")
         lease_s = lease_of(lease_ms)
         assert lease_s is not None
         hold_s = max_hold_ms / 1000 if max_hold_ms else MAX_HOLD_S
@@ -170,7 +176,8 @@ class GrantTable:
         grant_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
         now = time.monotonic()
         grant = Grant(grant_id, _digest(secret), tuple(int(c) for c in cache_ids), block_list, lease_s,
-                      now + lease_s, now + hold_s, label, tuple(event_topics), units, traceparent)
+                      now + lease_s, now + hold_s, label, tuple(event_topics), units,
+                      tuple(int(c) for c in view_cache_ids), view_units, traceparent)
         self._grants[grant_id] = grant
         self.covered_blocks += len(block_list)
         return grant, secret
@@ -240,9 +247,9 @@ class GrantTable:
 
     # -- ends the holder did not ask for ------------------------------------------------------------------------
     def cache_removed(self, cache_id: int) -> None:
-        for grant in [g for g in self._grants.values() if cache_id in g.cache_ids]:
+        for grant in [g for g in self._grants.values() if cache_id in g.cache_ids or cache_id in g.view_cache_ids]:
             self._end(grant, "cache removed")
-        for grant in [g for g in self._draining.values() if cache_id in g.cache_ids]:
+        for grant in [g for g in self._draining.values() if cache_id in g.cache_ids or cache_id in g.view_cache_ids]:
             self._drained(grant)
 
     def sweep(self) -> None:

@@ -136,6 +136,10 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             self.node.sessions.touch(request.session_id)
         _check_caller_waits(context, "AllocateCache")
         # Reserving the memory takes about a second per GiB on a loaded host: off the event loop.
+        if request.view_of:  # no memory to reserve: on the loop
+            desc = _desc(request.desc)
+            entry = self.node.registry.allocate_view(desc, request.session_id, request.view_of)  # type: ignore[arg-type]
+            return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
         entry = await self._unless_caller_gone(context, asyncio.to_thread(
             self.node.registry.allocate, _desc(request.desc), request.session_id))  # type: ignore[arg-type]
         return broker_pb2.AllocateCacheResponse(cache=await self._admit(entry))
@@ -402,7 +406,8 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
         grant, secret = self.node.grants.create(
             list(request.cache_ids), list(request.blocks), request.lease_ms, request.max_hold_ms, request.label,
             list(request.event_topics), lambda cache_id: registry.get(cache_id).desc.shape[0],
-            request.units_per_block, "" if tracing.tracer is None else _grant_span(request))
+            request.units_per_block, list(request.view_cache_ids), request.view_units_per_block,
+            "" if tracing.tracer is None else _grant_span(request))
         return broker_pb2.CreateGrantResponse(grant=broker_pb2.GrantRef(grant_id=grant.grant_id, secret=secret),
                                               expires_in_ms=grant.expires_in_ms())
 

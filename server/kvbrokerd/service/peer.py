@@ -117,6 +117,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         return _sealed(peer_pb2.RedeemGrantResponse(
             cache_ids=grant.cache_ids, blocks=grant.blocks, expires_in_ms=grant.expires_in_ms(),
             units_per_block=grant.units_per_block, traceparent=grant.traceparent,
+            view_cache_ids=grant.view_cache_ids, view_units_per_block=grant.view_units_per_block,
             instance_epoch=self.node.epoch), "RedeemGrant", link, request.proof)
 
     @llm_errors
@@ -133,6 +134,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             answer.cache_ids[:], answer.blocks[:] = grant.cache_ids, grant.blocks
             answer.units_per_block, answer.instance_epoch = grant.units_per_block, self.node.epoch
             answer.traceparent = grant.traceparent
+            answer.view_cache_ids[:], answer.view_units_per_block = grant.view_cache_ids, grant.view_units_per_block
         return _sealed(answer, "RenewGrant", link, request.proof)
 
     @llm_errors

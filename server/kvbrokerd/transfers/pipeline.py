@@ -165,15 +165,17 @@ class Pipeline:
                      f"{max(0, int((lives_until - time.monotonic()) * 1000))} ms (its max hold is near): its blocks "
                      "may be reused under any pull now, so nothing was pulled")
             deadline.at = lives_until
-        if claim.cache_slot >= len(granted.cache_ids):
-            param_invalid(f"the grant covers {len(granted.cache_ids)} caches; there is no cache_slot "
-                          f"{claim.cache_slot}")
-        cache_id = int(granted.cache_ids[claim.cache_slot])
+        # Slots past the caches are the grant's views of their memory, in their own units.
+        slots = [*granted.cache_ids, *granted.view_cache_ids]
+        if claim.cache_slot >= len(slots):
+            param_invalid(f"the grant covers {len(slots)} caches; there is no cache_slot {claim.cache_slot}")
+        cache_id = int(slots[claim.cache_slot])
         if req.remote_cache_id not in (0, cache_id):
             param_invalid(f"the grant covers cache {cache_id} in slot {claim.cache_slot}, not cache "
                           f"{req.remote_cache_id}")
         blocks = np.array(list(granted.blocks), dtype=np.uint64)
-        units = max(1, int(granted.units_per_block))
+        units = max(1, int(granted.units_per_block if claim.cache_slot < len(granted.cache_ids)
+                           else granted.view_units_per_block))
         if pairs.sourced:
             outside = pairs.outside_grant(blocks, units)
             if len(outside):

@@ -41,8 +41,10 @@ What it does:
   moment the request arrives (however long it queues), pulls by it (the prefill daemon names the cache and blocks)
   and releases it after its pull; else it lapses `kvbroker_hold_lease_s` after the last renewal, and renewals never
   keep it past `kvbroker_release_timeout_s`. The grant's end comes from the prefill engine's own daemon.
-- CPU engines may differ in TP size (either way, where one divides the other; GQA replicas and MLA included) and,
-  with `kvbroker_token_units` on both, in block size (one dividing the other): each decode rank pulls its heads'
+- CPU engines may differ in TP size (either way, where one divides the other; GQA replicas and MLA included) and in
+  block size (one dividing the other), with default settings: each engine serves its KV in head units and, through
+  a view of the same memory, in token units, and each request settles from the two layout tags which it pulls
+  (head units between equal block sizes, as always; token units otherwise). Each decode rank pulls its heads'
   tokens from the prefill ranks holding them (one pull by the request's grant per prefill rank, naming units the
   grant covers), as runs the daemon moves in place (`remap.py`). What
   changes the meaning of the bytes (model, dtype, memory layout, head size, layers, KV heads) must match: otherwise
@@ -78,8 +80,9 @@ Settings (`kv_connector_extra_config`; all optional):
     kvbroker_idle_wait_s        on a step with nothing to compute, how long `get_finished` waits for a pull in flight
                                 to end, so vLLM learns of it at once instead of spinning (default 0.01; 0: off)
     kvbroker_log_transfers      log every pull at INFO (default false)
-    kvbroker_token_units        address the KV in 16-token units, to exchange KV with engines of another block
-                                size (set on both; default false: one head of one block per unit)
+    kvbroker_token_units        address the KV cache itself in 16-token units (default false); no longer needed:
+                                engines of different block sizes remap through their token views by themselves.
+                                Still accepted, and such an engine meets default engines of any block size
 
 Importing `kvbroker` does not import vLLM; this package imports it when `KvBrokerConnector` (or another of the names
 below) is first used, so its vLLM-free parts (`config`, `params`, `layout`, `scheduler`, `worker`) load without it.

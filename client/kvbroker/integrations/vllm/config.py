@@ -53,10 +53,12 @@ class ConnectorConfig:
     thread gets it only once per switch interval (5 ms) each time it needs it, and the engine learns of the finished
     pull a step late. On an engine with nothing to compute, new requests and aborts wait at most this long."""
     token_units: bool = False
-    """Address the KV cache in units of a few tokens instead of one head's block (`kvbroker_token_units`), so that a
-    prefill engine and a decode engine with different block sizes (one dividing the other) can exchange KV; set it
-    on both. Off by default: a pull then names one unit per 16 tokens of one dimension of one head, which costs
-    planning time on long prompts (BENCHMARKS.md, "Heterogeneous P/D")."""
+    """Address the KV cache itself in units of a few tokens instead of one head's block (`kvbroker_token_units`).
+    No longer needed: with the default (off) the engine serves its KV in head units and, through a view of the same
+    memory, in token units, and a pull between engines of different block sizes uses both token views while one
+    between equal block sizes keeps the head units (`remap.settle`). Still accepted for existing configs: such an
+    engine pulls every request in token units (which costs planning time on long prompts even between equal block
+    sizes: BENCHMARKS.md, "Heterogeneous P/D") and meets default engines through their views."""
     log_transfers: bool = False
     """Log every pull (request, blocks, bytes, time, backend) at INFO (`kvbroker_log_transfers`)."""
 

@@ -19,10 +19,18 @@ attention page and laid over the same bytes. Its state's shapes and dtypes (the 
 
 The layout tag travels with the cache (kvbrokerd refuses pulls between caches whose tags differ) and in the
 prefill node's `kv_transfer_params` (the decode node compares before pulling, and says which field differs).
+
+Units: the daemon addresses the cache by one head's K and V of one block (head units), which moves whole blocks and
+heads (any TP remap) in few units. A block-size remap cuts blocks at a few tokens of one dimension of one head (token
+units). A CPU engine with default settings serves its memory both ways: the cache in head units and a view of the
+same memory in token units (`KvLayout.token_view`, the tag's `remap` field; the daemon's `view_of`); a pull uses the
+head units where the two sides' blocks are the same size (nothing changes for it) and both sides' token views where
+they differ (`remap.settle`). `kvbroker_token_units` (existing configs) makes the cache itself token units.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -58,6 +66,8 @@ MEMORY_MLA = "mla:block.token.dim"
 FULL_ATTENTION = "full"
 MAMBA = "mamba"
 MAX_GROUPS = 64
+# A grant's units per engine block are at most this many (kvbrokerd's CreateGrant): a token view past it is not made.
+MAX_GRANT_UNITS = 1 << 16
 # Layouts whose blocks `remap.plan_pull` cuts at token chunks (blocks of different sizes); a block of any other layout
 # moves whole, between engines of one block size only.
 CUT_AT_TOKENS = frozenset({MEMORY_CPU, MEMORY_CPU_AMX, MEMORY_MLA})
@@ -70,10 +80,12 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "state", "head", "layers", "total_kv_heads",
-              "units")
-# Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name.
-MAPPED = ("tp", "block", "kv_heads", "page")
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "state", "head", "layers", "total_kv_heads")
+# Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name. `units` and
+# `remap` settle which of each side's caches a pull uses (`remap.settle`).
+MAPPED = ("tp", "block", "kv_heads", "page", "units", "remap")
+# What the daemon compares (it refuses pulls between caches whose tags differ): what must match, and the unit.
+DAEMON_TAG_FIELDS = (*MUST_MATCH[1:], "units")
 
 
 _KIND = r"(full|mamba|swa[1-9][0-9]{0,8})(:[1-9][0-9]{0,5})?"
@@ -129,6 +141,9 @@ class KvLayout:
     state: str = ""
     """Mamba groups only: the shapes and dtypes of a layer's state tensors, "+"-separated (e.g.
     "3x288.float32+8x32x16.float32"), which lie back to back from the start of the state's block."""
+    token_view: bool = False
+    """The cache (head units) has a second cache over the same memory in token units (`token_layout`), which pulls
+    between engines of different block sizes use; the tag's `remap` field."""
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -202,6 +217,20 @@ class KvLayout:
         return CacheDesc(num_tensors=self.num_layers, shape=(self.num_blocks * self.units_per_block, self.unit_elems),
                          data_type=dtype, layout_tag=self.daemon_tag())
 
+    def token_layout(self) -> KvLayout:
+        """This engine's KV addressed in token units: its token view's (or, with `token_units`, its cache's)."""
+        return self if self.token_units else dataclasses.replace(self, token_units=True, token_view=False)
+
+    @property
+    def units(self) -> str:
+        """How the daemon addresses the cache: "head", or "token<chunk_tokens>" (the tag's `units`)."""
+        return f"token{self.chunk_tokens}" if self.token_units else "head"
+
+    @property
+    def remap_units(self) -> str:
+        """The token units a block-size remap can use here ("" when none: a GPU engine, a layout moved whole)."""
+        return f"token{self.chunk_tokens}" if self.token_units or self.token_view else ""
+
     @property
     def grant_units(self) -> int:
         """How many of the daemon's blocks one engine block is (`CreateGrant`'s units_per_block): its transfer units
@@ -212,8 +241,8 @@ class KvLayout:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
                 "head": str(self.head_size),
                 "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
-                "units": f"token{self.chunk_tokens}" if self.token_units else "head", "groups": self.groups,
-                "state": self.state or "-",
+                "units": self.units, "groups": self.groups,
+                "state": self.state or "-", "remap": f"token{self.chunk_tokens}" if self.token_view else "-",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes)}
 
@@ -226,7 +255,7 @@ class KvLayout:
         """The daemon's check (it refuses pulls between caches whose tags differ): only what must be equal for a
         unit of one cache to mean the same in the other. TP, block size and heads per rank are the plan's."""
         fields = self.fields()
-        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in MUST_MATCH[1:])
+        return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in DAEMON_TAG_FIELDS)
 
 
 def state_nbytes(state: str) -> int:
@@ -270,7 +299,8 @@ def layout_of_tag(tag: str) -> KvLayout:
                         page_bytes=int(f["page"]), model_id=f["model"], tp_size=int(f["tp"]),
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
                         token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
-                        groups=f["groups"], state="" if f["state"] == "-" else f["state"])
+                        groups=f["groups"], state="" if f["state"] == "-" else f["state"],
+                        token_view=f.get("remap", "-") != "-")  # (a tag of an older connector has no remap)
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
     if not _GROUPS.fullmatch(layout.groups) or len(layout.windows) > MAX_GROUPS:
@@ -361,6 +391,9 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
                       token_units=token_units, groups=FULL_ATTENTION if len(groups) == 1 and kinds == [
                           FULL_ATTENTION] else described, state=next(iter(states), ""))
     layout.desc()  # refuses padded pages here, at start-up
+    # Default settings: a view in token units too, where blocks are cut at tokens and a grant can count its units.
+    if not token_units and memory in CUT_AT_TOKENS and layout.token_layout().grant_units <= MAX_GRANT_UNITS:
+        layout = dataclasses.replace(layout, token_view=True)
     return layout
 
 

@@ -53,6 +53,9 @@ class WorkerEndpoint:
     peer_address: str
     cache_id: int
     layout_tag: str
+    view_cache_id: int = 0
+    """The cache's token view (same memory, token units), 0 if none: granted with the cache (`CreateGrant`'s
+    view_cache_ids) so that a decode engine of another block size can pull from it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,10 @@ caches it already serves, with no staging copy. A Mamba layer's state moves whol
 - Block sizes: token t is chunk (t % block) // chunk of block t // block on either side, so a plan maps chunks, not
   blocks, and any two block sizes that are multiples of the same chunk work; one must divide the other (as vLLM's
   NixlConnector requires), which keeps a request's blocks aligned on both sides.
+- Units (`settle`, per request, from the two tags): where both sides address their caches alike and the blocks are
+  the same size, the pull uses those caches (head units by default: a homogeneous pull is planned and moved exactly
+  as it always was); else both sides' token units (each engine's token view, or its cache with
+  `kvbroker_token_units`), refused by field where one side has none.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def rank_heads(rank: int, tp: int, total: int) -> list[int]:
     return [rank * total // tp]
 
 
+def settle(ours: KvLayout, remote: KvLayout) -> tuple[KvLayout, KvLayout] | None:
+    """The layouts a pull between these engines addresses, (ours, theirs), in the same units on both sides: the
+    caches themselves where they are addressed alike and the blocks are the same size (or both in token units), else
+    both sides' token units; None when one side has none (its blocks move whole)."""
+    if ours.units == remote.units and (ours.token_units or ours.block_size == remote.block_size):
+        return ours, remote
+    if ours.remap_units and ours.remap_units == remote.remap_units:
+        return ours.token_layout(), remote.token_layout()
+    return None
+
+
 def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     """Why the KV described by `theirs_tag` cannot be used here (None: it can, through `plan_pull`)."""
     theirs = parse_tag(theirs_tag)
@@ -89,14 +104,21 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     if small < 1 or large % small:
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (neither divides "
                                 "the other)")
-    if small != large and not ours.token_units:
-        return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (set "
-                                "kvbroker_token_units on both engines to remap block sizes)")
     if small != large and ours.memory not in CUT_AT_TOKENS:
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (blocks of the "
                                 f"{ours.memory} layout move whole, between equal block sizes only)")
-    if ours.token_units and ours.memory == MEMORY_CPU_AMX and AMX_TILE_TOKENS not in (
-            ours.chunk_tokens, remote.chunk_tokens):
+    settled = settle(ours, remote)
+    if settled is None:
+        local_units, remote_units = ours.remap_units or "none", remote.remap_units or "none"
+        if small != large:
+            return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (a block-size "
+                                    f"remap needs token units on both engines: local {local_units}, remote "
+                                    f"{remote_units})")
+        return Refusal("units", f"units: local {ours.units} vs remote {remote.units} (no units both engines "
+                                f"address: token units local {local_units}, remote {remote_units})")
+    addressed, remote = settled
+    if addressed.token_units and addressed.memory == MEMORY_CPU_AMX and AMX_TILE_TOKENS not in (
+            addressed.chunk_tokens, remote.chunk_tokens):
         return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (a unit of the AMX "
                                 f"layout is a tile of {AMX_TILE_TOKENS} tokens)")
     for side, layout in (("local", ours), ("remote", remote)):

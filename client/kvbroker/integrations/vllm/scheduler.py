@@ -10,6 +10,7 @@ request arrives until its pull ended, then releases it, on a thread of its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,14 @@ class SchedulerSide:
         self.endpoints = dict(endpoints)
         first = self.endpoints[min(self.endpoints)]
         self.layout = layout_of_tag(first.layout_tag)
+        if self.layout.token_view and not all(e.view_cache_id for e in self.endpoints.values()):
+            # A rank whose daemon made no token view: none is offered, so that the tag and the grants agree.
+            log.warning("kvbroker connector: not every TP rank has a token view of its KV cache; pulls between "
+                        "engines of different block sizes are refused")
+            self.layout = dataclasses.replace(self.layout, token_view=False)
+            self.endpoints = {r: dataclasses.replace(e, view_cache_id=0, layout_tag=dataclasses.replace(
+                layout_of_tag(e.layout_tag), token_view=False).tag()) for r, e in self.endpoints.items()}
+            first = self.endpoints[min(self.endpoints)]
         log.info("kvbroker connector: engine %s, cluster %d, peer address %s, caches %s, layout %r", self.engine_id,
                  first.cluster_id, first.peer_address, [e.cache_id for e in self.endpoints.values()],
                  first.layout_tag)
@@ -290,7 +299,9 @@ class SchedulerSide:
                 [self.endpoints[r].cache_id for r in ranks], blocks, self.config.hold_lease_s,
                 max_hold=self.config.release_timeout_s, label=request.request_id,
                 event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
-                timeout=self.config.link_timeout_s)
+                # The same blocks in each rank's token view, for a decode engine of another block size.
+                view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.token_view else (),
+                view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s)
         except LlmError as e:
             log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
                       "compute them", request.request_id, e.status.name, e.message)

@@ -15,6 +15,8 @@ restarts (a new instance epoch) every hold made before is freed at once (its gra
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +40,15 @@ from kvbroker.integrations.vllm.params import (
     parse_release,
     release_topic,
 )
-from kvbroker.integrations.vllm.remap import UnitPull, blocks_of_units, merged, plan_pull, plan_state, refusal
+from kvbroker.integrations.vllm.remap import (
+    UnitPull,
+    blocks_of_units,
+    merged,
+    plan_pull,
+    plan_state,
+    refusal,
+    settle,
+)
 from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -67,6 +77,8 @@ class _Loading:
     spec: PullSpec
     sources: int
     """Prefill ranks it reads."""
+    layout: KvLayout
+    """How the pull addressed our KV (our cache's units, or our token view's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +112,8 @@ class WorkerSide:
             client.session_id = session_id(engine_id, rank)
         self.client = client
         self.cache: Cache | None = None
+        self.view: Cache | None = None
+        """The cache's token view (`KvLayout.token_view`): the same memory, addressed for block-size remaps."""
         self.endpoint: WorkerEndpoint | None = None
         self.transfers = TransferLog()
         self._allocation: DaemonKvAllocation | None = None
@@ -160,7 +174,30 @@ class WorkerSide:
                 raise RuntimeError(f"vLLM's KV layer {name} has shape {tuple(t.shape)}, not the {shape} of memory "
                                    f"layout {lay.memory} (this attention backend is not supported by "
                                    "KvBrokerConnector)")
+        if lay.token_view:
+            self._open_view()
         self._serve()
+
+    def _open_view(self) -> None:
+        """The token view of the cache (a second daemon cache over the same memory), or none: then the tag says so,
+        and only engines of our block size pull from us or into us (as before views)."""
+        assert self.cache is not None
+        try:
+            view = self.client.allocate_cache(self.layout.token_layout().desc(), view_of=self.cache)
+        except LlmError as e:
+            log.warning("kvbroker connector: no token view of KV cache %d (%s); pulls between engines of different "
+                        "block sizes are refused", self.cache.cache_id, e.message)
+            view = None
+        if view is not None and view.record.tensors != self.cache.record.tensors:
+            # A daemon that predates views ignores view_of and allocates new memory: never use that.
+            log.warning("kvbroker connector: the daemon does not make views of a cache (older kvbrokerd); pulls "
+                        "between engines of different block sizes are refused")
+            with contextlib.suppress(LlmError):  # (else its lease frees it)
+                self.client.deallocate_cache(view.cache_id, timeout=5.0)
+            view = None
+        self.view = view
+        if view is None:
+            self.layout = dataclasses.replace(self.layout, token_view=False)
 
     def register_gpu(self, kv_caches: dict[str, torch.Tensor], mode: str, vllm_layout: str | None,
                      saves: bool = True) -> None:
@@ -175,7 +212,8 @@ class WorkerSide:
         self._epoch = info.instance_epoch
         self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
-                                       cache_id=self.cache.cache_id, layout_tag=self.layout.tag())
+                                       cache_id=self.cache.cache_id, layout_tag=self.layout.tag(),
+                                       view_cache_id=self.view.cache_id if self.view is not None else 0)
         log.info("kvbroker connector rank %d: KV cache %d (%d layers x %d blocks x %d bytes) in daemon %d's memory",
                  self.rank, self.cache.cache_id, self.layout.num_layers, self.layout.num_blocks,
                  self.layout.page_bytes, info.cluster_id)
@@ -193,16 +231,17 @@ class WorkerSide:
         items: list[PullItem] = []
         for spec in pulls:
             try:
-                mine = self._items(spec)
+                planned = self._items(spec)
             except Exception:  # a bug must not strand the request in WAITING_FOR_REMOTE_KVS
                 log.exception("request %s: pull crashed; recomputing its KV", spec.request_id)
                 self.transfers.record_recompute("error", pull_failed=True)
-                mine = None
-            if mine is None:
+                planned = None
+            if planned is None:
                 self._report(spec.request_id, frozenset(spec.local_blocks))
                 continue
+            addressed, mine = planned
             with self._lock:
-                self._loading[spec.request_id] = _Loading(spec, len(mine))
+                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed)
             items += mine
         self.loads.submit(items)  # the step's pulls, one message
 
@@ -255,9 +294,9 @@ class WorkerSide:
             self._pull_ended.notify_all()
         self.transfers.record_outcome(ok=not failed)
 
-    def _items(self, spec: PullSpec) -> list[PullItem] | None:
-        """The request's pulls as items of the step (one per prefill rank read), or None when it cannot pull (then
-        it is recomputed)."""
+    def _items(self, spec: PullSpec) -> tuple[KvLayout, list[PullItem]] | None:
+        """How the pull addresses our KV, and the request's pulls as items of the step (one per prefill rank read);
+        None when it cannot pull (then it is recomputed)."""
         if spec.refused:
             log.error("request %s: not pulling from prefill engine %s: %s", spec.request_id, spec.remote.engine_id,
                       spec.refused)
@@ -265,7 +304,6 @@ class WorkerSide:
             return None
         assert self.cache is not None
         remote = spec.remote
-        dst = self.cache.cache_id
         refused = refusal(self.layout, remote.layout_tag)
         if refused is not None:
             log.error("request %s: incompatible KV layouts, recomputing: %s", spec.request_id, refused.message)
@@ -276,31 +314,40 @@ class WorkerSide:
             self.transfers.record_recompute("untrusted")
             return None
         timeout = self.config.pull_timeout_s
+        dst = self.cache.cache_id
         if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
             if self.rank >= remote.tp_size:
                 log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
                           remote.tp_size, self.rank)
                 self.transfers.record_recompute("layout")
                 return None
-            return [PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, dst,
-                             tuple(spec.local_blocks), first_block=spec.first_block,
-                             ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout)]
-        theirs = layout_of_tag(remote.layout_tag)
+            return self.layout, [PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, dst,
+                                          tuple(spec.local_blocks), first_block=spec.first_block,
+                                          ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout)]
+        described = layout_of_tag(remote.layout_tag)
+        settled = settle(self.layout, described)
+        assert settled is not None  # (refusal settled them)
+        mine, theirs = settled
+        # Their token view's slots follow their caches' in the grant; ours is another cache of the same memory.
+        first_slot = described.tp_size if theirs.token_units and not described.token_units else 0
+        if mine.token_units and not self.layout.token_units:
+            assert self.view is not None  # (no view: the tag says no remap, and refusal refused)
+            dst = self.view.cache_id
         start, end = (spec.start_token, spec.end_token) if spec.end_token else (
             0, len(spec.local_blocks) * self.layout.block_size)
         parts = spec.parts or (PullPart(spec.local_blocks, spec.remote_blocks, start, end),)
         try:
-            plan = _merged(plan_state(self.layout, self.rank, theirs, part.local_blocks[0], part.remote_blocks[0])
+            plan = _merged(plan_state(mine, self.rank, theirs, part.local_blocks[0], part.remote_blocks[0])
                            if part.state else
-                           plan_pull(self.layout, self.rank, theirs, part.local_blocks, part.remote_blocks,
+                           plan_pull(mine, self.rank, theirs, part.local_blocks, part.remote_blocks,
                                      part.start_token, part.end_token) for part in parts)
         except ValueError as e:
             log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
             self.transfers.record_recompute("block_mismatch")
             return None
         # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
-        return [PullItem(spec.request_id, remote.cluster_id, remote.grant, one.remote_rank, dst, (), runs=one.runs,
-                         ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
+        return mine, [PullItem(spec.request_id, remote.cluster_id, remote.grant, first_slot + one.remote_rank, dst, (),
+                               runs=one.runs, ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
         """A request's pulls ended (from loads.py's threads)."""
@@ -313,7 +360,7 @@ class WorkerSide:
         failed: frozenset[int] = frozenset()
         try:
             if outcome.failed_blocks:  # the local units (or blocks) that did not land, as the blocks holding them
-                failed = blocks_of_units(self.layout, sorted(outcome.failed_blocks)) & everything or everything
+                failed = blocks_of_units(loading.layout, sorted(outcome.failed_blocks)) & everything or everything
                 self.transfers.record_recompute(reason_of(outcome.status) if outcome.status is not None else "error",
                                                 pull_failed=True)
             else:
@@ -399,6 +446,12 @@ class WorkerSide:
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
+        if self.view is not None:
+            try:
+                self.client.deallocate_cache(self.view.cache_id, timeout=5.0)
+            except LlmError as e:  # the lease frees it anyway
+                log.warning("kvbroker connector: could not free KV cache view %d (%s)", self.view.cache_id, e.message)
+            self.view = None
         if self.cache is not None:
             try:
                 if self.gpu is not None:
