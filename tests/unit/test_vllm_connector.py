@@ -714,3 +714,43 @@ def test_a_daemon_restart_frees_every_hold_granted_before_it(caplog: pytest.LogC
     counted = worker.transfers.take()
     assert counted is not None and counted["expired_holds"] == {"daemon_restarted": 2}
     worker.shutdown()
+
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_requests_trace_goes_with_its_grant_and_its_pulls(tmp_path: Any) -> None:
+    """The trace the P/D proxy puts in `kv_transfer_params` reaches both daemons: the prefill's grant is made under
+    it, and the decode's pulls continue it. A malformed one is dropped, never an error."""
+    from kvbroker import CacheDesc
+    from kvbroker._local import LocalDaemon
+    from kvbroker.integrations.vllm.loads import PullItem, _session_pull
+    from kvbroker.integrations.vllm.params import trace_of
+    from kvbroker.tracecontext import TraceContext
+
+    trace = TraceContext.parse(TRACE, "k=v")
+    assert trace is not None
+    with LocalDaemon(tmp_path, 1) as daemon, daemon.client() as c:
+        cache = c.allocate_cache(CacheDesc(num_tensors=1, shape=(8, 4)))
+        side = SchedulerSide(ConnectorConfig(target=daemon.target, hold_lease_s=60), "engine-p", BS)
+        side.set_endpoints({0: WorkerEndpoint(0, 1, "127.0.0.1:1", cache.cache_id, TAG_A)})
+        seen: list[object] = []
+        create = side.client.create_grant
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("trace_context"))
+            return create(*args, **kwargs)
+
+        side.client.create_grant = recording
+        params = {"do_remote_decode": True, "kvbroker_traceparent": TRACE, "kvbroker_tracestate": "k=v"}
+        req = FakeRequest("p-req", 16, params, num_computed_tokens=16)
+        _, out = side.request_finished(req, [1], finished_normally=True)
+        assert out is not None and seen == [trace]
+        side.shutdown()
+    remote = parse_remote({**out, "kvbroker_traceparent": TRACE, "kvbroker_tracestate": "k=v"})
+    assert remote.trace == trace
+    item = PullItem("d-req", remote.cluster_id, remote.grant, 0, 5, (1,), trace=remote.trace)
+    assert _session_pull(item).trace_context == trace
+    for junk in ("00-zz", "x" * 5000, 7, None):
+        assert trace_of({"kvbroker_traceparent": junk}) is None
+        assert parse_remote({**out, "kvbroker_traceparent": junk}).trace is None

@@ -29,6 +29,7 @@ from kvbroker._client import Client
 from kvbroker._session import MAX_PULLS_PER_SUBMIT, PullSession
 from kvbroker.blockruns import Runs, expand
 from kvbroker.status import LlmError, LlmStatus, NotYetLinkError
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import CacheIndex, Grant, KvCacheExtParam, SessionPull, TransferResult
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -62,6 +63,8 @@ class PullItem:
     first_block: int = 0
     ext_param: KvCacheExtParam | None = None
     timeout: float | None = None
+    trace: TraceContext | None = None
+    """The request's trace, which the daemon's span of the pull continues."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,4 +235,5 @@ def _worth_retrying(e: LlmError) -> bool:
 
 def _session_pull(item: PullItem) -> SessionPull:
     return SessionPull(CacheIndex(item.cluster_id, 0), item.dst_cache, item.dst_blocks, item.src_blocks,
-                       item.ext_param, item.grant, item.cache_slot, item.first_block, item.timeout, item.runs)
+                       item.ext_param, item.grant, item.cache_slot, item.first_block, item.timeout, item.runs,
+                       item.trace)

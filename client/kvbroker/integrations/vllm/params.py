@@ -2,13 +2,13 @@
 from them. Key names are NixlConnector's where the meaning is the same, so P/D proxies written for it work unchanged;
 kvbroker's own addressing is under `kvbroker_*` keys.
 
-Prefill request in:  {"do_remote_decode": True}
+Prefill request in:  {"do_remote_decode": True, ["kvbroker_traceparent": ..., "kvbroker_tracestate": ...]}
 Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [...] (one list
                       per KV cache group when the model has several, as NixlConnector sends them),
                       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
                       "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 2, "kvbroker_cluster_id": ...,
                       "kvbroker_grant": "<id hex>.<secret hex>", "kvbroker_layout_tag": "..."}
-Decode request in:   the prefill output's params, unchanged.
+Decode request in:   the prefill output's params, unchanged (the P/D proxy adds the request's trace, as above).
 Decode output out:   {"kvbroker_prompt_tokens": ..., "kvbroker_tokens_pulled": ..., "kvbroker_tokens_cached": ...,
                       "kvbroker_tokens_recomputed": ..., ["kvbroker_refused": "field: local .. vs remote .."]}, and
                      {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
@@ -27,11 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker.tracecontext import TraceContext
 from kvbroker.types import Grant
 
 PROTOCOL_VERSION = 2
 """1: addressing (peer address, cache ids, block ids) from the params; 2: a grant, redeemed with the prefill daemon."""
 MAX_TOPIC_BYTES = 128
+TRACE_PARAM = "kvbroker_traceparent"
+TRACE_STATE_PARAM = "kvbroker_tracestate"
 MAX_BLOCK_IDS = 1 << 16
 """A grant covers at most this many blocks, so params naming more come from no prefill engine: refused before they
 are read (they arrive through the HTTP client)."""
@@ -73,6 +76,18 @@ class RemoteKv:
     layout_tag: str
     num_tokens: int
     tp_size: int
+    trace: TraceContext | None = None
+    """The request's trace (`trace_of`), which the pulls continue."""
+
+
+def trace_of(params: Mapping[str, Any]) -> TraceContext | None:
+    """The trace a request's params carry (`kvbroker_traceparent`, `kvbroker_tracestate`: the P/D proxy puts the
+    request's there), or None: absent, malformed or oversized ones are dropped, never an error. Used for nothing but
+    linking spans."""
+    parent, state = params.get(TRACE_PARAM), params.get(TRACE_STATE_PARAM)
+    if not isinstance(parent, str):
+        return None
+    return TraceContext.parse(parent, state if isinstance(state, str) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +169,7 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
             layout_tag=str(params["kvbroker_layout_tag"]),
             num_tokens=_int(params.get("remote_num_tokens", 0)),
             tp_size=_int(params.get("tp_size", 1)),
+            trace=trace_of(params),
         )
     except KeyError as e:
         raise BadTransferParams(f"kv_transfer_params lack {e.args[0]!r}") from None

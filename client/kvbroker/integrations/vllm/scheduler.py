@@ -30,6 +30,7 @@ from kvbroker.integrations.vllm.params import (
     parse_remote,
     prefill_output_params,
     release_topic,
+    trace_of,
     wants_remote_prefill,
 )
 from kvbroker.integrations.vllm.remap import Refusal, refusal
@@ -301,7 +302,8 @@ class SchedulerSide:
                 event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
                 # The same blocks in each rank's token view, for a decode engine of another block size.
                 view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.token_view else (),
-                view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s)
+                view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s,
+                trace_context=trace_of(params))
         except LlmError as e:
             log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
                       "compute them", request.request_id, e.status.name, e.message)

@@ -323,7 +323,7 @@ class WorkerSide:
                 return None
             return self.layout, [PullItem(spec.request_id, remote.cluster_id, remote.grant, self.rank, dst,
                                           tuple(spec.local_blocks), first_block=spec.first_block,
-                                          ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout)]
+                                          ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout, trace=remote.trace)]
         described = layout_of_tag(remote.layout_tag)
         settled = settle(self.layout, described)
         assert settled is not None  # (refusal settled them)
@@ -347,7 +347,8 @@ class WorkerSide:
             return None
         # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
         return mine, [PullItem(spec.request_id, remote.cluster_id, remote.grant, first_slot + one.remote_rank, dst, (),
-                               runs=one.runs, ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout) for one in plan]
+                               runs=one.runs, ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout, trace=remote.trace)
+                for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
         """A request's pulls ended (from loads.py's threads)."""
