@@ -332,7 +332,20 @@ def _stop_one_short(request: Any) -> None:
     del request._all_token_ids[-1:]
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
+    _rehash(request)
     params["kvbroker_one_short"] = True
+
+
+def _rehash(request: Any) -> None:
+    """Hashes a shortened request's blocks again. vLLM hashed them from the whole prompt when the request arrived
+    (0.34 even in the front end): the last block's hash would name the dropped token, and once the token generated in
+    its place filled the block, the prefix cache would serve it for the original prompt. (vLLM 0.34's NixlConnector
+    truncates the hashes for the same reason; `truncate_block_hashes` needs the hash block size, which 0.32 does not
+    give a connector, and hashing a prompt again is cheap.)"""
+    if getattr(request, "_block_hasher", None) is None:
+        return  # prefix caching off: nothing hashed
+    del request.block_hashes[:]
+    request.update_block_hashes()
 
 
 def _as_groups(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[Sequence[int]]:
