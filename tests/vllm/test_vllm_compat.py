@@ -9,6 +9,7 @@ Checks of an API a version does not have are skipped with the reason.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -176,3 +177,28 @@ def test_a_mamba_state_vllm_pads_apart_is_refused() -> None:
                      state_alignment=16, page_size_padded=4096)
     with pytest.raises(UnsupportedLayoutError, match="state_alignment 16"):
         _state_of(spec, 4096)
+
+
+@pytest.mark.parametrize("layout_name", ["LBNHC", "LBHNC"])  # the layer-outermost, block-compact ones it pads
+def test_host_staged_reads_the_layer_segments_of_vllms_extensible_kv_cache(layout_name: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34's extensible KV cache (host-staged engines keep it) starts each layer's region on a granule: the
+    connector's runs must still cover each block's bytes exactly (test_cuda_layouts' check, over padded regions)."""
+    try:
+        from vllm.v1.worker.extensible_kv_cache import pad_kv_cache_segments
+    except ImportError:
+        pytest.skip(f"vLLM {vllm.__version__} has no extensible KV cache (0.34 has)")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvbroker.integrations.vllm.cuda_layout import read_runs
+    from tests.vllm import test_cuda_layouts as layouts
+
+    layout = KVCacheLayout[layout_name]
+    unpadded = layouts.get_kv_cache_config_from_groups  # type: ignore[attr-defined]
+    monkeypatch.setattr(layouts, "get_kv_cache_config_from_groups",
+                        lambda *args: pad_kv_cache_segments(unpadded(*args), layout, 1 << 20))
+    views = layouts._views(layout, False)
+    starts = sorted(t.data_ptr() for t in views.values())
+    assert {b - a for a, b in itertools.pairwise(starts)} == {1 << 20}  # padded apart, not back to back
+    layouts._check_runs_cover_exactly(views)
+    assert len(read_runs(views).starts) == layouts.NUM_LAYERS
