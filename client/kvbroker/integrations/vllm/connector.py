@@ -1,4 +1,5 @@
-"""`KvBrokerConnector`: vLLM's KV connector interface (v1, as of vllm 0.32) bound to the scheduler and worker sides.
+"""`KvBrokerConnector`: vLLM's KV connector interface (v1; vLLM 0.32-0.34, see compat.py) bound to the scheduler
+and worker sides.
 
 vLLM builds one instance with role SCHEDULER (engine core) and one per worker with role WORKER; each delegates to
 `SchedulerSide` or `WorkerSide`, which hold the logic and do not depend on vLLM's classes.
