@@ -202,3 +202,24 @@ def test_host_staged_reads_the_layer_segments_of_vllms_extensible_kv_cache(layou
     assert {b - a for a, b in itertools.pairwise(starts)} == {1 << 20}  # padded apart, not back to back
     layouts._check_runs_cover_exactly(views)
     assert len(read_runs(views).starts) == layouts.NUM_LAYERS
+
+
+def test_a_cpu_engines_kv_buffer_comes_from_the_one_call_the_connector_answers() -> None:
+    """memory.py serves a CPU engine's KV buffer by answering vLLM's `torch.zeros(size, dtype=int8)` inside the
+    connector's allocation context: this vLLM's `allocate_kv_cache` must still make exactly that call."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvbroker.integrations.vllm.memory import DaemonKvAllocation
+    from tests.vllm import test_cuda_layouts as layouts
+
+    class Served(Exception):
+        pass
+
+    def allocate() -> Any:
+        raise Served
+
+    page = 16 * 4 * 64 * 2 * 2  # test_cuda_layouts' spec: 16 tokens, 4 heads of 64, K and V, bfloat16
+    layout: Any = SimpleNamespace(buffer_bytes=page * layouts.NUM_LAYERS * layouts.NUM_BLOCKS)
+    context = DaemonKvAllocation(layout, allocate)
+    with pytest.raises(Served), context:
+        layouts._views(KVCacheLayout.LBNHC, False)
