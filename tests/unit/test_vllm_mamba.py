@@ -182,8 +182,8 @@ class HashedRequest(Request):
 
 
 def test_a_shortened_prefill_requests_blocks_are_hashed_from_its_tokens_as_they_now_are() -> None:
-    """The prompt's last full block lost its last token: its old hash would let the prefix cache serve the block
-    the generated token fills as the original prompt's."""
+    """The prompt's last full block lost its last token: under its old hash, the block the generated token fills
+    would pass for the original prompt's (to the prefix cache, to KV cache events)."""
     req = HashedRequest("p-req", list(range(1, 65)), {"do_remote_decode": True})
     assert len(req.block_hashes) == 2
     _side("p").on_new_request(req)

@@ -337,13 +337,14 @@ def _stop_one_short(request: Any) -> None:
 
 
 def _rehash(request: Any) -> None:
-    """Hashes a shortened request's blocks again. vLLM hashed them from the whole prompt when the request arrived
-    (0.34 even in the front end): the last block's hash would name the dropped token, and once the token generated in
-    its place filled the block, the prefix cache would serve it for the original prompt. (vLLM 0.34's NixlConnector
-    truncates the hashes for the same reason; `truncate_block_hashes` needs the hash block size, which 0.32 does not
-    give a connector, and hashing a prompt again is cheap.)"""
+    """Hashes a shortened request's blocks again. With a connector, vLLM hashes every request's full blocks when it
+    arrives (0.34: in the front end), prefix caching on or off: the last block's hash still named the dropped token,
+    and once the generated token filled that block, whatever reads the hashes (the prefix cache, KV cache events)
+    would take it for the prompt's. Harmless while a Mamba model runs with prefix caching off, as it must here today;
+    vLLM 0.34's NixlConnector truncates its hashes for the same reason (`truncate_block_hashes` needs the hash block
+    size, which 0.32 does not give a connector; hashing a prompt again is cheap)."""
     if getattr(request, "_block_hasher", None) is None:
-        return  # prefix caching off: nothing hashed
+        return  # an engine that hashes nothing (neither prefix caching nor a connector)
     del request.block_hashes[:]
     request.update_block_hashes()
 
