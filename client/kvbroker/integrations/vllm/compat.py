@@ -15,8 +15,8 @@ that reach it are:
   `get_mem_pool_context` must be None on a GPU engine (it only ever served CPU engines).
 - 0.34 added `may_load_async` and `supports_lookahead_block_hashes`; their defaults fit (the first reads the
   `do_remote_prefill` flag the connector's requests carry; lookahead hashing stays off).
-- 0.34's `MambaSpec.state_alignment` pads each state tensor to a multiple of it within a page
-  (`state_alignment`): the connector refuses a state padded that way.
+- 0.34's `MambaSpec.state_alignment` pads each state tensor to a multiple of it within a page: layout.py refuses a
+  state padded that way (Mamba state moves on CPU engines only, where it is 1).
 - 0.33's OpenAI streams put `kv_transfer_params` on the chunk that carries the finish reason (0.32's carried none);
   `streams.py` still sends its own event before `[DONE]`, so the last event means the same on every version.
 
