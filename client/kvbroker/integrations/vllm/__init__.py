@@ -14,13 +14,13 @@ OpenAI server (`python -m vllm.entrypoints.openai.api_server ...`):
                            "kv_connector_extra_config": {"kvbroker_target": "unix:///run/kvbroker/kvbroker.sock",
                                                          "kvbroker_prefill_daemons": "1=10.0.0.1:7100"}}'
 
-Pinned to vLLM 0.32 (its connector API is experimental). The request protocol is NixlConnector's: send the prefill
-request with `kv_transfer_params={"do_remote_decode": True}` (and usually `max_tokens=1`), then send the decode request
-with the prefill output's `kv_transfer_params`, unchanged (offline: `SamplingParams(extra_args={"kv_transfer_params":
-...})`; OpenAI API: the body's `kv_transfer_params`). `kvbroker.integrations.vllm.params` shows every key; this is
-kvbroker request protocol 2 (`kvbroker_protocol`): the params carry a grant and the prefill daemon's cluster id, no
-cache ids, block ids to pull or addresses, since they come back through the HTTP client and nothing in them is
-trusted.
+For vLLM 0.32-0.34 (its connector API is experimental; `compat` says what differs). The request protocol is
+NixlConnector's: send the prefill request with `kv_transfer_params={"do_remote_decode": True}` (and usually
+`max_tokens=1`), then send the decode request with the prefill output's `kv_transfer_params`, unchanged (offline:
+`SamplingParams(extra_args={"kv_transfer_params": ...})`; OpenAI API: the body's `kv_transfer_params`).
+`kvbroker.integrations.vllm.params` shows every key; this is kvbroker request protocol 2 (`kvbroker_protocol`): the
+params carry a grant and the prefill daemon's cluster id, no cache ids, block ids to pull or addresses, since they
+come back through the HTTP client and nothing in them is trusted.
 
 What it does:
 - The engine's paged KV buffer is allocated by the daemon (shared memory owned by the engine's lease: freed when the

@@ -1,4 +1,5 @@
-"""`KvBrokerConnector`: vLLM's KV connector interface (v1, as of vllm 0.32) bound to the scheduler and worker sides.
+"""`KvBrokerConnector`: vLLM's KV connector interface (v1; vLLM 0.32-0.34, see compat.py) bound to the scheduler
+and worker sides.
 
 vLLM builds one instance with role SCHEDULER (engine core) and one per worker with role WORKER; each delegates to
 `SchedulerSide` or `WorkerSide`, which hold the logic and do not depend on vLLM's classes.
@@ -21,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from kvbroker.integrations.vllm import gpu, streams
+from kvbroker.integrations.vllm import compat, gpu, streams
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
@@ -153,9 +154,18 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "called on the scheduler-side connector"
         return self._worker
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return compat.SLEEP_MODE
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        return compat.kv_cache_access(kv_transfer_config.kv_buffer_device)
+
     # -- worker side ----------------------------------------------------------------------------------------------
     def get_mem_pool_context(self) -> Any:
-        return self.worker_side.allocation_context()
+        # GPU engines keep vLLM's own allocation (vLLM 0.34's extensible KV cache refuses any context).
+        return None if self._gpu_mode else self.worker_side.allocation_context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if gpu.on_gpu(kv_caches):

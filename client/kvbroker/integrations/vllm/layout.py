@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker.integrations.vllm import compat
 from kvbroker.types import CacheDesc, DataType
 
 LAYOUT_VERSION = 6
@@ -428,6 +429,9 @@ def _state_of(spec: Any, page: int) -> str:
         if name not in _DTYPES:
             raise UnsupportedLayoutError(f"Mamba state dtype {name} is not supported")
         parts.append("x".join(str(int(n)) for n in shape) + "." + name)
+    if any(state_nbytes(part) % compat.state_alignment(spec) for part in parts):
+        raise UnsupportedLayoutError(f"Mamba state tensors padded apart in their page (state_alignment "
+                                     f"{compat.state_alignment(spec)}) are not supported")
     state = "+".join(parts)
     if not _STATE.fullmatch(state):
         raise UnsupportedLayoutError(f"Mamba state {state[:80]!r} has more tensors or dimensions than supported")

@@ -345,7 +345,21 @@ def _stop_one_short(request: Any) -> None:
     del request._all_token_ids[-1:]
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
+    _rehash(request)
     params["kvbroker_one_short"] = True
+
+
+def _rehash(request: Any) -> None:
+    """Hashes a shortened request's blocks again. With a connector, vLLM hashes every request's full blocks when it
+    arrives (0.34: in the front end), prefix caching on or off: the last block's hash still named the dropped token,
+    and once the generated token filled that block, whatever reads the hashes (the prefix cache, KV cache events)
+    would take it for the prompt's. Harmless while a Mamba model runs with prefix caching off, as it must here today;
+    vLLM 0.34's NixlConnector truncates its hashes for the same reason (`truncate_block_hashes` needs the hash block
+    size, which 0.32 does not give a connector; hashing a prompt again is cheap)."""
+    if getattr(request, "_block_hasher", None) is None:
+        return  # an engine that hashes nothing (neither prefix caching nor a connector)
+    del request.block_hashes[:]
+    request.update_block_hashes()
 
 
 def _as_groups(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[Sequence[int]]:

@@ -10,6 +10,8 @@ OpenAI server's completion and chat stream generators so that, when the request'
 
 (an event without choices, as vLLM's own usage event is, so OpenAI clients read past it). Nothing else of the stream
 changes, and a stream whose outputs carry no `kv_transfer_params` (a server without a connector) is left as it was.
+vLLM 0.33 and later also put them on the chunk carrying the finish reason; the event is still sent there, so that the
+last event before `[DONE]` means the same on every version.
 The P/D proxy relays the decode server's stream as it is, this event included. Installed in the server's front end by
 the connector's `build_prom_metrics` hook.
 """
