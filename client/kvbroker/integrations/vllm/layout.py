@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.integrations.vllm import compat
+from kvbroker.integrations.vllm import stages as pipeline
 from kvbroker.types import CacheDesc, DataType
 
 LAYOUT_VERSION = 6
@@ -84,7 +85,7 @@ _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype",
 MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "state", "head", "layers", "total_kv_heads")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name. `units` and
 # `remap` settle which of each side's caches a pull uses (`remap.settle`).
-MAPPED = ("tp", "block", "kv_heads", "page", "units", "remap")
+MAPPED = ("tp", "block", "kv_heads", "page", "units", "remap", "pp")
 # What the daemon compares (it refuses pulls between caches whose tags differ): what must match, and the unit.
 DAEMON_TAG_FIELDS = (*MUST_MATCH[1:], "units")
 
@@ -145,6 +146,17 @@ class KvLayout:
     token_view: bool = False
     """The cache (head units) has a second cache over the same memory in token units (`token_layout`), which pulls
     between engines of different block sizes use; the tag's `remap` field."""
+    pp: str = pipeline.NO_SPLIT
+    """Pipeline parallelism: the first layer of each stage (`stages.py`), `-` when the engine is not split. Then
+    `num_layers` is this stage's (its cache's tensors) and `model_layers` the model's (the tag's `layers`)."""
+    model_layers: int = 0
+    """The model's layers (0: `num_layers`)."""
+    stage: int = 0
+    """This worker's pipeline stage (not in the tag: each stage's worker tags its KV alike)."""
+
+    @property
+    def stages(self) -> pipeline.Stages:
+        return pipeline.parse(self.pp, self.model_layers or self.num_layers)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -241,11 +253,11 @@ class KvLayout:
     def fields(self) -> dict[str, str]:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
                 "head": str(self.head_size),
-                "layers": str(self.num_layers), "total_kv_heads": str(self.model_kv_heads),
+                "layers": str(self.model_layers or self.num_layers), "total_kv_heads": str(self.model_kv_heads),
                 "units": self.units, "groups": self.groups,
                 "state": self.state or "-", "remap": f"token{self.chunk_tokens}" if self.token_view else "-",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
-                "page": str(self.page_bytes)}
+                "page": str(self.page_bytes), **({"pp": self.pp} if self.pp != pipeline.NO_SPLIT else {})}
 
     def tag(self) -> str:
         """Everything a peer needs to know about our KV to map it (not the block count): travels in
@@ -301,7 +313,8 @@ def layout_of_tag(tag: str) -> KvLayout:
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
                         token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
                         groups=f["groups"], state="" if f["state"] == "-" else f["state"],
-                        token_view=f.get("remap", "-") != "-")  # (a tag of an older connector has no remap)
+                        token_view=f.get("remap", "-") != "-",  # (a tag of an older connector has no remap)
+                        pp=f.get("pp", pipeline.NO_SPLIT))
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
     if not _GROUPS.fullmatch(layout.groups) or len(layout.windows) > MAX_GROUPS:
@@ -311,6 +324,7 @@ def layout_of_tag(tag: str) -> KvLayout:
         raise ValueError(f"malformed state {layout.state[:80]!r}")
     if layout.has_state != bool(layout.state):
         raise ValueError("a Mamba group needs its state's shapes, and only a Mamba group has them")
+    layout.stages  # noqa: B018 - parses and checks the split (ValueError)
     return layout
 
 
@@ -462,3 +476,17 @@ def _group_kind(group: Any, first: Any) -> str:
     # the kernel (vLLM's hybrid allocator off) and keeps every block.
     window = getattr(spec, "sliding_window", None) if "SlidingWindow" in type(spec).__name__ else None
     return f"swa{int(window)}" if window else FULL_ATTENTION
+
+
+def in_stage(layout: KvLayout, split: pipeline.Stages, stage: int) -> KvLayout:
+    """The layout of a worker of pipeline stage `stage` of an engine split as `split` (its cache holds that stage's
+    layers); UnsupportedLayoutError for what a split engine cannot move."""
+    if split.count == 1:
+        return layout
+    if "," in layout.groups or layout.has_state:
+        raise UnsupportedLayoutError(f"pipeline parallelism with several KV cache groups ({layout.groups}) or Mamba "
+                                     "state is not supported by KvBrokerConnector (one group of attention KV is)")
+    if layout.num_layers != len(split.layers_of(stage)):
+        raise UnsupportedLayoutError(f"pipeline stage {stage} has a KV cache of {layout.num_layers} layers, not the "
+                                     f"{len(split.layers_of(stage))} of its layers {split.layers_of(stage)}")
+    return dataclasses.replace(layout, pp=split.field(), model_layers=split.layers, stage=stage)

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker.integrations.vllm.layout import parse_tag
+from kvbroker.integrations.vllm.stages import NO_SPLIT
 from kvbroker.tracecontext import TraceContext
 from kvbroker.types import Grant
 
@@ -141,12 +143,18 @@ def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: st
         "remote_host": host,
         "remote_port": int(port) if port.isdigit() else 0,
         "remote_num_tokens": int(num_tokens),
-        "tp_size": len(endpoints),
+        # (NixlConnector's field: the TP size; a pipeline-split engine has that many workers per stage.)
+        "tp_size": len(endpoints) // _stage_count(first.layout_tag),
         "kvbroker_protocol": PROTOCOL_VERSION,
         "kvbroker_cluster_id": first.cluster_id,
         "kvbroker_grant": grant.token(),
         "kvbroker_layout_tag": first.layout_tag,
     }
+
+
+def _stage_count(layout_tag: str) -> int:
+    split = parse_tag(layout_tag).get("pp", NO_SPLIT)
+    return 1 if split == NO_SPLIT else split.count(",") + 1
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:

@@ -93,6 +93,11 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
             if local != other:
                 return Refusal(name, f"{name}: local {local} vs remote {other} (GPU engines pull rank to rank, "
                                      "block to block)")
+    if ours.pp != remote.pp and (ours.physical or ours.has_state or "," in ours.groups):
+        # A split engine's cache is one group's layers of its stage: Mamba state, several groups and GPU caches are
+        # not split that way (layout_from_vllm refuses a split engine with them).
+        return Refusal("pp", f"pp: local {ours.pp} vs remote {remote.pp} (pipeline stages are mapped for the "
+                             "attention KV of one KV cache group on CPU engines)")
     if ours.has_state and ours.tp_size != remote.tp_size:
         # A rank's Mamba state is its slice of the heads and of the conv channels, interleaved per projection.
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (Mamba state moves between equal "

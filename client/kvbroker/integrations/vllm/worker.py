@@ -49,6 +49,7 @@ from kvbroker.integrations.vllm.remap import (
     refusal,
     settle,
 )
+from kvbroker.integrations.vllm.stages import layer_pulls
 from kvbroker.integrations.vllm.stats import TransferLog, reason_of
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError
@@ -101,15 +102,18 @@ def _merged(plans: Iterable[list[UnitPull]]) -> list[UnitPull]:
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, engine_id: str, rank: int, layout: KvLayout,
-                 client: Client | None = None) -> None:
+                 client: Client | None = None, slot: int | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
+        """This worker's TP rank (which KV heads it holds)."""
+        self.slot = rank if slot is None else slot
+        """Its place among the engine's workers (pipeline stage x TP size + TP rank): where a grant names its cache."""
         self.layout = layout
         if client is None:
             client = Client(config.target, timeout=config.pull_timeout_s, lease_ttl=config.lease_ttl_s)
             # Named after the engine, so that the server's front end can free the cache when it stops (lifecycle.py).
-            client.session_id = session_id(engine_id, rank)
+            client.session_id = session_id(engine_id, self.slot)
         self.client = client
         self.cache: Cache | None = None
         self.view: Cache | None = None
@@ -210,7 +214,7 @@ class WorkerSide:
         assert self.cache is not None
         info = self.client.get_cluster_info()
         self._epoch = info.instance_epoch
-        self.endpoint = WorkerEndpoint(rank=self.rank, cluster_id=info.cluster_id,
+        self.endpoint = WorkerEndpoint(rank=self.slot, cluster_id=info.cluster_id,
                                        peer_address=self.config.peer_address or info.peer_address,
                                        cache_id=self.cache.cache_id, layout_tag=self.layout.tag(),
                                        view_cache_id=self.view.cache_id if self.view is not None else 0)
@@ -329,7 +333,9 @@ class WorkerSide:
         assert settled is not None  # (refusal settled them)
         mine, theirs = settled
         # Their token view's slots follow their caches' in the grant; ours is another cache of the same memory.
-        first_slot = described.tp_size if theirs.token_units and not described.token_units else 0
+        their_stages = described.stages
+        workers = described.tp_size * their_stages.count
+        first_slot = workers if theirs.token_units and not described.token_units else 0
         if mine.token_units and not self.layout.token_units:
             assert self.view is not None  # (no view: the tag says no remap, and refusal refused)
             dst = self.view.cache_id
@@ -345,10 +351,14 @@ class WorkerSide:
             log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
             self.transfers.record_recompute("block_mismatch")
             return None
-        # One pull per prefill rank read, each naming units of that rank's cache that the grant must cover.
-        return mine, [PullItem(spec.request_id, remote.cluster_id, remote.grant, first_slot + one.remote_rank, dst, (),
-                               runs=one.runs, ext_param=_ONE_TENSOR_PER_LAYER, timeout=timeout, trace=remote.trace)
-                for one in plan]
+        # One pull per prefill worker read (a TP rank of each pipeline stage holding some of our layers), each naming
+        # units of that worker's cache that the grant must cover.
+        layers = ([(self.layout.stage, _ONE_TENSOR_PER_LAYER)] if self.layout.pp == described.pp else
+                  [(p.stage, p.ext_param) for p in layer_pulls(self.layout.stages, self.layout.stage, their_stages)])
+        return mine, [PullItem(spec.request_id, remote.cluster_id, remote.grant,
+                               first_slot + stage * described.tp_size + one.remote_rank, dst, (), runs=one.runs,
+                               ext_param=ext, timeout=timeout, trace=remote.trace)
+                      for stage, ext in layers for one in plan]
 
     def _loaded(self, outcome: LoadOutcome) -> None:
         """A request's pulls ended (from loads.py's threads)."""
@@ -384,7 +394,7 @@ class WorkerSide:
 
     # -- prefill: releases ----------------------------------------------------------------------------------------
     def _poll_releases(self) -> None:
-        topic = release_topic(self.engine_id, self.rank)
+        topic = release_topic(self.engine_id, self.slot)
         failing_since = 0.0
         epoch_checked = time.monotonic()
         while not self._stop.is_set():
