@@ -649,6 +649,9 @@ class PdProxy:
             answer = await self._decode(request, decode, path, decode_request, _with_trace(headers, leg.trace),
                                         wants_stream, request_id, leg)
             first_token_ns = leg.first_token_ns or time.time_ns()
+            _log.info("%s %s: prefill on %s, decode on %s, first token after %.1f ms (trace %s)", request_id, path,
+                      prefill_server.url, decode.url, (first_token_ns - started_ns) / 1e6,
+                      parent.trace_id if parent is not None else "-")
             leg.span.add_event("first_token", timestamp=first_token_ns)
             otel.end(leg.span, attributes={"http.response.status_code": answer.status,
                                            "gen_ai.usage.output_tokens": leg.tokens})
