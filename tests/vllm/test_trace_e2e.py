@@ -130,6 +130,13 @@ def one(spans: list[Span], name: str, service: str) -> Span:
     return found[0]
 
 
+def latencies(spans: list[Span], service: str) -> dict[str, float]:
+    """vLLM's own measures of the request (its `llm_request` span), in ms."""
+    attributes = one(spans, "llm_request", service).attributes
+    return {k.removeprefix("gen_ai.latency."): round(v * 1e3, 1) for k, v in attributes.items()
+            if k.startswith("gen_ai.latency.")}
+
+
 def inside(inner: Span, outer: Span) -> bool:
     return outer.start_ns <= inner.start_ns <= inner.end_ns <= outer.end_ns
 
@@ -196,5 +203,8 @@ def test_one_pd_request_is_one_trace_across_five_processes_and_its_spans_explain
     print(f"\nTTFT {ttft * 1e3:.1f} ms: prefill leg {prefill.seconds * 1e3:.1f} ms (grant {grant.seconds * 1e3:.1f}), "
           f"decode leg to its first token {(first_token - decode.start_ns) / 1e6:.1f} ms (wait in queue "
           f"{wait.seconds * 1e3:.1f}, pull {pull.seconds * 1e3:.1f}, daemon's transfer {transfer.seconds * 1e3:.1f}); "
-          f"not in a span: {(ttft - explained) * 1e3:.1f} ms")
+          f"not in a span: {(ttft - explained) * 1e3:.1f} ms; decode leg before the wait "
+          f"{(wait.start_ns - decode.start_ns) / 1e6:.1f} ms, after the pull "
+          f"{(first_token - pull.end_ns) / 1e6:.1f} ms; vLLM's llm_request: prefill "
+          f"{latencies(spans, 'vllm-prefill')}, decode {latencies(spans, 'vllm-decode')}")
     assert 0 <= ttft - explained <= max(PRECISION_S, PRECISION_SHARE * ttft)
