@@ -174,11 +174,9 @@ def test_the_connectors_decode_spans_wait_pull_and_recompute_in_the_requests_tra
     assert traced.trace is not None and traced.trace.trace_id == PROXY_LEG.trace_id  # the daemon's pull continues it
     spans.pulls_ended({"pulled", "failed"}, {"pulled": RequestTransfer(0.01, 4096, "shm", 64),
                                              "failed": RequestTransfer(0.0, 0, "", 0)})
-    failed.num_computed_tokens = 64  # (vLLM's count at the output that reports the failure: not yet reset)
+    failed.num_computed_tokens = 32  # a step computed half of the prompt: still recomputing
     spans.step_output()
     assert not [s for s in exporter.get_finished_spans() if s.name == "kvbroker.recompute"]
-    failed.num_computed_tokens = 0
-    spans.step_output()
     failed.num_computed_tokens = 64  # the step that computed the prompt
     spans.step_output()
     finished = exporter.get_finished_spans()
@@ -216,3 +214,34 @@ def test_the_connectors_prefill_spans_grant_and_hold_and_a_refusal_recomputes(
         "kvbroker.request_id": "p", "kvbroker.blocks": 4, "gen_ai.usage.input_tokens": 64, "kvbroker.status": "ok"}
     assert attrs(finished["kvbroker.wait_in_queue"])["kvbroker.status"] == "refused_layout"
     assert attrs(finished["kvbroker.recompute"])["kvbroker.status"] == "finished"
+
+
+def test_the_scheduler_side_makes_them_as_vllm_drives_it_and_the_daemons_pull_continues_the_pull_span(
+        exported: tuple[TracerProvider, InMemorySpanExporter]) -> None:
+    from tests.unit.test_vllm_connector import TAG_B, _decode_side, _remote_params
+    from tests.unit.test_vllm_connector import FakeRequest as Request
+
+    provider, exporter = exported
+    side = _decode_side()
+    side.spans = RequestSpans(provider.get_tracer("t"), "engine-d", "tiny")
+    leg = {"kvbroker_traceparent": PROXY_LEG.traceparent}
+    pulled = Request("d-1", 64, {**_remote_params([10, 11], 64), **leg})
+    refused = Request("d-2", 40, {**_remote_params([3, 4], 40, tag=TAG_B), **leg})
+    for request in (pulled, refused):
+        side.on_new_request(request)
+        side.num_new_matched_tokens(request, 0)
+    side.after_alloc(pulled, [50, 51], [50, 51], 64)
+    side.after_alloc(refused, [8, 9], [8, 9], 0)
+    (pull,) = side.take_plan().pulls
+    side.on_transfers({"d-1": RequestTransfer(0.01, 4096, "shm", 64)})
+    side.on_pulls_ended({"d-1"})
+    refused.num_computed_tokens = 40  # the step after its refusal computed its prompt
+    side.on_step_output()
+    finished = exporter.get_finished_spans()
+    assert sorted((s.name, attrs(s)["kvbroker.request_id"], attrs(s)["kvbroker.status"]) for s in finished) == [
+        ("kvbroker.pull", "d-1", "ok"), ("kvbroker.recompute", "d-2", "ok"),
+        ("kvbroker.wait_in_queue", "d-1", "ok"), ("kvbroker.wait_in_queue", "d-2", "refused_dtype")]
+    assert all(hex_id(s, "parent") == PROXY_LEG.span_id for s in finished)
+    pull_span = next(s for s in finished if s.name == "kvbroker.pull")
+    assert pull.remote.trace is not None and pull.remote.trace.span_id == hex_id(pull_span)
+    side.shutdown()

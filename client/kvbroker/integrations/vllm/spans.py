@@ -59,8 +59,6 @@ class _Decode:
     cluster: int
     pull: Span | None = None
     recompute: Span | None = None
-    recompute_armed: bool = False
-    """The recompute started at an earlier step output than the one being looked at (see `step_output`)."""
 
 
 class RequestSpans:
@@ -148,15 +146,13 @@ class RequestSpans:
                 self._recompute(d, "pull_failed", now)
 
     def step_output(self) -> None:
-        """A step's output: a recompute ends with the step that computed the prompt's last token (vLLM counts a
-        step's tokens as computed when it schedules them, and resets the count of a failed pull's request at the
-        output that reports it: only a later step's output is looked at)."""
+        """A step's output (before the pulls it reports end): a recompute ends with the step that computed the
+        prompt's last token (vLLM counts a step's tokens as computed when it schedules them; a request whose pull
+        failed counts only what landed, from the next step on)."""
         for request_id, d in list(self._decodes.items()):
             if d.recompute is None:
                 continue
-            if not d.recompute_armed:
-                d.recompute_armed = True
-            elif d.request.num_computed_tokens >= d.request.num_prompt_tokens:
+            if d.request.num_computed_tokens >= d.request.num_prompt_tokens:
                 otel.end(d.recompute, "ok", {"kvbroker.tokens": d.request.num_prompt_tokens})
                 del self._decodes[request_id]
 
@@ -182,7 +178,6 @@ class RequestSpans:
     def _recompute(self, d: _Decode, reason: str, now: int) -> None:
         d.recompute = self._start("kvbroker.recompute", d.parent, "decode", d.request.request_id,
                                   {"kvbroker.peer_cluster": str(d.cluster), "kvbroker.reason": reason}, now)
-        d.recompute_armed = False
 
     def shutdown(self) -> None:
         for span in self._holds.values():
