@@ -245,3 +245,22 @@ def test_the_scheduler_side_makes_them_as_vllm_drives_it_and_the_daemons_pull_co
     pull_span = next(s for s in finished if s.name == "kvbroker.pull")
     assert pull.remote.trace is not None and pull.remote.trace.span_id == hex_id(pull_span)
     side.shutdown()
+
+
+def test_an_engine_without_vllms_tracing_gets_the_connectors_spans_from_the_otel_settings() -> None:
+    """No global provider (vLLM started without --otlp-traces-endpoint) but OTEL_EXPORTER_OTLP_ENDPOINT: the
+    connector's own provider exports its spans, and flushes them when the engine shuts down."""
+    code = ("from kvbroker.integrations.vllm import spans\n"
+            "s = spans.for_engine('engine-p', 'tiny')\n"
+            "class R: request_id = 'p'; kv_transfer_params = {}; num_computed_tokens = 16\n"
+            "s.granted(R, s.grant(R, 1), 'ok', 1)\n"
+            "s.shutdown()\n")
+    with serving() as (receiver, endpoint):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{endpoint}"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        spans = wait_until(lambda: receiver.spans if len(receiver.spans) == 2 else None, what="both spans")
+    assert spans is not None
+    assert {(s.service, s.name) for s in spans} == {("vllm-kvbroker", "kvbroker.grant"),
+                                                   ("vllm-kvbroker", "kvbroker.hold")}
