@@ -5,11 +5,9 @@ time histogram carries the trace id as an exemplar, and with tracing off a daemo
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,80 +18,23 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="tracing needs kvbroker[trace]")
 
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1 import trace_pb2
-
 from kvbroker import CacheDesc, tracecontext
 from kvbroker._local import LocalDaemon
 from kvbroker.tracecontext import TraceContext
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from tests.conftest import cluster_of
 from tests.helpers import fill, wait_until
+from tests.otlp import Receiver, Span, serving
 
 DESC = CacheDesc(num_tensors=2, shape=(8, 64))
 STAGES_OF_A_GRANTED_PULL = {"redeem", "endpoints", "plan", "claim", "copy"}
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # ms: the batch processor sends within a test's patience
 
 
-@dataclass(frozen=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent: str
-    links: tuple[tuple[str, str], ...]
-    """(trace id, span id) of each link."""
-    attributes: dict[str, object]
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC collector that keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-               ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            for rs in request.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    self.spans += [_span(service, s) for s in ss.spans]
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def of(self, trace_id: str) -> list[Span]:
-        with self._lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
-
-    def named(self, name: str) -> list[Span]:
-        with self._lock:
-            return [s for s in self.spans if s.name == name]
-
-
-def _value(v: object) -> object:
-    kind = v.WhichOneof("value")  # type: ignore[attr-defined]
-    return getattr(v, kind) if kind else None
-
-
-def _span(service: str, s: trace_pb2.Span) -> Span:
-    return Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                tuple((link.trace_id.hex(), link.span_id.hex()) for link in s.links),
-                {a.key: _value(a.value) for a in s.attributes})
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[tuple[Receiver, str]]:
-    collector = Receiver()
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield collector, f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    with serving() as served:
+        yield served
 
 
 @dataclass

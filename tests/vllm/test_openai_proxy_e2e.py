@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,8 @@ def free_port() -> int:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` with KvBrokerConnector, as docs/vllm.md starts it."""
 
-    def __init__(self, model: Path, kvbroker_target: str, log_path: Path, trusted: str = "") -> None:
+    def __init__(self, model: Path, kvbroker_target: str, log_path: Path, trusted: str = "",
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -66,9 +67,10 @@ class Server:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-                "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(kv_config)]
+                "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(kv_config), *extra_args]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **SERVER_ENV, **(env or {})})
 
     def wait_ready(self, deadline: float) -> None:
         def ready() -> bool:

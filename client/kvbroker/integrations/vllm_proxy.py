@@ -25,6 +25,11 @@ client's own mistake, e.g. an unknown model) is passed through unchanged. A fail
 another prefill server. Servers are health-checked (`GET /health`) and a server that fails `--eject-after` checks or
 requests in a row gets no more requests until a check passes (unless every server of its role is out).
 
+Tracing (docs/tracing.md): with `--otlp-traces-endpoint` (or the standard OTEL_EXPORTER_OTLP_ENDPOINT), a span per
+request (`pd.request`, continuing the client's valid `traceparent`) and one per leg (`pd.prefill`, `pd.decode`), each
+leg's context passed to its server as `traceparent` and in `kv_transfer_params`. Off (the default), nothing of
+OpenTelemetry is imported.
+
 The HTTP side is aiohttp (`kvbroker[proxy]`): one event loop, no thread per connection; request bodies are framed by
 aiohttp's parser and capped in size and JSON values, every wait on a client is bounded (`--client-timeout`), the
 number of connections is capped, and an error answer always closes its connection.
@@ -47,7 +52,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 try:
@@ -59,6 +64,9 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
 
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
 
@@ -210,6 +218,18 @@ class PassThrough(Exception):
 
 class _ClientStalled(Exception):
     """The client did not take a piece of the answer within `client_timeout`."""
+
+
+@dataclass(eq=False, slots=True)
+class _Leg:
+    """A leg's span while tracing is on, and what the leg learns for it on the way."""
+
+    span: Span
+    trace: TraceContext | None
+    """The span's context: its server's and its daemon's spans are its children."""
+    tokens: int | None = None
+    first_token_ns: int = 0
+    """When the decode server's first answer bytes arrived (its time to first token)."""
 
 
 def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dict[str, Any]:
@@ -368,8 +388,11 @@ class PdProxy:
     """The proxy's HTTP server: `start()` binds and serves on a background thread (its own event loop), `close()`
     stops it."""
 
-    def __init__(self, config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    def __init__(self, config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000,
+                 tracer: Tracer | None = None) -> None:
+        """`tracer`: the proxy's spans go there (None: no spans; see `tracer_of`)."""
         self.config = config
+        self._tracer = tracer
         self._host = host
         self._port = port
         ejection = config.health_interval > 0
@@ -566,10 +589,12 @@ class PdProxy:
         headers[REQUEST_ID_HEADER] = request_id
         if (client_id := request.headers.get(REQUEST_ID_HEADER)) is not None:
             _log.info("%s: the client's X-Request-Id is %.200r", request_id, client_id)
+        wants_stream = bool(body.get("stream", False))
+        if self._tracer is not None:
+            return await self._traced_pd(request, request_id, path, body, body_size, headers, wants_stream)
         trace = request_trace(request.headers, self.config.trace_ratio)
         if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
             headers.update(trace.metadata())
-        wants_stream = bool(body.get("stream", False))
 
         started = time.perf_counter()
         prefill_request = await self._encode(prefill_body(body, trace), body_size)
@@ -590,6 +615,68 @@ class PdProxy:
             decode.url,
         )
         return answer
+
+    async def _traced_pd(self, request: web.BaseRequest, request_id: str, path: str, body: dict[str, Any],
+                         body_size: int, headers: dict[str, str], wants_stream: bool) -> web.StreamResponse:
+        """`_handle_pd` with spans: the request's, continuing the client's valid traceparent, and one per leg, whose
+        context its server and (through kv_transfer_params) its daemon continue."""
+        from opentelemetry.trace import SpanKind
+
+        from kvbroker.integrations import otel
+
+        assert self._tracer is not None
+        model = body.get("model")
+        attributes = {"http.route": path, "kvbroker.request_id": request_id, "kvbroker.stream": wants_stream,
+                      **({"gen_ai.request.model": model[:256]} if isinstance(model, str) else {})}
+        started_ns = time.time_ns()
+        root = otel.start(self._tracer, "pd.request", TraceContext.parse(request.headers.get(TRACEPARENT),
+                                                                         request.headers.get(TRACESTATE)),
+                          attributes, started_ns, SpanKind.SERVER)
+        parent = otel.trace_of(root)
+        leg: _Leg | None = None
+        try:
+            leg = self._leg("prefill", parent, attributes)
+            prefill_request = await self._encode(prefill_body(body, leg.trace), body_size)
+            prefill_server, kv_params = await self._prefill(path, prefill_request, _with_trace(headers, leg.trace),
+                                                            request_id, leg)
+            prompt_tokens = leg.tokens
+            otel.end(leg.span, attributes={"server.address": prefill_server.url, "gen_ai.usage.input_tokens":
+                                           prompt_tokens, "kvbroker.kv_transfer_params": kv_params is not None})
+            decode = self._decode_pool.pick()
+            assert decode is not None
+            leg = self._leg("decode", parent, {**attributes, "server.address": decode.url})
+            decode_request = await self._encode(decode_body(body, kv_params, leg.trace), body_size)
+            answer = await self._decode(request, decode, path, decode_request, _with_trace(headers, leg.trace),
+                                        wants_stream, request_id, leg)
+            first_token_ns = leg.first_token_ns or time.time_ns()
+            _log.info("%s %s: prefill on %s, decode on %s, first token after %.1f ms (trace %s)", request_id, path,
+                      prefill_server.url, decode.url, (first_token_ns - started_ns) / 1e6,
+                      parent.trace_id if parent is not None else "-")
+            leg.span.add_event("first_token", timestamp=first_token_ns)
+            otel.end(leg.span, attributes={"http.response.status_code": answer.status,
+                                           "gen_ai.usage.output_tokens": leg.tokens})
+            leg = None
+            root.add_event("first_token", timestamp=first_token_ns)
+            otel.end(root, attributes={"http.response.status_code": answer.status,
+                                       "gen_ai.usage.input_tokens": prompt_tokens,
+                                       "kvbroker.ttft_ms": round((first_token_ns - started_ns) / 1e6, 3)})
+            return answer
+        except BaseException as e:
+            status = _span_status(e)
+            if leg is not None:
+                otel.end(leg.span, status)
+            otel.end(root, status)
+            raise
+
+    def _leg(self, role: str, parent: TraceContext | None, attributes: dict[str, Any]) -> _Leg:
+        from opentelemetry.trace import SpanKind
+
+        from kvbroker.integrations import otel
+
+        assert self._tracer is not None
+        span = otel.start(self._tracer, f"pd.{role}", parent, {**attributes, "kvbroker.engine_role": role},
+                          kind=SpanKind.CLIENT)
+        return _Leg(span, otel.trace_of(span))
 
     @staticmethod
     async def _encode(document: dict[str, Any], body_size: int) -> bytes:
@@ -700,14 +787,14 @@ class PdProxy:
         return bytes(raw)
 
     async def _prefill(
-        self, path: str, data: bytes, headers: dict[str, str], request_id: str
+        self, path: str, data: bytes, headers: dict[str, str], request_id: str, leg: _Leg | None = None
     ) -> tuple[Upstream, dict[str, Any] | None]:
         """The prefill server used and its answer's `kv_transfer_params`; a failed prefill is tried once more on
         another server."""
         server = self._prefill_pool.pick()
         assert server is not None
         try:
-            return server, await self._prefill_on(server, path, data, headers, request_id)
+            return server, await self._prefill_on(server, path, data, headers, request_id, leg)
         except AnswerTooLarge:
             raise
         except UpstreamError as exc:
@@ -715,13 +802,15 @@ class PdProxy:
             if other is None:
                 raise
             _log.warning("%s: %s; trying %s", request_id, exc, other.url)
-        return other, await self._prefill_on(other, path, data, headers, request_id)
+            if leg is not None:
+                leg.span.add_event("retry", {"server.address": server.url, "kvbroker.status": int(exc.status)})
+        return other, await self._prefill_on(other, path, data, headers, request_id, leg)
 
     async def _prefill_on(
-        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str, leg: _Leg | None
     ) -> dict[str, Any] | None:
         try:
-            params = await self._prefill_answer(server, path, data, headers, request_id)
+            params = await self._prefill_answer(server, path, data, headers, request_id, leg)
         except AnswerTooLarge:
             raise
         except UpstreamError as exc:
@@ -731,7 +820,8 @@ class PdProxy:
         return params
 
     async def _prefill_answer(
-        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str
+        self, server: Upstream, path: str, data: bytes, headers: dict[str, str], request_id: str,
+        leg: _Leg | None = None
     ) -> dict[str, Any] | None:
         timeout = self.config.prefill_timeout
         async with self._exchange(server, path, data, headers, timeout) as response:
@@ -752,6 +842,8 @@ class PdProxy:
                 server, HTTPStatus.BAD_GATEWAY, f"answered with invalid JSON: {_excerpt(raw)}"
             ) from None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if leg is not None:
+            leg.tokens = _usage(answer, "prompt_tokens")
         if params is not None and not isinstance(params, dict):
             raise UpstreamError(
                 server, HTTPStatus.BAD_GATEWAY, f"answered kv_transfer_params that are not an object: {params!r:.200}"
@@ -773,12 +865,17 @@ class PdProxy:
         headers: dict[str, str],
         wants_stream: bool,
         request_id: str,
+        leg: _Leg | None = None,
     ) -> web.StreamResponse:
         timeout = self.config.decode_timeout
         try:
             async with self._exchange(server, path, data, headers, timeout) as response:
                 if response.status != HTTPStatus.OK or not wants_stream:
                     raw = await self._read_all(server, response, timeout)
+                    if leg is not None:
+                        leg.first_token_ns = time.time_ns()
+                        with contextlib.suppress(ValueError):
+                            leg.tokens = _usage(json.loads(raw), "completion_tokens")
                     if response.status >= 500:
                         raise UpstreamError(
                             server, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}"
@@ -787,13 +884,14 @@ class PdProxy:
                     content_type = response.headers.get("Content-Type", "application/json")
                     return await self._send(request, response.status, raw, content_type, request_id)
                 self._decode_pool.succeeded(server)
-                return await self._relay_stream(request, server, response, request_id)
+                return await self._relay_stream(request, server, response, request_id, leg)
         except UpstreamError as exc:
             self._decode_pool.failed(server, str(exc))
             raise
 
     async def _relay_stream(
-        self, request: web.BaseRequest, server: Upstream, response: aiohttp.ClientResponse, request_id: str
+        self, request: web.BaseRequest, server: Upstream, response: aiohttp.ClientResponse, request_id: str,
+        leg: _Leg | None = None
     ) -> web.StreamResponse:
         answer = web.StreamResponse(
             status=HTTPStatus.OK,
@@ -816,6 +914,8 @@ class PdProxy:
             else:
                 if not chunk:
                     break
+                if leg is not None and not leg.first_token_ns:
+                    leg.first_token_ns = time.time_ns()
                 await self._bounded(answer.write(chunk))
                 continue
             # The status line is gone: tell the client in the stream, the way vLLM reports errors in a stream.
@@ -863,6 +963,29 @@ class PdProxy:
         return await self._send(request, status, json.dumps(body).encode(), "application/json", request_id)
 
 
+def _with_trace(headers: dict[str, str], trace: TraceContext | None) -> dict[str, str]:
+    """`headers` with a leg's trace context (vLLM's own spans, `--otlp-traces-endpoint`, continue it)."""
+    return {**headers, **dict(trace.metadata())} if trace is not None else headers
+
+
+def _usage(answer: Any, key: str) -> int | None:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _span_status(e: BaseException) -> str:
+    """What a failed request's spans say (`kvbroker.status`)."""
+    if isinstance(e, PassThrough):
+        return f"http_{e.status}"
+    if isinstance(e, UpstreamError):
+        return f"upstream_{int(e.status)}"
+    if isinstance(e, ClientRequestError):
+        return f"http_{int(e.status)}"
+    return "client_gone" if isinstance(e, _ClientStalled | ConnectionError | asyncio.CancelledError) \
+        else type(e).__name__
+
+
 def _excerpt(raw: bytes, limit: int = 300) -> str:
     text = raw.decode("utf-8", "replace").strip()
     return text if len(text) <= limit else text[:limit] + "..."
@@ -889,6 +1012,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
     for setting in _SETTINGS:
         parser.add_argument("--" + setting.name.replace("_", "-"), type=type(setting.default), default=setting.default,
                             help=setting.metadata["help"] + " (default %(default)s)")
+    parser.add_argument(
+        "--otlp-traces-endpoint", default="", metavar="HOST:PORT",
+        help="send the proxy's spans (a request, its prefill and decode legs) over OTLP/gRPC to this collector "
+        "(https://HOST:PORT for TLS); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT if "
+        "set, else no spans. OTEL_SERVICE_NAME and OTEL_TRACES_SAMPLER apply; --trace-ratio, if set, is the sampler's "
+        "share of the requests that come without a traceparent")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     for setting in _SETTINGS:
@@ -906,11 +1035,24 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ProxyCo
     return args, config
 
 
+DEFAULT_SERVICE_NAME = "kvbroker-pd-proxy"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = _parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvbroker.integrations import otel
+
+    provider = None
+    if otel.wanted(args.otlp_traces_endpoint):
+        try:
+            provider = otel.own_provider(DEFAULT_SERVICE_NAME, args.otlp_traces_endpoint, config.trace_ratio)
+        except ImportError as exc:
+            _log.error("--otlp-traces-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT): %s", exc)
+            return 1
     try:
-        proxy = PdProxy(config, args.host, args.port).start()
+        proxy = PdProxy(config, args.host, args.port,
+                        tracer=provider.get_tracer("kvbroker.pd_proxy") if provider is not None else None).start()
     except OSError as exc:
         _log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         return 1
@@ -929,6 +1071,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.wait()
     finally:
         proxy.close()
+        if provider is not None:
+            provider.shutdown()  # exports the spans still batched
     _log.info("stopped")
     return 0
 

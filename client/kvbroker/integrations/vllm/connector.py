@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from kvbroker.integrations.vllm import compat, gpu, streams
+from kvbroker.integrations.vllm import compat, gpu, spans, streams
 from kvbroker.integrations.vllm import stats as stats_mod
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import UnsupportedLayoutError, in_stage, layout_from_vllm, model_identity
@@ -129,6 +129,7 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, self.engine_id, vllm_config.cache_config.block_size)
+            self._scheduler.spans = spans.for_engine(self.engine_id, str(vllm_config.model_config.served_model_name))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -266,6 +267,8 @@ class KvBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.on_transfers(meta.transfers)
         if connector_output.finished_recving:
             self.scheduler_side.on_pulls_ended(set(connector_output.finished_recving))
+        if connector_output.finished_sending and self.scheduler_side.spans is not None:
+            self.scheduler_side.spans.holds_ended(connector_output.finished_sending)
 
     def on_new_request(self, request: Any) -> None:
         self.scheduler_side.on_new_request(request)

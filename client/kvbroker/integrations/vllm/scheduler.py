@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbroker._client import Client
+from kvbroker.integrations import otel
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_lease
 from kvbroker.integrations.vllm.groups import GroupMismatch, group_parts
@@ -34,6 +35,7 @@ from kvbroker.integrations.vllm.params import (
     wants_remote_prefill,
 )
 from kvbroker.integrations.vllm.remap import Refusal, refusal
+from kvbroker.integrations.vllm.spans import RequestSpans
 from kvbroker.integrations.vllm.stats import RequestTransfer, TransferLog
 from kvbroker.status import LlmError
 
@@ -78,6 +80,8 @@ class SchedulerSide:
         self.grants = GrantKeeper(self.links, renewal_lease(config.pull_timeout_s))
         self.stats = TransferLog()
         """Requests this side decided to compute locally (refused KV), for vLLM's connector stats."""
+        self.spans: RequestSpans | None = None
+        """The requests' spans where tracing is on (spans.for_engine); None: off, no call made."""
 
     def set_endpoints(self, endpoints: Mapping[int, WorkerEndpoint]) -> None:
         clusters = {(e.cluster_id, e.peer_address) for e in endpoints.values()}
@@ -114,6 +118,8 @@ class SchedulerSide:
             remote = parse_remote(params)
         except BadTransferParams:
             return  # said in num_new_matched_tokens
+        if self.spans is not None:
+            self.spans.arrived(request, remote)
         if not self._refusal(remote):
             self.grants.watch(request.request_id, remote.cluster_id, remote.grant)
 
@@ -156,6 +162,8 @@ class SchedulerSide:
                       remote.engine_id, refused.message)
             self._reports[request.request_id] = {"prompt": prompt, "cached": 0, "refused": refused.message}
             self._release(request.request_id, remote, "incompatible")
+            if self.spans is not None:
+                self.spans.not_pulled(request.request_id, f"refused_{refused.field}")
             return
         # Blocks filled from the local prefix cache come first; the pull covers the rest of the prompt's tokens.
         num_local_hits = len(all_blocks) - len(new_blocks)
@@ -163,10 +171,14 @@ class SchedulerSide:
         self._reports[request.request_id] = {"prompt": prompt, "cached": min(start, prompt), "refused": ""}
         if num_external_tokens <= 0:
             self._release(request.request_id, remote, "cached locally")
+            if self.spans is not None:
+                self.spans.not_pulled(request.request_id, "cached")
             return
         assert self.layout is not None  # set with the endpoints, without which _refusal refuses
         theirs = layout_of_tag(remote.layout_tag)
         end = min(remote.num_tokens, prompt)
+        if self.spans is not None:  # the pull's span: the daemon's span of the pull continues it
+            remote = self.spans.pull_started(request.request_id, remote, end - start)
         if len(self.layout.windows) > 1 or self.layout.windows[0] is not None:
             self._plan.pulls.append(self._group_pull(request.request_id, remote, theirs, groups or (all_blocks,),
                                                      start, end))
@@ -209,9 +221,13 @@ class SchedulerSide:
         for req_id in request_ids:
             self.grants.release(req_id, "pulled", delay=RELEASE_DELAY_S)
         self._releasing |= request_ids
+        if self.spans is not None:
+            self.spans.pulls_ended(request_ids, self._transfers)
 
     def on_step_output(self) -> None:
         """A step ended (its output): the releases held back by `on_pulls_ended` at an earlier step go now."""
+        if self.spans is not None:
+            self.spans.step_output()
         if self._releasing:
             self.grants.hurry(self._releasing)
             self._releasing = set()
@@ -261,6 +277,8 @@ class SchedulerSide:
                          finished_normally: bool) -> tuple[bool, dict[str, Any] | None]:
         """`block_ids`: the request's blocks, one list per KV cache group (or one flat list: one group)."""
         params = request.kv_transfer_params
+        if self.spans is not None:
+            self.spans.finished(request.request_id)
         self._pulling.discard(request.request_id)
         self._local_tokens.pop(request.request_id, None)
         transfer = self._transfers.pop(request.request_id, None)
@@ -294,6 +312,7 @@ class SchedulerSide:
         blocks = list(dict.fromkeys(b for group, kind in zip(groups, kinds, strict=True) for b in group
                                     if kind == FULL_ATTENTION or b != NULL_BLOCK))
         ranks = sorted(self.endpoints)
+        span = self.spans.grant(request, len(blocks)) if self.spans is not None else None
         try:
             # Made before the params leave the engine: every renewal or redeem of it finds it.
             grant = self.client.create_grant(
@@ -303,18 +322,24 @@ class SchedulerSide:
                 # The same blocks in each rank's token view, for a decode engine of another block size.
                 view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.token_view else (),
                 view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s,
-                trace_context=trace_of(params))
+                trace_context=trace_of(params) if span is None else otel.trace_of(span))
         except LlmError as e:
+            if self.spans is not None and span is not None:
+                self.spans.granted(request, span, e.status.name, len(blocks))
             log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
                       "compute them", request.request_id, e.status.name, e.message)
             return False, None
         self._plan.holds[request.request_id] = self.config.hold_lease_s
+        if self.spans is not None and span is not None:
+            self.spans.granted(request, span, "ok", len(blocks))
         return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, groups, num_tokens,
                                            grant)
 
     def shutdown(self) -> None:
         self.grants.stop()
         self.client.close()
+        if self.spans is not None:
+            self.spans.shutdown()
 
     @staticmethod
     def _decode_report(report: dict[str, Any], transfer: RequestTransfer | None) -> dict[str, Any]:
