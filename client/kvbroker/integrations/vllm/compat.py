@@ -53,3 +53,13 @@ def state_alignment(spec: Any) -> int:
     """A Mamba spec's `state_alignment` (vLLM >= 0.34: each state tensor starts on a multiple of it in the page, set
     for FlashInfer's kernels on GPUs); 1 where vLLM has none."""
     return int(getattr(spec, "state_alignment", 1) or 1)
+
+
+def conv_state_layout() -> str:
+    """How vLLM lays a Mamba conv state out: "SD" ((conv_len, channels): its default) or "DS" (channels first:
+    `VLLM_SSM_CONV_STATE_LAYOUT=DS`, which it sets for NixlConnector)."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    except ImportError:  # (a unit test without vLLM; or a vLLM whose conv state has one layout: SD)
+        return "SD"
+    return str(get_conv_state_layout())

@@ -151,6 +151,32 @@ def read_runs(kv_caches: Mapping[str, Any], block_dim: int = 0) -> KvRuns:
                   block_bytes=block_bytes, starts=starts, layer_runs=layer_runs, device=devices.pop())
 
 
+def manager_block_views(kv_caches: Mapping[str, Any], num_blocks: int, block_size: int
+                        ) -> tuple[dict[str, Any], int]:
+    """vLLM's KV views counted in the scheduler's blocks, and the kernel block size (`block_size` where unsplit).
+
+    Where no attention backend of the group takes the scheduler's block size (a hybrid model's attention block raised
+    to the Mamba page, or `--block-size` past FlashInfer's 64), vLLM splits each block into kernel blocks
+    (`prepare_kernel_block_sizes`) and hands `register_kv_caches` views of `num_blocks * ratio` kernel blocks, block
+    b's being b * ratio ... b * ratio + ratio - 1 of one dense page (`create_kv_cache_views` splits no other page).
+    The block ids a pull names are the scheduler's: served in kernel blocks, block b would be another block's part.
+    Viewed back in the scheduler's blocks (as vLLM's `group_kernel_blocks` does), id b is the same bytes again."""
+    views: dict[str, Any] = {}
+    ratios = set()
+    for name, t in kv_caches.items():
+        kernel_blocks = int(t.shape[0])
+        if kernel_blocks % num_blocks:
+            raise UnsupportedLayoutError(f"layer {name} has {kernel_blocks} KV blocks, not a multiple of the "
+                                         f"scheduler's {num_blocks}")
+        ratio = kernel_blocks // num_blocks
+        ratios.add(ratio)
+        views[name] = t if ratio == 1 else t.unflatten(0, (num_blocks, ratio))
+    if len(ratios) != 1 or block_size % max(ratios):
+        raise UnsupportedLayoutError(f"blocks of {block_size} tokens are split into kernel blocks of "
+                                     f"{sorted(block_size // r for r in ratios)} tokens across the layers")
+    return views, block_size // ratios.pop()
+
+
 def run_tensors(kv_caches: Mapping[str, Any], runs: KvRuns) -> list[Any]:
     """One `[num_blocks, block_bytes]` uint8 tensor per run, over the views' own storage (no copy)."""
     import torch  # the caller's tensors are torch's: it is loaded

@@ -29,7 +29,13 @@ import torch
 
 from kvbroker._client import Client
 from kvbroker.device import torch_locations
-from kvbroker.integrations.vllm.cuda_layout import KvRuns, block_ranges, read_runs, run_tensors
+from kvbroker.integrations.vllm.cuda_layout import (
+    KvRuns,
+    block_ranges,
+    manager_block_views,
+    read_runs,
+    run_tensors,
+)
 from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
@@ -253,8 +259,11 @@ def open_gpu_kv(client: Client, kv_caches: Mapping[str, torch.Tensor], layout: K
     if not vllm_layout:
         raise UnsupportedLayoutError("vLLM has not resolved its KV cache layout (cache_config.kv_cache_layout), so "
                                      "peers could not tell whether their blocks' bytes are in the same order")
+    kv_caches, kernel = manager_block_views(kv_caches, layout.num_blocks, layout.block_size)
     runs = read_runs(kv_caches)
-    layout = dataclasses.replace(layout, physical=physical_tag(vllm_layout, runs), num_blocks=runs.num_blocks)
+    # A block split into kernel blocks holds its parts one after the other: another order of bytes than unsplit.
+    physical = physical_tag(vllm_layout if kernel == layout.block_size else f"{vllm_layout}.kernel{kernel}", runs)
+    layout = dataclasses.replace(layout, physical=physical, num_blocks=runs.num_blocks)
     if mode == DEVICE_DIRECT:
         return DeviceDirect(client, kv_caches, runs, layout.tag(), exporter), layout
     return HostStaged(client, kv_caches, runs, layout.tag(), saves=saves), layout

@@ -42,7 +42,7 @@ from kvbroker.integrations.vllm import compat
 from kvbroker.integrations.vllm import stages as pipeline
 from kvbroker.types import CacheDesc, DataType
 
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 # kvbrokerd lays the tensors of an allocated cache out at multiples of this many bytes.
 DAEMON_TENSOR_ALIGN = 4096
 # Tokens of a fine transfer unit (`KvLayout.token_units`): the largest power of two up to this that divides the block
@@ -82,10 +82,11 @@ _DTYPES = {
 # Config entries that name where a model was loaded from rather than what it is.
 _NOT_IDENTITY = {"name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures_path"}
 # Tag fields that must be equal for a peer's bytes to mean the same here, in the order a refusal names them.
-MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "state", "head", "layers", "total_kv_heads")
+MUST_MATCH = ("version", "model", "dtype", "memory", "phys", "groups", "mamba", "head", "layers", "total_kv_heads")
 # Tag fields that may differ: the remap plan (remap.py) maps them, or refuses with the field's name. `units` and
-# `remap` settle which of each side's caches a pull uses (`remap.settle`).
-MAPPED = ("tp", "block", "kv_heads", "page", "units", "remap", "pp")
+# `remap` settle which of each side's caches a pull uses (`remap.settle`); a rank's Mamba `state` is equal between
+# equal TP sizes and split or gathered across them (mamba_state.py).
+MAPPED = ("tp", "block", "kv_heads", "page", "units", "remap", "state", "pp")
 # What the daemon compares (it refuses pulls between caches whose tags differ): what must match, and the unit.
 DAEMON_TAG_FIELDS = (*MUST_MATCH[1:], "units")
 
@@ -95,6 +96,7 @@ _GROUPS = re.compile(f"{_KIND}(,{_KIND})*")
 # One state tensor: its shape (without the block dimension) and dtype, e.g. "3x288.float32"; up to 8 of them.
 _STATE_PART = r"[1-9][0-9]{0,6}(x[1-9][0-9]{0,6}){0,5}\.[a-z0-9_]{1,16}"
 _STATE = re.compile(f"{_STATE_PART}(\\+{_STATE_PART}){{0,7}}")
+_MAMBA = re.compile(r"[a-z0-9_]{1,32}\.(SD|DS)")
 
 
 def cpu_memory(isa: str) -> str:
@@ -146,6 +148,9 @@ class KvLayout:
     token_view: bool = False
     """The cache (head units) has a second cache over the same memory in token units (`token_layout`), which pulls
     between engines of different block sizes use; the tag's `remap` field."""
+    mamba: str = ""
+    """Mamba groups only: the kind of state and how its conv state is oriented, e.g. "mamba2.SD" (vLLM's
+    `MambaSpec.mamba_type`, `VLLM_SSM_CONV_STATE_LAYOUT`): what `state`'s shapes mean, at any TP size."""
     pp: str = pipeline.NO_SPLIT
     """Pipeline parallelism: the first layer of each stage (`stages.py`), `-` when the engine is not split. Then
     `num_layers` is this stage's (its cache's tensors) and `model_layers` the model's (the tag's `layers`)."""
@@ -254,7 +259,7 @@ class KvLayout:
         return {"model": self.model_id, "dtype": self.dtype, "memory": self.memory, "phys": self.physical or "-",
                 "head": str(self.head_size),
                 "layers": str(self.model_layers or self.num_layers), "total_kv_heads": str(self.model_kv_heads),
-                "units": self.units, "groups": self.groups,
+                "units": self.units, "groups": self.groups, "mamba": self.mamba or "-",
                 "state": self.state or "-", "remap": f"token{self.chunk_tokens}" if self.token_view else "-",
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes), **({"pp": self.pp} if self.pp != pipeline.NO_SPLIT else {})}
@@ -269,6 +274,11 @@ class KvLayout:
         unit of one cache to mean the same in the other. TP, block size and heads per rank are the plan's."""
         fields = self.fields()
         return f"vllm-kv/{LAYOUT_VERSION} " + " ".join(f"{k}={fields[k]}" for k in DAEMON_TAG_FIELDS)
+
+
+def dtype_size(name: str) -> int:
+    """Bytes of one element of a dtype a tag names."""
+    return _DTYPES[name].itemsize
 
 
 def state_nbytes(state: str) -> int:
@@ -313,6 +323,7 @@ def layout_of_tag(tag: str) -> KvLayout:
                         total_kv_heads=int(f["total_kv_heads"]), memory=f["memory"],
                         token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
                         groups=f["groups"], state="" if f["state"] == "-" else f["state"],
+                        mamba="" if f.get("mamba", "-") == "-" else f["mamba"],
                         token_view=f.get("remap", "-") != "-",  # (a tag of an older connector has no remap)
                         pp=f.get("pp", pipeline.NO_SPLIT))
     except KeyError as e:
@@ -322,8 +333,10 @@ def layout_of_tag(tag: str) -> KvLayout:
     if layout.state and (not _STATE.fullmatch(layout.state) or any(
             p.partition(".")[2] not in _DTYPES for p in layout.state.split("+"))):
         raise ValueError(f"malformed state {layout.state[:80]!r}")
-    if layout.has_state != bool(layout.state):
-        raise ValueError("a Mamba group needs its state's shapes, and only a Mamba group has them")
+    if layout.has_state != bool(layout.state) or layout.has_state != bool(layout.mamba):
+        raise ValueError("a Mamba group needs its state's shapes and kind, and only a Mamba group has them")
+    if layout.mamba and not _MAMBA.fullmatch(layout.mamba):
+        raise ValueError(f"malformed mamba {layout.mamba[:80]!r}")
     layout.stages  # noqa: B018 - parses and checks the split (ValueError)
     return layout
 
@@ -356,6 +369,7 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
     spec = _attention_spec(attention[0])
     kinds = [_group_kind(g, spec) for g in groups]
     states = {_state_of(g.kv_cache_spec, int(spec.page_size_bytes)) for g in groups if _is_mamba(g.kv_cache_spec)}
+    mambas = {_mamba_kind(g.kv_cache_spec) for g in groups if _is_mamba(g.kv_cache_spec)}
     if len(states) > 1:
         raise UnsupportedLayoutError(f"Mamba groups with different state shapes ({', '.join(sorted(states))}) are "
                                      "not supported")
@@ -404,7 +418,8 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
                       page_bytes=page, model_id=model_id, tp_size=tp_size,
                       total_kv_heads=1 if memory == MEMORY_MLA else total_kv_heads, memory=memory,
                       token_units=token_units, groups=FULL_ATTENTION if len(groups) == 1 and kinds == [
-                          FULL_ATTENTION] else described, state=next(iter(states), ""))
+                          FULL_ATTENTION] else described, state=next(iter(states), ""),
+                      mamba=next(iter(mambas), ""))
     layout.desc()  # refuses padded pages here, at start-up
     # Default settings: a view in token units too, where blocks are cut at tokens and a grant can count its units.
     if not token_units and memory in CUT_AT_TOKENS and layout.token_layout().grant_units <= MAX_GRANT_UNITS:
@@ -414,6 +429,13 @@ def layout_from_vllm(kv_cache_config: Any, model_id: str, tp_size: int, total_kv
 
 def _is_mamba(spec: Any) -> bool:
     return hasattr(spec, "mamba_cache_mode") and hasattr(spec, "shapes")
+
+
+def _mamba_kind(spec: Any) -> str:
+    """The tag's `mamba` field: vLLM's kind of state ("mamba2", ...) and the conv state's orientation."""
+    kind = getattr(spec, "mamba_type", None)
+    name = re.sub(r"[^a-z0-9_]", "_", str(getattr(kind, "name", kind or "mamba2")).lower())[:32]
+    return f"{name}.{compat.conv_state_layout()}"
 
 
 def _attention_spec(group: Any) -> Any:

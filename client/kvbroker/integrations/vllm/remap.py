@@ -8,7 +8,8 @@ field, before any byte moves.
 The plan maps (source unit, destination unit) pairs per prefill rank, where a unit is `chunk_tokens` tokens of one
 head's K or V in one block (`KvLayout.desc`). It is built as runs (`kvbroker.blockruns`: a few hundred, some repeated
 at a stride), never as the pairs themselves, and the daemon checks, claims and copies those runs as they are over the
-caches it already serves, with no staging copy. A Mamba layer's state moves whole (`plan_state`).
+caches it already serves, with no staging copy. A Mamba layer's state moves whole between equal TP sizes, and split or
+gathered per projection across them (`plan_state`, mamba_state.py).
 
 - TP: a rank holds the model's KV heads `rank_heads(rank, tp, total)`; a decode rank takes each of its heads from one
   prefill rank holding it (several prefill ranks when prefill TP is larger; a slice of one when it is smaller; each
@@ -41,6 +42,7 @@ from kvbroker.integrations.vllm.layout import (
     layout_of_tag,
     parse_tag,
 )
+from kvbroker.integrations.vllm.mamba_state import plan_split_state, split_refusal
 
 MAX_TP = 1024
 MAX_BLOCK_TOKENS = 1 << 16
@@ -64,7 +66,9 @@ def settle(ours: KvLayout, remote: KvLayout) -> tuple[KvLayout, KvLayout] | None
     """The layouts a pull between these engines addresses, (ours, theirs), in the same units on both sides: the
     caches themselves where they are addressed alike and the blocks are the same size (or both in token units), else
     both sides' token units; None when one side has none (its blocks move whole)."""
-    if ours.units == remote.units and (ours.token_units or ours.block_size == remote.block_size):
+    # A Mamba state split across TP sizes is cut per projection, finer than a head's block: in token units.
+    whole_blocks = ours.block_size == remote.block_size and not (ours.has_state and ours.tp_size != remote.tp_size)
+    if ours.units == remote.units and (ours.token_units or whole_blocks):
         return ours, remote
     if ours.remap_units and ours.remap_units == remote.remap_units:
         return ours.token_layout(), remote.token_layout()
@@ -98,10 +102,8 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         # not split that way (layout_from_vllm refuses a split engine with them).
         return Refusal("pp", f"pp: local {ours.pp} vs remote {remote.pp} (pipeline stages are mapped for the "
                              "attention KV of one KV cache group on CPU engines)")
-    if ours.has_state and ours.tp_size != remote.tp_size:
-        # A rank's Mamba state is its slice of the heads and of the conv channels, interleaved per projection.
-        return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (Mamba state moves between equal "
-                             "TP sizes only)")
+    if ours.has_state and ours.tp_size == remote.tp_size and ours.state != remote.state:
+        return Refusal("state", f"state: local {ours.state} vs remote {remote.state}")
     small, large = sorted((ours.tp_size, remote.tp_size))
     if small < 1 or large % small:
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (neither divides the other)")
@@ -115,6 +117,10 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     settled = settle(ours, remote)
     if settled is None:
         local_units, remote_units = ours.remap_units or "none", remote.remap_units or "none"
+        if ours.has_state and ours.tp_size != remote.tp_size:
+            return Refusal("state", f"state: a Mamba state split across TP sizes (local {ours.tp_size}, remote "
+                                    f"{remote.tp_size}) needs token units on both engines: local {local_units}, "
+                                    f"remote {remote_units}")
         if small != large:
             return Refusal("block", f"block: local {ours.block_size} vs remote {remote.block_size} (a block-size "
                                     f"remap needs token units on both engines: local {local_units}, remote "
@@ -135,6 +141,9 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         if layout.memory != MEMORY_MLA and layout.num_kv_heads != want:
             return Refusal("kv_heads", f"kv_heads: {side} {layout.num_kv_heads} per rank, expected {want} "
                                        f"({layout.model_kv_heads} heads over tp {layout.tp_size})")
+    if ours.has_state and ours.tp_size != remote.tp_size and (why := split_refusal(addressed, remote)):
+        return Refusal("state", f"state: local {ours.state} at tp {ours.tp_size} from remote {remote.state} at tp "
+                                f"{remote.tp_size}: {why}")
     if remote.units_per_block * remote.unit_bytes != remote.page_bytes:
         return Refusal("page", f"page: remote {remote.page_bytes} bytes is not {remote.units_per_block} units of "
                                f"{remote.unit_bytes} bytes (padded pages are not supported)")
@@ -273,8 +282,12 @@ def _merged_runs(columns: list[np.ndarray]) -> Runs:
 
 
 def plan_state(ours: KvLayout, rank: int, remote: KvLayout, local_block: int, remote_block: int) -> list[UnitPull]:
-    """A Mamba layer's running state, whole: the units at the start of `remote_block` that hold it, into
-    `local_block`, from the prefill rank of our rank (`refusal` saw equal TP sizes)."""
+    """A Mamba layer's running state: between equal TP sizes whole (the units at the start of `remote_block` that
+    hold it, into `local_block`, from the prefill rank of our rank), else split or gathered per projection
+    (`mamba_state`)."""
+    if ours.tp_size != remote.tp_size:
+        return [UnitPull(p, runs) for p, runs in plan_split_state(ours, rank, remote, local_block,
+                                                                  remote_block).items()]
     if ours.unit_bytes != remote.unit_bytes or ours.state_bytes != remote.state_bytes:
         raise ValueError(f"Mamba state of {remote.state_bytes} bytes in units of {remote.unit_bytes} does not map "
                          f"onto {ours.state_bytes} bytes in units of {ours.unit_bytes}")
