@@ -44,7 +44,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any
@@ -58,6 +58,14 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "kvbroker's P/D proxy needs aiohttp: pip install 'kvbroker[proxy]'"
     ) from _exc
 
+from kvbroker.integrations.vllm_turns import (
+    KEEP_TURN_PARAM,
+    TurnMemory,
+    answered,
+    conversation_of,
+    handed_back,
+    tenant_of,
+)
 from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
 
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
@@ -160,6 +168,12 @@ class ProxyConfig:
         0.0, "share of requests that come without a W3C traceparent for which the proxy starts a sampled trace, "
         "passed to both servers and their daemons (0: none; a valid traceparent a client sends is always passed on)",
         zero_allowed=True)
+    turn_ttl: float = _setting(
+        0.0, "seconds a finished turn's KV stays offered for the conversation's next turn (multi-turn reuse: the "
+        "decode server holds the turn's blocks under a grant, the next prefill pulls them instead of recomputing the "
+        "history; at most the decode server's kvbroker_hold_lease_s); 0: off, the decode server holds nothing",
+        zero_allowed=True)
+    max_turns: int = _setting(10000, "most finished turns remembered at once (the oldest are forgotten)")
 
 
 class UpstreamError(Exception):
@@ -212,12 +226,14 @@ class _ClientStalled(Exception):
     """The client did not take a piece of the answer within `client_timeout`."""
 
 
-def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], trace: TraceContext | None = None,
+                 turn: dict[str, Any] | None = None) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
-    answer with one token and where the KV is (and, with a trace, the trace its grant is made under)."""
+    answer with one token and where the KV is (and, with a trace, the trace its grant is made under). `turn`: the
+    previous turn's KV on a decode server (`vllm_turns`), whose tokens the prefill server pulls where they match."""
     dropped = _STRIPPED_FIELDS + _PREFILL_DROPPED_FIELDS
     request = {key: value for key, value in body.items() if key not in dropped}
-    request["kv_transfer_params"] = {"do_remote_decode": True, **_trace_params(trace)}
+    request["kv_transfer_params"] = {**(turn or {}), "do_remote_decode": True, **_trace_params(trace)}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
@@ -226,10 +242,11 @@ def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dic
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
-                trace: TraceContext | None = None) -> dict[str, Any]:
+                trace: TraceContext | None = None, keep_turn: bool = False) -> dict[str, Any]:
     request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
     if kv_transfer_params is not None:
-        request["kv_transfer_params"] = {**kv_transfer_params, **_trace_params(trace)}
+        request["kv_transfer_params"] = {**kv_transfer_params, **_trace_params(trace),
+                                         **({KEEP_TURN_PARAM: True} if keep_turn else {})}
     return request
 
 
@@ -383,6 +400,7 @@ class PdProxy:
         self._listener: asyncio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._refused_logged_at = 0.0
+        self._turns = TurnMemory(config.turn_ttl, config.max_turns)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -571,15 +589,28 @@ class PdProxy:
             headers.update(trace.metadata())
         wants_stream = bool(body.get("stream", False))
 
+        # Multi-turn reuse (non-streamed answers: the proxy reads the answer's text and params).
+        conversation = conversation_of(path, body) if self.config.turn_ttl > 0 else None
+        tenant = tenant_of(request.headers, _FORWARDED_HEADERS)
+        turn = None if conversation is None else self._turns.take(tenant, path, body, conversation)
+
         started = time.perf_counter()
-        prefill_request = await self._encode(prefill_body(body, trace), body_size)
+        prefill_request = await self._encode(prefill_body(body, trace, turn), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
         prefilled = time.perf_counter()
 
         decode = self._decode_pool.pick()
         assert decode is not None
-        decode_request = await self._encode(decode_body(body, kv_params, trace), body_size)
-        answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id)
+        keep = conversation is not None and not wants_stream
+        decode_request = await self._encode(decode_body(body, kv_params, trace, keep_turn=keep), body_size)
+
+        def remember(answer: dict[str, Any]) -> None:
+            params = handed_back(answer.get("kv_transfer_params"))
+            if params is not None and conversation is not None:
+                self._turns.remember(tenant, path, body, answered(conversation, path, answer), params)
+
+        answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id,
+                                    remember if keep else None)
         _log.info(
             "%s %s: prefill %.1f ms on %s, decode %.1f ms on %s",
             request_id,
@@ -773,7 +804,9 @@ class PdProxy:
         headers: dict[str, str],
         wants_stream: bool,
         request_id: str,
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
     ) -> web.StreamResponse:
+        """`on_answer`: given a non-streamed 200 answer's JSON (unless it is over `_PARSE_INLINE_BYTES`)."""
         timeout = self.config.decode_timeout
         try:
             async with self._exchange(server, path, data, headers, timeout) as response:
@@ -784,6 +817,10 @@ class PdProxy:
                             server, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}"
                         )
                     self._decode_pool.succeeded(server)
+                    if on_answer is not None and response.status == HTTPStatus.OK and len(raw) <= _PARSE_INLINE_BYTES:
+                        with contextlib.suppress(ValueError):  # relayed as it is: the client sees what is wrong
+                            if isinstance(document := json.loads(raw), dict):
+                                on_answer(document)
                     content_type = response.headers.get("Content-Type", "application/json")
                     return await self._send(request, response.status, raw, content_type, request_id)
                 self._decode_pool.succeeded(server)
