@@ -21,9 +21,13 @@ from kvbroker.integrations.vllm.params import (
     turn_output_params,
 )
 from kvbroker.integrations.vllm.scheduler import SchedulerSide
-from kvbroker.integrations.vllm_proxy import decode_body, prefill_body
+from kvbroker.integrations.vllm_proxy import PdProxy, decode_body, prefill_body
 from kvbroker.integrations.vllm_turns import TurnMemory, answered, conversation_of, handed_back
 from kvbroker.types import Grant
+from tests.unit import test_vllm_proxy as fakes
+from tests.unit.test_vllm_proxy import config_for, decode_json, post, prefill_ok
+
+serve = fakes.serve  # the fake vLLM servers (a fixture)
 
 BS = 32
 TAG = KvLayout(3, 100, BS, 1, 64, "float32", 16384, "m1", 1).tag()
@@ -240,3 +244,39 @@ def test_a_turn_goes_into_the_prefill_request_and_the_decode_request_asks_to_kee
     assert prefill_body(body)["kv_transfer_params"] == {"do_remote_decode": True}  # the client's never goes
     assert decode_body(body, {"a": 1}, keep_turn=True)["kv_transfer_params"] == {"a": 1, KEEP_TURN_PARAM: True}
     assert "kv_transfer_params" not in decode_body(body, None, keep_turn=True)
+
+
+def test_through_the_proxy_the_next_turn_of_the_same_tenant_carries_the_turn_and_others_do_not(serve: Any) -> None:
+    """The proxy with `--turn-ttl`: the decode request asks to keep the turn, the next turn's prefill request
+    carries the decode answer's turn (once), and neither another tenant nor a client's own params ever get it."""
+    turn = _turn(tokens(32), [4])
+
+    def decode_answer(handler: Any, body: dict[str, Any]) -> None:
+        handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": "hello"}}],
+                            "kv_transfer_params": {**turn, "kvbroker_tokens_pulled": 5}})
+
+    p, d = serve(prefill_ok), serve(decode_answer)
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    with PdProxy(config_for([p.url], [d.url], turn_ttl=30.0), "127.0.0.1", 0) as proxy:
+        assert post(proxy, "/v1/chat/completions", {"model": "m", "messages": first}, alice)[0] == 200
+        assert post(proxy, "/v1/chat/completions", {"model": "m", "messages": second}, bob)[0] == 200
+        hostile = {"model": "m", "messages": second, "kv_transfer_params": turn}
+        assert post(proxy, "/v1/chat/completions", hostile, {"Authorization": "Bearer mallory"})[0] == 200
+        assert post(proxy, "/v1/chat/completions", {"model": "m", "messages": second}, alice)[0] == 200
+        assert post(proxy, "/v1/chat/completions", {"model": "m", "messages": second}, alice)[0] == 200
+
+    prefill_params = [body["kv_transfer_params"] for _, _, body in p.requests]
+    assert prefill_params[:3] == [{"do_remote_decode": True}] * 3  # first turn, bob, mallory
+    assert prefill_params[3] == {**turn, "do_remote_decode": True}  # alice's second turn
+    assert prefill_params[4] == {"do_remote_decode": True}  # used once
+    assert all(body["kv_transfer_params"][KEEP_TURN_PARAM] is True for _, _, body in d.requests)
+
+
+def test_without_turn_ttl_the_proxy_asks_no_decode_server_to_keep_a_turn(serve: Any) -> None:
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([p.url], [d.url]), "127.0.0.1", 0) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "a"})[0] == 200
+    ((_, _, body),) = d.requests
+    assert KEEP_TURN_PARAM not in body["kv_transfer_params"]
