@@ -112,7 +112,8 @@ class SchedulerSide:
     # -- decode side ---------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         """A request arrived: from now until its pull ends, its grant is renewed (however long it waits). A prefill
-        request of a model with Mamba state stops one token short (`_stop_one_short`)."""
+        request of a model with Mamba state stops one token short (`_stop_one_short`); one that continues a turn a
+        decode node kept pulls that turn's matching tokens (`_take_turn`)."""
         params = request.kv_transfer_params
         if handed_back_turn(params):
             self._take_turn(request)
@@ -133,7 +134,6 @@ class SchedulerSide:
         `do_remote_prefill`, over the matched tokens only), or computes them where nothing matches or the turn
         cannot be read; then the decode node is told at once that it may free the blocks."""
         params = request.kv_transfer_params
-        params["do_remote_decode"] = True  # normalised: the grant this request makes at its end is checked by it
         try:
             remote = parse_remote(params)
         except BadTransferParams as e:
