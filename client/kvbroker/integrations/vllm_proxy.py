@@ -19,6 +19,10 @@ server's reach the decode server), the request id both servers see is the proxy'
 also returned to the client), and a request that would make the prefill server hold KV for several sequences while
 only one `kv_transfer_params` comes back (`n` > 1, `best_of` > 1, beam search, a batch of prompts) is refused.
 
+Multi-turn reuse (`--turn-ttl`, off by default): the decode server is asked to keep each finished turn's KV, and the
+request that continues the conversation brings that turn to its prefill server, which pulls the history instead of
+computing it (`vllm_turns.py` says how a turn is found and why a client cannot name another's).
+
 Failures: a server that is down, answers 5xx or garbage gives 502, one that does not answer in time gives 504; the
 client learns only which role failed and the request id, the proxy's log has the server and the error. A 4xx (the
 client's own mistake, e.g. an unknown model) is passed through unchanged. A failed prefill is retried once on
