@@ -20,6 +20,10 @@ decode TTFT (from handing the N requests over until that request's first token),
 repeats, and the time until the last one (median repeat); every token checked against the prefill engine's, and every
 request must have pulled its KV. One untimed round of each load comes first.
 
+Multi-turn mode (`--turns 1024:64`): a chat's second turn on the prefill engine (its TTFT leg) pulling the first
+turn's KV from the decode engine (which kept it: `kvbroker_keep_turn`) against computing the same prompt whole, in
+alternating order per round; kvbroker over shm only; the two tokens must agree and the history must be pulled.
+
 Subjects: `nixl-samehost` (NIXL with UCX's default transports: shared memory on one host), `nixl-tcp` (UCX over TCP
 on loopback), `kvbroker-shm` and `kvbroker-tcp` (the daemons limited to one backend). The first request of each
 subject (the handshake) is a warm-up and not counted; each point is the median of `--requests` requests. The
@@ -487,6 +491,102 @@ def run_load(subject: str, model: str, workdir: Path, loads: list[tuple[int, int
             prefill.stop()
 
 
+@dataclass(frozen=True, slots=True)
+class TurnPoint:
+    history_tokens: int
+    new_tokens: int
+    reuse_ms: float
+    """Median turn-2 TTFT, prefill leg (the prefill engine's one token): the history pulled from the decode engine."""
+    recompute_ms: float
+    """The same prompt computed whole."""
+    decode_ms: float
+    """Median decode leg of turn 2 (pull of the prompt and the first token), the same either way."""
+    pulled: int
+    """History tokens the prefill engine pulled (smallest over the rounds)."""
+    tokens_match: bool
+    reuse_ms_all: tuple[float, ...]
+    recompute_ms_all: tuple[float, ...]
+
+
+@contextlib.contextmanager
+def turn_sidecars(workdir: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Two kvbrokerd daemons (shm) and each engine's connector config: each trusts the other's daemon (the decode
+    engine pulls prompts, the prefill engine the finished turns)."""
+    from kvbroker._local import LocalDaemon
+
+    with LocalDaemon(workdir / "turns", 1, backends=("shm",)) as p_daemon, \
+            LocalDaemon(workdir / "turns", 2, backends=("shm",)) as d_daemon:
+        prefill = kv_transfer_config("kvbroker-shm", p_daemon.target, f"{d_daemon.cluster_id}={d_daemon.peer_address}")
+        decode = kv_transfer_config("kvbroker-shm", d_daemon.target, f"{p_daemon.cluster_id}={p_daemon.peer_address}")
+        yield prefill, decode
+
+
+def run_turns(model: str, workdir: Path, turns: list[tuple[int, int]], requests: int, block_size: int,
+              seed: int) -> list[TurnPoint]:
+    """For each (H, N) of `turns`: a first turn of an H-token prompt (prefill, then decode asked to keep its turn),
+    then the second turn, its H + 1 tokens and N new ones, on the prefill engine twice: once pulling the history from
+    the decode engine (its turn grant), once computing it (in alternating order), each followed by its decode leg."""
+    import random
+
+    rng = random.Random(seed)
+    max_len = max(h + n for h, n in turns) + 64
+    with turn_sidecars(workdir) as (p_config, d_config):
+        prefill = Engine("turns/prefill", engine_env("kvbroker-shm", "prefill", free_port()), model, p_config,
+                         block_size, max_len)
+        decode = Engine("turns/decode", engine_env("kvbroker-shm", "decode", free_port()), model, d_config,
+                        block_size, max_len)
+        try:
+            prefill.wait_ready()
+            decode.wait_ready()
+
+            def two_turns(h: int, n: int, reuse_first: bool) -> tuple[float, float, float, int, bool]:
+                history = [rng.randrange(8, 500) for _ in range(h)]
+                first = prefill.request(history, {"do_remote_decode": True})
+                answer = decode.request(history, {**first["kv_transfer_params"], "kvbroker_keep_turn": True})
+                turn = answer["kv_transfer_params"]
+                if not turn or not turn.get("kvbroker_block_hashes"):
+                    raise RuntimeError(f"the decode engine handed back no turn: {turn}")
+                prompt = history + [answer["token"]] + [rng.randrange(8, 500) for _ in range(n)]
+                legs: dict[bool, tuple[float, int, float, int]] = {}
+                for reuse in (reuse_first, not reuse_first):
+                    params = {**turn, "do_remote_decode": True} if reuse else {"do_remote_decode": True}
+                    p = prefill.request(prompt, params)
+                    d = decode.request(prompt, p["kv_transfer_params"])
+                    legs[reuse] = (p["ms"], p["token"], d["ms"],
+                                   p["kv_transfer_params"].get("kvbroker_history_tokens_pulled", 0))
+                # The unused turn grant lapses with the decode engine's hold lease; the used one went with its pull.
+                (reuse_ms, reuse_token, reuse_decode, pulled), (recompute_ms, recompute_token, _, _) = \
+                    legs[True], legs[False]
+                return reuse_ms, recompute_ms, reuse_decode, pulled, reuse_token == recompute_token
+
+            two_turns(*turns[0], True)  # links (both ways) and first-use costs: not counted
+            points = []
+            for h, n in turns:
+                runs = [two_turns(h, n, i % 2 == 0) for i in range(requests)]
+                point = TurnPoint(h, n, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                                  statistics.median(r[2] for r in runs), min(r[3] for r in runs),
+                                  all(r[4] for r in runs), tuple(r[0] for r in runs), tuple(r[1] for r in runs))
+                print(f"  turns {h:5} + {n:4} tokens: turn-2 prefill {point.reuse_ms:7.1f} ms reusing "
+                      f"({point.pulled} pulled) vs {point.recompute_ms:7.1f} ms recomputing "
+                      f"({point.recompute_ms / point.reuse_ms:.2f}x), decode leg {point.decode_ms:6.1f} ms"
+                      f"{'' if point.tokens_match else ' (tokens differ)'}", flush=True)
+                points.append(point)
+            return points
+        finally:
+            decode.stop()
+            prefill.stop()
+
+
+def turns_table(points: list[TurnPoint]) -> str:
+    lines = ["| history + new tokens | pulled | turn-2 TTFT reuse / recompute ms (prefill leg + decode leg) | "
+             "prefill leg recompute / reuse |", "|---|---:|---:|---:|"]
+    for p in points:
+        flags = "" if p.tokens_match and p.pulled else " (tokens differ or nothing pulled)"
+        lines.append(f"| {p.history_tokens} + {p.new_tokens} | {p.pulled} | {p.reuse_ms + p.decode_ms:.0f} / "
+                     f"{p.recompute_ms + p.decode_ms:.0f} | {p.recompute_ms / p.reuse_ms:.2f}x{flags} |")
+    return "\n".join(lines)
+
+
 def load_table(points: list[LoadPoint], subjects: list[str]) -> str:
     keys = sorted({(p.requests, p.prompt_tokens) for p in points}, key=lambda k: (k[1], k[0]), reverse=True)
     by_key = {(p.subject, p.requests, p.prompt_tokens): p for p in points}
@@ -560,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
                         "print each stage's median (vllm_trace.py); the stamps go in --save's JSON")
     parser.add_argument("--load", help="load mode instead: N:T pairs, N requests of T-token prompts at once "
                         "(e.g. 16:512,64:128)")
+    parser.add_argument("--turns", help="multi-turn mode instead: H:N pairs, turn 2 of a chat whose first turn "
+                        "was H tokens and whose second adds N, reusing the decode engine's KV of turn 1 vs "
+                        "recomputing it (kvbroker over shm; e.g. 1024:64,2048:64)")
     args = parser.parse_args(argv)
     if args.trace:
         os.environ[TRACE_ENV] = "1"  # the engines (spawned) inherit it
@@ -573,15 +676,25 @@ def main(argv: list[str] | None = None) -> int:
 
     loads = [(int(n), int(t)) for n, _, t in (x.partition(":") for x in args.load.split(",") if x)] \
         if args.load else []
+    turns = [(int(h), int(n)) for h, _, n in (x.partition(":") for x in args.turns.split(",") if x)] \
+        if args.turns else []
     started = time.monotonic()
     points: list[Point] = []
     load_points: list[LoadPoint] = []
+    turn_points: list[TurnPoint] = []
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-vllm-bench-") as tmp:
         model = Path(tmp) / "model"
         make_model(model, shape)
         print(f"model: {shape}, {shape.kv_bytes_per_token} KV bytes per token, block size {args.block_size}",
               flush=True)
+        if turns:
+            try:
+                turn_points = run_turns(str(model), Path(tmp), turns, args.requests, args.block_size, args.seed)
+            except Exception as exc:
+                errors["turns"] = f"{type(exc).__name__}: {exc}"
+                print(f"  turns: FAILED: {errors['turns']}", flush=True)
+            subjects = []
         for subject in subjects:
             t0 = time.monotonic()
             try:
@@ -597,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {subject}: {time.monotonic() - t0:.0f} s", flush=True)
 
     print()
-    print(load_table(load_points, subjects) if loads else table(points, subjects, sizes))
+    print(turns_table(turn_points) if turns else load_table(load_points, subjects) if loads
+          else table(points, subjects, sizes))
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "vllm": _version("vllm"),
@@ -607,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "points": [asdict(p) for p in points],
         "load_points": [asdict(p) for p in load_points],
+        "turn_points": [asdict(p) for p in turn_points],
         "errors": errors,
         "traces": TRACES,
         "seconds": round(time.monotonic() - started, 1),
@@ -615,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     if args.save:
         args.save.write_text(json.dumps(result, indent=2) + "\n")
-    bad_load = any(not p.tokens_match or p.pulled < p.requests for p in load_points)
+    bad_load = any(not p.tokens_match or p.pulled < p.requests for p in load_points) \
+        or any(not p.tokens_match or not p.pulled for p in turn_points)
     return 1 if errors or bad_load or any(_flags(p) for p in points) else 0
 
 

@@ -56,14 +56,15 @@ class Server:
     """`python -m vllm.entrypoints.openai.api_server` with KvBrokerConnector, as docs/vllm.md starts it."""
 
     def __init__(self, model: Path, kvbroker_target: str, log_path: Path, trusted: str = "",
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_config: dict[str, Any] | None = None, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         kv_config = {"kv_connector": "KvBrokerConnector", "kv_connector_module_path": "kvbroker.integrations.vllm",
                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                      "kv_connector_extra_config": {"kvbroker_target": kvbroker_target,
-                                                   "kvbroker_prefill_daemons": trusted}}
+                                                   "kvbroker_prefill_daemons": trusted, **(extra_config or {})}}
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",

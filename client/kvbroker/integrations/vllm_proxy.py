@@ -19,6 +19,10 @@ server's reach the decode server), the request id both servers see is the proxy'
 also returned to the client), and a request that would make the prefill server hold KV for several sequences while
 only one `kv_transfer_params` comes back (`n` > 1, `best_of` > 1, beam search, a batch of prompts) is refused.
 
+Multi-turn reuse (`--turn-ttl`, off by default): the decode server is asked to keep each finished turn's KV, and the
+request that continues the conversation brings that turn to its prefill server, which pulls the history instead of
+computing it (`vllm_turns.py` says how a turn is found and why a client cannot name another's).
+
 Failures: a server that is down, answers 5xx or garbage gives 502, one that does not answer in time gives 504; the
 client learns only which role failed and the request id, the proxy's log has the server and the error. A 4xx (the
 client's own mistake, e.g. an unknown model) is passed through unchanged. A failed prefill is retried once on
@@ -49,7 +53,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -63,6 +67,14 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "kvbroker's P/D proxy needs aiohttp: pip install 'kvbroker[proxy]'"
     ) from _exc
 
+from kvbroker.integrations.vllm_turns import (
+    KEEP_TURN_PARAM,
+    TurnMemory,
+    answered,
+    conversation_of,
+    handed_back,
+    tenant_of,
+)
 from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
 
 if TYPE_CHECKING:
@@ -168,6 +180,12 @@ class ProxyConfig:
         0.0, "share of requests that come without a W3C traceparent for which the proxy starts a sampled trace, "
         "passed to both servers and their daemons (0: none; a valid traceparent a client sends is always passed on)",
         zero_allowed=True)
+    turn_ttl: float = _setting(
+        0.0, "seconds a finished turn's KV stays offered for the conversation's next turn (multi-turn reuse: the "
+        "decode server holds the turn's blocks under a grant, the next prefill pulls them instead of recomputing the "
+        "history; at most the decode server's kvbroker_hold_lease_s); 0: off, the decode server holds nothing",
+        zero_allowed=True)
+    max_turns: int = _setting(10000, "most finished turns remembered at once (the oldest are forgotten)")
 
 
 class UpstreamError(Exception):
@@ -232,12 +250,14 @@ class _Leg:
     """When the decode server's first answer bytes arrived (its time to first token)."""
 
 
-def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], trace: TraceContext | None = None,
+                 turn: dict[str, Any] | None = None) -> dict[str, Any]:
     """The client's request as the prefill server must see it: compute the prompt's KV, keep it for a decode server,
-    answer with one token and where the KV is (and, with a trace, the trace its grant is made under)."""
+    answer with one token and where the KV is (and, with a trace, the trace its grant is made under). `turn`: the
+    previous turn's KV on a decode server (`vllm_turns`), whose tokens the prefill server pulls where they match."""
     dropped = _STRIPPED_FIELDS + _PREFILL_DROPPED_FIELDS
     request = {key: value for key, value in body.items() if key not in dropped}
-    request["kv_transfer_params"] = {"do_remote_decode": True, **_trace_params(trace)}
+    request["kv_transfer_params"] = {**(turn or {}), "do_remote_decode": True, **_trace_params(trace)}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
@@ -246,10 +266,11 @@ def prefill_body(body: dict[str, Any], trace: TraceContext | None = None) -> dic
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
-                trace: TraceContext | None = None) -> dict[str, Any]:
+                trace: TraceContext | None = None, keep_turn: bool = False) -> dict[str, Any]:
     request = {key: value for key, value in body.items() if key not in _STRIPPED_FIELDS}
     if kv_transfer_params is not None:
-        request["kv_transfer_params"] = {**kv_transfer_params, **_trace_params(trace)}
+        request["kv_transfer_params"] = {**kv_transfer_params, **_trace_params(trace),
+                                         **({KEEP_TURN_PARAM: True} if keep_turn else {})}
     return request
 
 
@@ -406,6 +427,7 @@ class PdProxy:
         self._listener: asyncio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._refused_logged_at = 0.0
+        self._turns = TurnMemory(config.turn_ttl, config.max_turns)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -596,15 +618,18 @@ class PdProxy:
         if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
             headers.update(trace.metadata())
 
+        turn, remember = self._turn_of(request, path, body, wants_stream)
         started = time.perf_counter()
-        prefill_request = await self._encode(prefill_body(body, trace), body_size)
+        prefill_request = await self._encode(prefill_body(body, trace, turn), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
         prefilled = time.perf_counter()
 
         decode = self._decode_pool.pick()
         assert decode is not None
-        decode_request = await self._encode(decode_body(body, kv_params, trace), body_size)
-        answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id)
+        decode_request = await self._encode(decode_body(body, kv_params, trace, keep_turn=remember is not None),
+                                            body_size)
+        answer = await self._decode(request, decode, path, decode_request, headers, wants_stream, request_id,
+                                    on_answer=remember)
         _log.info(
             "%s %s: prefill %.1f ms on %s, decode %.1f ms on %s",
             request_id,
@@ -615,6 +640,26 @@ class PdProxy:
             decode.url,
         )
         return answer
+
+    def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any], wants_stream: bool
+                 ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
+        """Multi-turn reuse (`--turn-ttl`): the earlier turn this request continues, whose KV its prefill may pull
+        (None: none), and what remembers this turn's answer for the next one (None: not kept; the proxy reads only
+        non-streamed answers)."""
+        conversation = conversation_of(path, body) if self.config.turn_ttl > 0 else None
+        if conversation is None:
+            return None, None
+        tenant = tenant_of(request.headers, _FORWARDED_HEADERS)
+        turn = self._turns.take(tenant, path, body, conversation)
+        if wants_stream:
+            return turn, None
+
+        def remember(answer: dict[str, Any]) -> None:
+            params = handed_back(answer.get("kv_transfer_params"))
+            if params is not None:
+                self._turns.remember(tenant, path, body, answered(conversation, path, answer), params)
+
+        return turn, remember
 
     async def _traced_pd(self, request: web.BaseRequest, request_id: str, path: str, body: dict[str, Any],
                          body_size: int, headers: dict[str, str], wants_stream: bool) -> web.StreamResponse:
@@ -634,9 +679,10 @@ class PdProxy:
                           attributes, started_ns, SpanKind.SERVER)
         parent = otel.trace_of(root)
         leg: _Leg | None = None
+        turn, remember = self._turn_of(request, path, body, wants_stream)
         try:
             leg = self._leg("prefill", parent, attributes)
-            prefill_request = await self._encode(prefill_body(body, leg.trace), body_size)
+            prefill_request = await self._encode(prefill_body(body, leg.trace, turn), body_size)
             prefill_server, kv_params = await self._prefill(path, prefill_request, _with_trace(headers, leg.trace),
                                                             request_id, leg)
             prompt_tokens = leg.tokens
@@ -645,9 +691,10 @@ class PdProxy:
             decode = self._decode_pool.pick()
             assert decode is not None
             leg = self._leg("decode", parent, {**attributes, "server.address": decode.url})
-            decode_request = await self._encode(decode_body(body, kv_params, leg.trace), body_size)
+            decode_request = await self._encode(decode_body(body, kv_params, leg.trace,
+                                                            keep_turn=remember is not None), body_size)
             answer = await self._decode(request, decode, path, decode_request, _with_trace(headers, leg.trace),
-                                        wants_stream, request_id, leg)
+                                        wants_stream, request_id, leg, on_answer=remember)
             first_token_ns = leg.first_token_ns or time.time_ns()
             _log.info("%s %s: prefill on %s, decode on %s, first token after %.1f ms (trace %s)", request_id, path,
                       prefill_server.url, decode.url, (first_token_ns - started_ns) / 1e6,
@@ -866,7 +913,9 @@ class PdProxy:
         wants_stream: bool,
         request_id: str,
         leg: _Leg | None = None,
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
     ) -> web.StreamResponse:
+        """`on_answer`: given a non-streamed 200 answer's JSON (unless it is over `_PARSE_INLINE_BYTES`)."""
         timeout = self.config.decode_timeout
         try:
             async with self._exchange(server, path, data, headers, timeout) as response:
@@ -881,6 +930,10 @@ class PdProxy:
                             server, HTTPStatus.BAD_GATEWAY, f"answered {response.status}: {_excerpt(raw)}"
                         )
                     self._decode_pool.succeeded(server)
+                    if on_answer is not None and response.status == HTTPStatus.OK and len(raw) <= _PARSE_INLINE_BYTES:
+                        with contextlib.suppress(ValueError):  # relayed as it is: the client sees what is wrong
+                            if isinstance(document := json.loads(raw), dict):
+                                on_answer(document)
                     content_type = response.headers.get("Content-Type", "application/json")
                     return await self._send(request, response.status, raw, content_type, request_id)
                 self._decode_pool.succeeded(server)

@@ -8,11 +8,19 @@ Prefill output out:  {"do_remote_prefill": True, "do_remote_decode": False, "rem
                       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
                       "remote_num_tokens": ..., "tp_size": ..., "kvbroker_protocol": 2, "kvbroker_cluster_id": ...,
                       "kvbroker_grant": "<id hex>.<secret hex>", "kvbroker_layout_tag": "..."}
-Decode request in:   the prefill output's params, unchanged (the P/D proxy adds the request's trace, as above).
+Decode request in:   the prefill output's params, unchanged (the P/D proxy adds the request's trace, as above, and
+                     `"kvbroker_keep_turn": true` where the next turn of the conversation may reuse this one's KV).
 Decode output out:   {"kvbroker_prompt_tokens": ..., "kvbroker_tokens_pulled": ..., "kvbroker_tokens_cached": ...,
                       "kvbroker_tokens_recomputed": ..., ["kvbroker_refused": "field: local .. vs remote .."]}, and
                      {"kvbroker_transfer_ms": ..., "kvbroker_transfer_bytes": ..., "kvbroker_backend": "shm"|"tcp"}
-                     when the request's KV was pulled.
+                     when the request's KV was pulled; with kvbroker_keep_turn, the finished turn's KV (prompt and
+                     generated tokens, whole blocks) handed back as NixlConnector's decode node does:
+                     {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": ..., the prefill
+                      output's other keys, "remote_num_tokens": <tokens in those blocks>,
+                      "kvbroker_block_hashes": ["<32 hex>", ...] (one per block, chained over the token ids)}.
+Next turn's prefill request in: {"do_remote_decode": True, ...} as the decode output gave them. The prefill engine
+                     pulls the leading blocks whose hashes match its own prompt's tokens (none: it computes them),
+                     and its output adds {"kvbroker_history_tokens_pulled": ...}, which the decode output repeats.
 
 The params come back through the HTTP client, so nothing in them is trusted: the grant is a capability for this
 request's blocks only (the prefill daemon names the cache and blocks when the decode daemon redeems it), and the
@@ -23,6 +31,9 @@ only say which of the grant's blocks hold which tokens (for a remap): the prefil
 
 from __future__ import annotations
 
+import hashlib
+import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +53,10 @@ MAX_BLOCK_IDS = 1 << 16
 are read (they arrive through the HTTP client)."""
 MAX_GROUPS = 64
 NULL_BLOCK = 0
+KEEP_TURN_PARAM = "kvbroker_keep_turn"
+BLOCK_HASHES_PARAM = "kvbroker_block_hashes"
+HISTORY_PULLED_PARAM = "kvbroker_history_tokens_pulled"
+_HASH_HEX = re.compile(r"[0-9a-f]{32}")
 """vLLM's placeholder block id: a sliding-window group's blocks that left the window (no KV behind them)."""
 
 
@@ -233,3 +248,53 @@ def parse_release(payload: bytes) -> tuple[str, str]:
     if not event.label or not event.outcome:
         raise ValueError("not a grant event")
     return event.label, event.outcome
+
+
+def handed_back_turn(params: Mapping[str, Any] | None) -> bool:
+    """A prefill request that carries a decode node's finished turn (NixlConnector's shape: do_remote_decode with
+    the decode node's blocks), whose KV it may pull instead of computing it."""
+    return (params is not None and bool(params.get("do_remote_decode")) and not params.get("do_remote_prefill")
+            and "kvbroker_grant" in params)
+
+
+def turn_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: str, request_id: str,
+                       block_ids: Sequence[int], tokens: Sequence[int], grant: Grant) -> dict[str, Any]:
+    """A decode request's finished turn, `tokens` (whole blocks of one KV cache group) in `block_ids`, for the next
+    turn's prefill engine."""
+    out = prefill_output_params(endpoints, engine_id, request_id, [block_ids], len(tokens), grant)
+    out.update(do_remote_prefill=False, do_remote_decode=True)
+    block_size = len(tokens) // len(block_ids)
+    out[BLOCK_HASHES_PARAM] = block_hashes(tokens, block_size, len(block_ids))
+    return out
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, count: int) -> list[str]:
+    """One hash per whole block of `tokens` (at most `count`), each over the block's token ids and the hash before
+    it: equal hashes up to block i mean equal tokens up to its end."""
+    out: list[str] = []
+    previous = b""
+    for i in range(min(count, len(tokens) // block_size)):
+        block = struct.pack(f"<{block_size}Q", *tokens[i * block_size: (i + 1) * block_size])
+        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        out.append(previous.hex())
+    return out
+
+
+def matched_tokens(params: Mapping[str, Any], prompt: Sequence[int], block_size: int) -> int:
+    """The tokens at the start of `prompt` whose KV the handed-back turn holds: its leading blocks whose hashes are
+    those of the prompt's own tokens, at most the prompt less its last token (which the engine always computes).
+    BadTransferParams if the hashes are malformed."""
+    hashes = params.get(BLOCK_HASHES_PARAM)
+    if not isinstance(hashes, list) or len(hashes) > MAX_BLOCK_IDS:
+        raise BadTransferParams(f"{BLOCK_HASHES_PARAM} is not a list of at most {MAX_BLOCK_IDS} hashes")
+    if not all(isinstance(h, str) and _HASH_HEX.fullmatch(h) for h in hashes):
+        raise BadTransferParams(f"{BLOCK_HASHES_PARAM} holds something other than 32 lowercase hex digits")
+    if block_size <= 0:
+        raise BadTransferParams(f"the remote block size is {block_size}")
+    usable = min(len(hashes), (len(prompt) - 1) // block_size)
+    matched = 0
+    for ours, theirs in zip(block_hashes(prompt, block_size, usable), hashes, strict=False):
+        if ours != theirs:
+            break
+        matched += 1
+    return matched * block_size

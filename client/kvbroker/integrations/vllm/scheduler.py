@@ -23,21 +23,29 @@ from kvbroker.integrations.vllm.grants import GrantKeeper, PeerLinks, renewal_le
 from kvbroker.integrations.vllm.groups import GroupMismatch, group_parts
 from kvbroker.integrations.vllm.layout import FULL_ATTENTION, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.params import (
+    HISTORY_PULLED_PARAM,
+    KEEP_TURN_PARAM,
     NULL_BLOCK,
+    TRACE_PARAM,
+    TRACE_STATE_PARAM,
     BadTransferParams,
     PullSpec,
     RemoteKv,
     WorkerEndpoint,
+    handed_back_turn,
+    matched_tokens,
     parse_remote,
     prefill_output_params,
     release_topic,
     trace_of,
+    turn_output_params,
     wants_remote_prefill,
 )
 from kvbroker.integrations.vllm.remap import Refusal, refusal
 from kvbroker.integrations.vllm.spans import RequestSpans
 from kvbroker.integrations.vllm.stats import RequestTransfer, TransferLog
 from kvbroker.status import LlmError
+from kvbroker.types import Grant
 
 # Under "vllm." so that the lines join vLLM's own log output (vLLM configures only its logger tree).
 log = logging.getLogger(f"vllm.{__name__}")
@@ -108,8 +116,11 @@ class SchedulerSide:
     # -- decode side ---------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         """A request arrived: from now until its pull ends, its grant is renewed (however long it waits). A prefill
-        request of a model with Mamba state stops one token short (`_stop_one_short`)."""
+        request of a model with Mamba state stops one token short (`_stop_one_short`); one that continues a turn a
+        decode node kept pulls that turn's matching tokens (`_take_turn`)."""
         params = request.kv_transfer_params
+        if handed_back_turn(params):
+            self._take_turn(request)
         if params and params.get("do_remote_decode") and self.layout is not None and self.layout.has_state:
             _stop_one_short(request)
         if not wants_remote_prefill(params):
@@ -122,6 +133,47 @@ class SchedulerSide:
             self.spans.arrived(request, remote)
         if not self._refusal(remote):
             self.grants.watch(request.request_id, remote.cluster_id, remote.grant)
+
+    def _take_turn(self, request: Any) -> None:
+        """A prefill request carrying the previous turn's KV on a decode node (`handed_back_turn`): it pulls the
+        tokens its prompt shares with that turn, as a decode request pulls a prompt (from here on its params say
+        `do_remote_prefill`, over the matched tokens only), or computes them where nothing matches or the turn
+        cannot be read; then the decode node is told at once that it may free the blocks."""
+        params = request.kv_transfer_params
+        try:
+            remote = parse_remote(params)
+        except BadTransferParams as e:
+            log.error("request %s: the previous turn's KV is ignored, computing it: %s", request.request_id, e)
+            self._drop_turn(params)
+            return
+        why = ""
+        if self.layout is None or self.layout.has_state or len(self.layout.windows) > 1 or self.layout.windows[0]:
+            why = "this engine's KV cache groups take no turn's KV (one full-attention group only)"
+        elif request.prompt_token_ids is None:
+            why = "the prompt has no token ids"
+        elif len(remote.block_ids) != 1:
+            why = f"the turn's KV is in {len(remote.block_ids)} KV cache groups"
+        tokens = 0
+        if not why:
+            try:
+                tokens = min(remote.num_tokens, matched_tokens(params, request.prompt_token_ids,
+                                                               layout_of_tag(remote.layout_tag).block_size))
+            except (BadTransferParams, ValueError) as e:
+                why = str(e)
+        if why or tokens <= 0:
+            log.info("request %s: not reusing the previous turn's KV (%s)", request.request_id,
+                     why or "its tokens are not where this prompt starts")
+            self._drop_turn(params)
+            self._release(request.request_id, remote, "turn not reused")
+            return
+        params.update({"do_remote_prefill": True, "remote_num_tokens": tokens})
+
+    @staticmethod
+    def _drop_turn(params: dict[str, Any]) -> None:
+        """The request computes its whole prompt, and its output does not carry the dropped turn's addressing."""
+        for key in list(params):
+            if key not in ("do_remote_decode", TRACE_PARAM, TRACE_STATE_PARAM):
+                del params[key]
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -284,7 +336,16 @@ class SchedulerSide:
         transfer = self._transfers.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
         if report is not None:  # (an aborted request's output carries nothing: nobody reads it)
-            return False, self._decode_report(report, transfer) if finished_normally else None
+            if not finished_normally:
+                return False, None
+            out = self._decode_report(report, transfer, params)
+            if params.get("do_remote_decode"):  # a prefill request that pulled the previous turn: now it grants
+                delay, granted = self._grant(request, block_ids, params)
+                return delay, {**out, **(granted or {}), HISTORY_PULLED_PARAM: out["kvbroker_tokens_pulled"]}
+            if params.get(KEEP_TURN_PARAM):
+                delay, granted = self._grant_turn(request, block_ids, params)
+                return delay, {**out, **(granted or {})}
+            return False, out
         if transfer is not None:
             return False, transfer.params()
         if not params:
@@ -297,11 +358,20 @@ class SchedulerSide:
             with contextlib.suppress(BadTransferParams):  # logged when it arrived
                 self._release(request.request_id, parse_remote(params), "aborted")
             return False, None
-        if not params.get("do_remote_decode"):
+        if not finished_normally:
             return False, None
+        if params.get("do_remote_decode"):
+            return self._grant(request, block_ids, params)
+        if params.get(KEEP_TURN_PARAM):
+            return self._grant_turn(request, block_ids, params)
+        return False, None
+
+    def _grant(self, request: Any, block_ids: Sequence[int] | Sequence[Sequence[int]], params: dict[str, Any]
+               ) -> tuple[bool, dict[str, Any] | None]:
+        """A finished prefill request: its blocks granted to the decode node, held under the grant's lease."""
         num_tokens = request.num_computed_tokens
         groups = [list(group)[: -(-num_tokens // self.block_size)] for group in _as_groups(block_ids)]
-        if not finished_normally or not any(groups) or self.layout is None:
+        if not any(groups) or self.layout is None:
             return False, None
         kinds = self.layout.kinds
         if len(groups) != len(kinds):
@@ -311,6 +381,36 @@ class SchedulerSide:
         # Every group's blocks that hold KV or state (a sliding window's dropped ones do not), each once.
         blocks = list(dict.fromkeys(b for group, kind in zip(groups, kinds, strict=True) for b in group
                                     if kind == FULL_ATTENTION or b != NULL_BLOCK))
+        grant = self._create_grant(request, blocks, params, "the decode node will compute them")
+        if grant is None:
+            return False, None
+        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, groups, num_tokens,
+                                           grant)
+
+    def _grant_turn(self, request: Any, block_ids: Sequence[int] | Sequence[Sequence[int]], params: dict[str, Any]
+                    ) -> tuple[bool, dict[str, Any] | None]:
+        """A finished decode request whose next turn may reuse its KV (`KEEP_TURN_PARAM`): the whole blocks of its
+        prompt and generated tokens granted, held under the grant's lease as a prefill request's are (unused, they
+        are freed when it lapses). One full-attention KV cache group only."""
+        layout = self.layout
+        if layout is None or layout.has_state or len(layout.kinds) != 1 or layout.windows[0] is not None:
+            return False, None
+        tokens = list(request.all_token_ids)
+        num_blocks = min(request.num_computed_tokens, len(tokens)) // self.block_size
+        blocks = list(_as_groups(block_ids)[0])[:num_blocks]
+        if not blocks or len(blocks) < num_blocks or NULL_BLOCK in blocks:
+            return False, None
+        grant = self._create_grant(request, blocks, params, "the next turn computes them")
+        if grant is None:
+            return False, None
+        return True, turn_output_params(self.endpoints, self.engine_id, request.request_id, blocks,
+                                        tokens[: num_blocks * self.block_size], grant)
+
+    def _create_grant(self, request: Any, blocks: list[int], params: Mapping[str, Any], fallback: str
+                      ) -> Grant | None:
+        """A grant on this engine's `blocks` (every rank's cache), held from this step on; None if the daemon
+        refuses (logged: then another engine computes them)."""
+        assert self.layout is not None
         ranks = sorted(self.endpoints)
         span = self.spans.grant(request, len(blocks)) if self.spans is not None else None
         try:
@@ -319,21 +419,20 @@ class SchedulerSide:
                 [self.endpoints[r].cache_id for r in ranks], blocks, self.config.hold_lease_s,
                 max_hold=self.config.release_timeout_s, label=request.request_id,
                 event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
-                # The same blocks in each rank's token view, for a decode engine of another block size.
+                # The same blocks in each rank's token view, for an engine of another block size.
                 view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.token_view else (),
                 view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s,
                 trace_context=trace_of(params) if span is None else otel.trace_of(span))
         except LlmError as e:
             if self.spans is not None and span is not None:
                 self.spans.granted(request, span, e.status.name, len(blocks))
-            log.error("request %s: cannot grant its KV blocks to a decode node (%s: %s); the decode node will "
-                      "compute them", request.request_id, e.status.name, e.message)
-            return False, None
+            log.error("request %s: cannot grant its KV blocks to another engine (%s: %s); %s", request.request_id,
+                      e.status.name, e.message, fallback)
+            return None
         self._plan.holds[request.request_id] = self.config.hold_lease_s
         if self.spans is not None and span is not None:
             self.spans.granted(request, span, "ok", len(blocks))
-        return True, prefill_output_params(self.endpoints, self.engine_id, request.request_id, groups, num_tokens,
-                                           grant)
+        return grant
 
     def shutdown(self) -> None:
         self.grants.stop()
@@ -342,9 +441,11 @@ class SchedulerSide:
             self.spans.shutdown()
 
     @staticmethod
-    def _decode_report(report: dict[str, Any], transfer: RequestTransfer | None) -> dict[str, Any]:
+    def _decode_report(report: dict[str, Any], transfer: RequestTransfer | None, params: Mapping[str, Any]
+                       ) -> dict[str, Any]:
         """Where the prompt's KV came from: pulled from the prefill side, found in the local prefix cache, or
-        recomputed here (a refusal or a failed pull), so that nobody mistakes a silent fallback for a transfer."""
+        recomputed here (a refusal or a failed pull), so that nobody mistakes a silent fallback for a transfer.
+        Repeats what the prefill engine said it pulled of the conversation's previous turn (bounded: informative)."""
         pulled = transfer.tokens if transfer is not None else 0
         out = {**(transfer.params() if transfer is not None else {}),
                "kvbroker_prompt_tokens": report["prompt"], "kvbroker_tokens_pulled": pulled,
@@ -352,6 +453,9 @@ class SchedulerSide:
                "kvbroker_tokens_recomputed": max(0, report["prompt"] - report["cached"] - pulled)}
         if report["refused"]:
             out["kvbroker_refused"] = report["refused"]
+        history = params.get(HISTORY_PULLED_PARAM)
+        if type(history) is int and 0 <= history <= report["prompt"]:
+            out[HISTORY_PULLED_PARAM] = history
         return out
 
     def take_plan(self) -> StepPlan:

@@ -1,0 +1,156 @@
+"""The P/D proxy's memory of finished turns, for multi-turn reuse (`--turn-ttl`).
+
+A decode server asked to keep a turn (`kvbroker_keep_turn`) answers with a grant on the turn's KV blocks in its
+`kv_transfer_params`. The proxy remembers those params under what the conversation was once that turn ended (the
+request's prompt or messages with the answer appended), and hands them to the prefill server of the request that
+continues the conversation, whose prompt or messages start with it. Which stored turn a request continues comes only
+from what the request says and the credentials it came with, never from a grant or key a client names: turns are kept
+per tenant (the `Authorization` header's hash), route and model, so a client can only ever continue a conversation it
+could have written itself. The prefill server's connector then checks, token by token (a hash per block), that the
+turn's KV is that of its own prompt's first tokens and pulls only those: a match here is a hint, never trusted for
+correctness (a template that renders the answer differently costs only the blocks after the difference).
+
+A turn is used once (its grant is released after the pull) and forgotten after `ttl_s` or when `max_turns` newer ones
+came; the decode server frees blocks nobody pulled when its hold lease lapses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KEEP_TURN_PARAM = "kvbroker_keep_turn"
+"""Set in a decode request's `kv_transfer_params`: grant the finished turn's KV for the next turn (params.py)."""
+# The decode output's report of its own pull: not part of the turn's addressing.
+_REPORT_KEYS = frozenset({
+    "kvbroker_prompt_tokens", "kvbroker_tokens_pulled", "kvbroker_tokens_cached", "kvbroker_tokens_recomputed",
+    "kvbroker_refused", "kvbroker_transfer_ms", "kvbroker_transfer_bytes", "kvbroker_backend",
+    "kvbroker_history_tokens_pulled",
+})
+LENGTHS_PER_SCOPE = 16
+"""Conversation lengths tried per tenant, route and model when a request arrives (the most recent ones)."""
+
+
+@dataclass
+class _Turn:
+    params: dict[str, Any]
+    expires: float  # time.monotonic()
+
+
+Conversation = str | tuple[int, ...] | tuple[str, ...]
+"""A completion's text prompt, its token ids, or a chat's messages (each as canonical JSON)."""
+
+
+def conversation_of(path: str, body: Mapping[str, Any]) -> Conversation | None:
+    """What the request says the conversation is so far, or None where it is not one this proxy follows."""
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return None
+        return tuple(_message(m) for m in messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return tuple(prompt)
+    return None
+
+
+def _message(message: Mapping[str, Any]) -> str:
+    # Only what a chat template renders: an answer sent back with extra null fields is the same message.
+    kept = {k: message[k] for k in ("role", "content", "name") if message.get(k) is not None}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"))
+
+
+def answered(conversation: Conversation, path: str, answer: Mapping[str, Any]) -> Conversation:
+    """The conversation once the answer is added (as far as the answer says it: a token-id prompt's answer without
+    `token_ids` adds nothing, which still lets the next turn reuse the prompt's blocks)."""
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    if isinstance(conversation, str):
+        text = choice.get("text")
+        return conversation + text if isinstance(text, str) else conversation
+    if path.endswith("/chat/completions"):
+        message = choice.get("message")
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            reply = _message({"role": "assistant", "content": message["content"]})
+            return (*conversation, reply)
+        return conversation
+    tokens = choice.get("token_ids")
+    if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+        return (*conversation, *tokens)
+    return conversation
+
+
+def handed_back(params: Any) -> dict[str, Any] | None:
+    """The turn's addressing in a decode answer's `kv_transfer_params` (NixlConnector's shape), or None."""
+    if not isinstance(params, dict) or params.get("do_remote_decode") is not True or not params.get("remote_block_ids"):
+        return None
+    return {k: v for k, v in params.items() if k not in _REPORT_KEYS}
+
+
+class TurnMemory:
+    """Runs on the proxy's event loop only (no locks)."""
+
+    def __init__(self, ttl_s: float, max_turns: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_turns = max_turns
+        self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
+        self._lengths: dict[bytes, deque[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def remember(self, tenant: str, path: str, body: Mapping[str, Any], conversation: Conversation,
+                 params: dict[str, Any]) -> None:
+        scope = _scope(tenant, path, body)
+        lengths = self._lengths.setdefault(scope, deque(maxlen=LENGTHS_PER_SCOPE))
+        if len(conversation) in lengths:
+            lengths.remove(len(conversation))
+        lengths.append(len(conversation))
+        key = _key(scope, conversation)
+        self._turns.pop(key, None)
+        self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s)
+        while len(self._turns) > self.max_turns:
+            self._turns.popitem(last=False)
+        if len(self._lengths) > self.max_turns:  # scopes of tenants long gone
+            self._lengths.pop(next(iter(self._lengths)))
+
+    def take(self, tenant: str, path: str, body: Mapping[str, Any], conversation: Conversation
+             ) -> dict[str, Any] | None:
+        """The params of the longest remembered turn this conversation continues (forgotten: a grant serves one
+        pull), or None."""
+        scope = _scope(tenant, path, body)
+        now = time.monotonic()
+        for length in sorted(self._lengths.get(scope, ()), reverse=True):
+            if length >= len(conversation):
+                continue
+            turn = self._turns.pop(_key(scope, conversation[:length]), None)
+            if turn is not None and turn.expires > now:
+                return turn.params
+        return None
+
+
+def _scope(tenant: str, path: str, body: Mapping[str, Any]) -> bytes:
+    model = body.get("model")
+    return hashlib.sha256(json.dumps([tenant, path, model if isinstance(model, str) else None]).encode()).digest()
+
+
+def _key(scope: bytes, conversation: Conversation) -> bytes:
+    h = hashlib.sha256(scope)
+    if isinstance(conversation, str):
+        h.update(b"s" + conversation.encode("utf-8", "surrogatepass"))
+    else:
+        h.update(b"l" + json.dumps(list(conversation), separators=(",", ":")).encode())
+    return h.digest()
+
+
+def tenant_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
+    """Whose conversation it is: a hash of the credentials the request carries (none: everyone's the same tenant,
+    which only lets a client continue a conversation whose every word it sends)."""
+    return hashlib.sha256(json.dumps([headers.get(n, "") for n in names]).encode()).hexdigest()
