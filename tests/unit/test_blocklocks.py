@@ -269,3 +269,25 @@ def test_claims_are_granted_exactly_when_no_held_claim_names_one_of_their_cells(
         locks.release(got)
     whole = locks._try(cache, TENSORS, BLOCKS, blocklocks.Spans([0], [TENSORS * BLOCKS]), None)
     assert whole is not None  # everything released: nothing left held
+
+
+@pytest.mark.parametrize("block_nbytes", [64, 48])  # shifts and masks, and division
+@given(st.lists(st.tuples(st.integers(0, TENSORS - 1), st.integers(0, 40), st.integers(1, 3), st.integers(1, 5),
+                          st.integers(1, 6), st.booleans()), min_size=1, max_size=8))
+def test_strided_spans_hold_exactly_the_cells_the_repetitions_write(
+        block_nbytes: int, entries: list[tuple[int, int, int, int, int, bool]]) -> None:
+    """Entries (tensor, first block, blocks, count, step in blocks, whole): when `strided_spans` gives ranges, they
+    hold exactly the cells written; an entry that is not whole blocks gives none."""
+    written: list[int] = []
+    for t, first, size, count, step, _ in entries:
+        written += [t * 10_000 + first + k * max(step, size) + j for k in range(count) for j in range(size)]
+    if len(set(written)) != len(written):
+        return  # a plan never writes a cell twice (the planner refused it)
+    tensor, offset, length, times, stride = (np.asarray(c, dtype=np.uint64) for c in zip(*(
+        (t, first * block_nbytes + (0 if whole else 1), size * block_nbytes, count, max(step, size) * block_nbytes)
+        for t, first, size, count, step, whole in entries), strict=True))
+    spans = blocklocks.strided_spans(tensor.astype(np.uint32), offset, length, times, stride, block_nbytes, 10_000)
+    if not all(whole for *_, whole in entries):
+        assert spans is None
+    elif spans is not None:
+        assert {c for lo, hi in zip(spans.lo, spans.hi, strict=True) for c in range(lo, hi)} == set(written)
