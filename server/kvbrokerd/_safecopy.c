@@ -263,8 +263,12 @@ done:
  * reads the line it overwrites (twice the memory traffic), which glibc's memmove avoids for large copies by
  * streaming; without this, 64-byte repetitions copied at ~0.6x the speed of the same bytes in large runs (with it,
  * at about the speed of large runs; docs/benchmarks-history.md, "strided plans"). Only for whole, aligned cache
- * lines (a partial line streams far slower than it caches) written with gaps between repetitions: where they are
- * back to back (a 64 -> 32 remap's destination), caching measured faster. */
+ * lines (a partial line streams far slower than it caches): repetitions of up to 256 bytes, with gaps between them or
+ * back to back (a 64 -> 32 remap's destination), and entries done once (a remap's V rows, 8 KiB each), which memmove
+ * writes through the cache below its own streaming size. Since the plan copies in source order, streaming the back to
+ * back rows and the entries done once measured faster too (in-process, one thread, 32 MiB: 64 -> 32 6.3-6.7 ms
+ * against 4.5-5.0, 32 -> 64 5.2-5.7 against 4.9-5.0, 8 large runs by copy_runs 4.7-5.1; docs/benchmarks-history.md,
+ * 2026-12-06 (4)). */
 #define HAVE_STREAMING 1
 static void stream_repeats(uintptr_t dst, uintptr_t src, size_t n, size_t times, size_t dst_step, size_t src_step,
                            volatile size_t *repeat) {
@@ -299,7 +303,7 @@ static __attribute__((noinline)) void strided_copy(uintptr_t dst, uintptr_t src,
                                                    size_t dst_step, size_t src_step, int stream,
                                                    volatile size_t *repeat, volatile size_t *copied) {
 #if HAVE_STREAMING
-    if (stream && dst_step != n && n <= 256 && n % 64 == 0 && ((dst | dst_step) & 63) == 0) {
+    if (stream && n % 64 == 0 && (dst & 63) == 0 && ((n <= 256 && (dst_step & 63) == 0) || times == 1)) {
         stream_repeats(dst, src, n, times, dst_step, src_step, repeat);
         return;
     }

@@ -216,3 +216,78 @@ def test_folded_and_joined_ranges_hold_exactly_the_slots_of_the_cells(
     busy = np.zeros(folded_to, dtype=bool)
     busy[[t % folded_to for t in taken]] = True
     assert blocklocks._any_busy(busy, joined) == bool(want & {t % folded_to for t in taken})
+
+
+def test_interleaved_range_claims_on_a_folded_table_never_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two TP ranks' shares of a remap into a token view (~10^6 cells, more than the table's slots): interleaved
+    ranges, no cell in common. Held as ranges, exact: neither waits for the other (folded onto the table, the second
+    waited for cells it shares only a slot with), and a range over a cell of either still does."""
+    monkeypatch.setattr(blocklocks, "MAX_SLOTS", 7)
+    locks, cache = BlockLocks(), _Cache()
+    rank = [blocklocks.Spans([b * 8 + 4 * r for b in range(TENSORS * BLOCKS // 8)],
+                             [b * 8 + 4 * r + 4 for b in range(TENSORS * BLOCKS // 8)]) for r in (0, 1)]
+    first = locks.claim(cache, TENSORS, BLOCKS, rank[0], time.monotonic(), "rank 0")
+    second = locks.claim(cache, TENSORS, BLOCKS, rank[1], time.monotonic(), "rank 1")
+    with pytest.raises(LlmError):
+        locks.claim(cache, TENSORS, BLOCKS, blocklocks.Spans([9], [11]), time.monotonic() + 0.05, "over rank 0")
+    with pytest.raises(LlmError):
+        locks.claim(cache, TENSORS, BLOCKS, _cells([5], range(1)), time.monotonic() + 0.05, "a cell of rank 1")
+    locks.release(first)
+    locks.release(locks.claim(cache, TENSORS, BLOCKS, blocklocks.Spans([9], [11]), time.monotonic(), "after"))
+    locks.release(second)
+
+
+_CLAIM = st.one_of(
+    st.lists(st.tuples(st.integers(0, TENSORS * BLOCKS - 1), st.integers(0, 12)), min_size=1, max_size=12).map(
+        lambda r: blocklocks.Spans([a for a, _ in r], [min(a + n, TENSORS * BLOCKS) for a, n in r])),
+    st.lists(st.integers(0, TENSORS * BLOCKS - 1), min_size=1, max_size=12).map(
+        lambda c: np.asarray(sorted(set(c)), dtype=np.int64)))
+
+
+def _named(claim: np.ndarray | blocklocks.Spans) -> set[int]:
+    if isinstance(claim, blocklocks.Spans):
+        return {c for lo, hi in zip(claim.lo, claim.hi, strict=True) for c in range(lo, hi)}
+    return set(claim.tolist())
+
+
+@given(st.lists(st.tuples(_CLAIM, st.booleans()), min_size=1, max_size=12))
+def test_claims_are_granted_exactly_when_no_held_claim_names_one_of_their_cells(
+        steps: list[tuple[np.ndarray | blocklocks.Spans, bool]]) -> None:
+    """Range claims and cell claims in any mix (unfolded): a claim is granted iff no cell it names is held, and a
+    release frees exactly its cells. Each step claims, then maybe releases the oldest claim held."""
+    locks, cache = BlockLocks(), _Cache()
+    held: list[tuple[blocklocks.Claim, set[int]]] = []
+    for claim, release in steps:
+        busy = set().union(*(cells for _, cells in held))
+        got = locks._try(cache, TENSORS, BLOCKS, claim, None)
+        assert (got is not None) == (not _named(claim) & busy)
+        if got is not None:
+            held.append((got, _named(claim)))
+        if release and held:
+            locks.release(held.pop(0)[0])
+    for got, _ in held:
+        locks.release(got)
+    whole = locks._try(cache, TENSORS, BLOCKS, blocklocks.Spans([0], [TENSORS * BLOCKS]), None)
+    assert whole is not None  # everything released: nothing left held
+
+
+@pytest.mark.parametrize("block_nbytes", [64, 48])  # shifts and masks, and division
+@given(st.lists(st.tuples(st.integers(0, TENSORS - 1), st.integers(0, 40), st.integers(1, 3), st.integers(1, 5),
+                          st.integers(1, 6), st.booleans()), min_size=1, max_size=8))
+def test_strided_spans_hold_exactly_the_cells_the_repetitions_write(
+        block_nbytes: int, entries: list[tuple[int, int, int, int, int, bool]]) -> None:
+    """Entries (tensor, first block, blocks, count, step in blocks, whole): when `strided_spans` gives ranges, they
+    hold exactly the cells written; an entry that is not whole blocks gives none."""
+    written: list[int] = []
+    for t, first, size, count, step, _ in entries:
+        written += [t * 10_000 + first + k * max(step, size) + j for k in range(count) for j in range(size)]
+    if len(set(written)) != len(written):
+        return  # a plan never writes a cell twice (the planner refused it)
+    tensor, offset, length, times, stride = (np.asarray(c, dtype=np.uint64) for c in zip(*(
+        (t, first * block_nbytes + (0 if whole else 1), size * block_nbytes, count, max(step, size) * block_nbytes)
+        for t, first, size, count, step, whole in entries), strict=True))
+    spans = blocklocks.strided_spans(tensor.astype(np.uint32), offset, length, times, stride, block_nbytes, 10_000)
+    if not all(whole for *_, whole in entries):
+        assert spans is None
+    elif spans is not None:
+        assert {c for lo, hi in zip(spans.lo, spans.hi, strict=True) for c in range(lo, hi)} == set(written)

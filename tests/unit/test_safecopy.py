@@ -514,8 +514,11 @@ def test_copy_strided_copies_every_repetition_and_nothing_between(stream: bool) 
                (d + 300_001, s + 100_000, 32, 17, 33, 40), (d + 400_000, s + 11, 128, 90, 256, 128),
                (d + 500_000, s + 5, 256, 40, 512, 300), (d + 600_000, s + 9, 5000, 7, 6000, 5001),
                (d + 700_000, s + 1, 100, 1, 0, 0), (d + MIB, s + 2 * MIB, 3 * MIB + 5, 2, 4 * MIB, 3 * MIB + 5)]
-    if stream:  # past STREAM_MIN_BYTES in all: 64-byte repetitions at a gapped, line-aligned destination
-        entries.append((d + 10 * MIB, s + 12 * MIB, 64, 70_000, 128, 64))
+    if stream:  # past STREAM_MIN_BYTES in all, line-aligned destinations: 64-byte repetitions with gaps, back to
+        # back (a 64 -> 32 remap's K rows), and entries done once (its V rows)
+        entries += [(d + 10 * MIB, s + 12 * MIB, 64, 70_000, 128, 64),
+                    (d + 20 * MIB, s + 21 * MIB + 3, 64, 3000, 64, 128),
+                    (d + 21 * MIB, s + 22 * MIB + 1, 8192, 1, 0, 0), (d + 22 * MIB, s + 5, 3 * 64, 1, 0, 0)]
     _safecopy.copy_strided(*_entries(*entries))
     expected = np.zeros_like(dst)
     for to, frm, n, count, to_step, frm_step in entries:

@@ -10,7 +10,10 @@ working.
 
 Cheap by construction: a cache's busy cells are one numpy bool array, a claim is one array of slot indices. Caches
 with more cells than `MAX_SLOTS` fold cells onto slots (cell % slots); two cells sharing a slot only make writers
-wait that need not (never the reverse), and the memory per written cache stays bounded.
+wait that need not (never the reverse), and the memory per written cache stays bounded. A claim of cell ranges
+(`Spans`: long runs, token units, ~10^6 cells) is held as its ranges, exact and never folded, and checked against the
+other held ranges by search: taking, checking and releasing it costs per range, never per cell (a TP rank's share of
+a remap is 256 interleaved ranges; marked in the table they cost ~0.5 ms a pull).
 
 Thread-safe: claims come from the event loop (transfers) and from the tcp data server's threads. The table holds
 caches weakly: a released cache's state goes with it.
@@ -37,21 +40,28 @@ _FEW_RUNS = 16
 _FEW_CELLS = 256
 
 
+_Ranges = tuple[np.ndarray, np.ndarray]
+"""Cell ranges [lo[i], hi[i]) (int64), sorted, apart and none empty."""
+
+
 @dataclass(eq=False)
 class _CacheCells:
     busy: np.ndarray
     num_blocks: int
     waiters: list[Callable[[], None]] = field(default_factory=list)
+    cell_claims: int = 0
+    """Claims held in `busy` (none: every slot is free, and a range claim need not look there)."""
+    ranges: list[_Ranges] = field(default_factory=list)
+    """The range claims held, each as its ranges."""
 
 
 @dataclass(eq=False)
 class Claim:
-    """Cells held by one writer until `BlockLocks.release`."""
+    """Cells held by one writer until `BlockLocks.release`: `slots` of the table, or `ranges` of cells."""
 
     cells: _CacheCells
     slots: np.ndarray
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    """Slot ranges [a, b) held besides `slots`."""
+    ranges: _Ranges | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +114,18 @@ def strided_spans(tensor: np.ndarray, offset: np.ndarray, length: np.ndarray, co
         return Spans([], [])
     start, size, times, step = (a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64)
                                 for a in (offset, length, count, stride))
-    # not whole blocks (each apart: an OR of multiples of a block size that is not a power of two is not one)
-    if bool((((start % block_nbytes) | (size % block_nbytes) | (step % block_nbytes)) != 0).any()):
-        return None
-    base = tensor.astype(np.int64) * np.int64(num_blocks)
-    lo = base + start // block_nbytes
-    hi = lo + ((times - 1) * step + size) // block_nbytes
-    cells = times * (size // block_nbytes)  # no two entries share a cell: the planner refused duplicates
+    if block_nbytes & (block_nbytes - 1) == 0:  # masks and shifts: int64 division costs ~10x more per entry
+        if bool(((start | size | step) & (block_nbytes - 1)).any()):  # not whole blocks
+            return None
+        shift = block_nbytes.bit_length() - 1
+        first, blocks, step_blocks = start >> shift, size >> shift, step >> shift
+    else:  # (each apart: an OR of multiples of a block size that is not a power of two is not one)
+        if bool((((start % block_nbytes) | (size % block_nbytes) | (step % block_nbytes)) != 0).any()):
+            return None
+        first, blocks, step_blocks = start // block_nbytes, size // block_nbytes, step // block_nbytes
+    lo = tensor.astype(np.int64) * np.int64(num_blocks) + first
+    hi = lo + (times - 1) * step_blocks + blocks
+    cells = times * blocks  # no two entries share a cell: the planner refused duplicates
     order = np.argsort(lo, kind="stable")
     lo, hi, cells = lo[order], hi[order], cells[order]
     reach = np.maximum.accumulate(hi)
@@ -178,28 +193,33 @@ class BlockLocks:
                 self._caches[key] = state
             folded = len(state.busy) < num_tensors * num_blocks
             if isinstance(cells, Spans):
-                spans = _union(_slot_spans(cells, len(state.busy) if folded else 0))
-                if _any_busy(state.busy, spans):
+                ranges = _ranges(cells)
+                # the table only where a cell claim is held in it (folded: maybe more waiting, never less)
+                in_table = bool(state.cell_claims) and _any_busy(state.busy, _union(_slot_spans(
+                    cells, len(state.busy) if folded else 0)))
+                if in_table or any(_ranges_meet(ranges, held) for held in state.ranges):
                     if wake is not None:
                         state.waiters.append(wake)
                     return None
-                for a, b in spans:
-                    state.busy[a:b] = True
-                return Claim(state, _NO_SLOTS, spans)
+                state.ranges.append(ranges)
+                return Claim(state, _NO_SLOTS, ranges)
             slots = cells % len(state.busy) if folded else cells
-            if state.busy[slots].any():
+            if state.busy[slots].any() or any(_cells_in(cells, held) for held in state.ranges):
                 if wake is not None:
                     state.waiters.append(wake)
                 return None
             state.busy[slots] = True
+            state.cell_claims += 1
             return Claim(state, slots)
 
     def release(self, claim: Claim) -> None:
         state = claim.cells
         with self._lock:
-            state.busy[claim.slots] = False
-            for a, b in claim.spans:
-                state.busy[a:b] = False
+            if claim.ranges is None:
+                state.busy[claim.slots] = False
+                state.cell_claims -= 1
+            else:
+                state.ranges = [held for held in state.ranges if held is not claim.ranges]
             waiters, state.waiters = state.waiters, []
         for wake in waiters:
             wake()
@@ -240,6 +260,42 @@ class BlockLocks:
 
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def _ranges(cells: Spans) -> _Ranges:
+    """A claim's cell ranges as `_Ranges`: empty ones dropped, sorted, overlapping or touching ones joined."""
+    lo, hi = np.asarray(cells.lo, dtype=np.int64), np.asarray(cells.hi, dtype=np.int64)
+    if bool((hi <= lo).any()):
+        keep = hi > lo
+        lo, hi = lo[keep], hi[keep]
+    if len(lo) > 1 and not bool((lo[1:] >= hi[:-1]).all()):  # (the planner's ranges come sorted and apart)
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        first = np.flatnonzero(np.concatenate(([True], lo[1:] > np.maximum.accumulate(hi)[:-1])))
+        lo, hi = lo[first], np.maximum.reduceat(hi, first)
+    return lo, hi
+
+
+def _ranges_meet(ranges: _Ranges, held: _Ranges) -> bool:
+    """Whether a cell lies in both: for each range, the first held range that ends past its start is the only one
+    that can hold one of its cells (the held ranges are sorted and apart)."""
+    lo, hi = ranges
+    held_lo, held_hi = held
+    if not len(lo) or not len(held_lo):
+        return False
+    after = np.searchsorted(held_hi, lo, side="right")
+    there = after < len(held_hi)
+    return bool((held_lo[np.minimum(after, len(held_hi) - 1)] < hi)[there].any())
+
+
+def _cells_in(cells: np.ndarray, held: _Ranges) -> bool:
+    """Whether one of `cells` lies in the held ranges."""
+    held_lo, held_hi = held
+    if not len(cells) or not len(held_lo):
+        return False
+    after = np.searchsorted(held_hi, cells, side="right")
+    there = after < len(held_hi)
+    return bool((held_lo[np.minimum(after, len(held_hi) - 1)] <= cells)[there].any())
 
 
 def _slot_spans(cells: Spans, folded_to: int) -> list[tuple[int, int]]:

@@ -212,25 +212,31 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
     src_page = np.asarray(remote_blocks, dtype=np.int64)[remote_at]
     out = []
     for source, heads in sorted(head_sources(ours, rank, remote).items()):
-        parts = []
-        for remote_head, local_head in heads:
-            if ours.token_units:
-                parts += _piece_runs(remote, src_page, remote_head, starts % remote.block_size, ours, dst_page,
-                                     local_head, starts % ours.block_size, units)
-            else:  # a unit is one head of one block: the pages line up one to one
-                one = np.ones_like(src_page)
-                parts.append((src_page * remote.num_kv_heads + remote_head, dst_page * ours.num_kv_heads + local_head,
-                               one, one, one, one))
-        out.append(UnitPull(source, _merged_runs([np.concatenate(c) for c in zip(*parts, strict=True)])))
+        # Every head of this source at once: columns of shape (heads, pieces), one numpy call each however many
+        # heads (per head, the calls cost more than the plan's arithmetic).
+        remote_head, local_head = (np.asarray(h, dtype=np.int64)[:, None] for h in zip(*heads, strict=True))
+        if not ours.token_units:  # a unit is one head of one block: the pages line up one to one
+            src = (src_page * remote.num_kv_heads + remote_head).ravel()
+            one = np.ones_like(src)
+            out.append(UnitPull(source, _merged_runs([src, (dst_page * ours.num_kv_heads + local_head).ravel(), one,
+                                                      one, one, one])))
+            continue
+        parts = _piece_runs(remote, src_page, remote_head, starts % remote.block_size, ours, dst_page, local_head,
+                            starts % ours.block_size, units)
+        shape = (len(heads), len(starts))
+        out.append(UnitPull(source, _merged_runs([np.concatenate([np.broadcast_to(a, shape).ravel() for a in c])
+                                                  for c in zip(*parts, strict=True)])))
     return out
 
 
 _Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: int, src_offset: np.ndarray, ours: KvLayout,
-                dst_page: np.ndarray, local_head: int, dst_offset: np.ndarray, units: np.ndarray) -> list[_Columns]:
-    """The runs of one head of each piece (token units; offsets are tokens into the pieces' blocks).
+def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: np.ndarray, src_offset: np.ndarray,
+                ours: KvLayout, dst_page: np.ndarray, local_head: np.ndarray, dst_offset: np.ndarray, units: np.ndarray
+                ) -> list[_Columns]:
+    """The runs of heads of each piece (token units; offsets are tokens into the pieces' blocks; the heads a column
+    (heads, 1) against the pieces' rows: the columns broadcast to (heads, pieces)).
 
     "vec": a head's K is [head_size, block_size] (one unit per dimension and chunk, a row of `block_size / chunk`
     units per dimension); V (and MLA's latent cache) is [block_size, head_size] (a chunk is `head_size` consecutive
@@ -256,9 +262,10 @@ def _piece_runs(remote: KvLayout, src_page: np.ndarray, remote_head: int, src_of
     return [dim_major, token_major]
 
 
-def _head_base(layout: KvLayout, pages: np.ndarray, head: int) -> np.ndarray:
-    return pages * layout.units_per_block + head * layout.kv_parts * layout.block_size * layout.head_size // (
-        layout.chunk_tokens)
+def _head_base(layout: KvLayout, pages: np.ndarray, head: np.ndarray) -> np.ndarray:
+    base: np.ndarray = pages * layout.units_per_block + head * layout.kv_parts * layout.block_size * (
+        layout.head_size) // layout.chunk_tokens
+    return base
 
 
 def _merged_runs(columns: list[np.ndarray]) -> Runs:
