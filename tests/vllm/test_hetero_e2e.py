@@ -142,6 +142,8 @@ def _every_prompt_token_pulled(got: dict[str, dict[str, Any]], prompts: dict[str
     pytest.param("tp2", "tp1", id="tp2-to-tp1"),
     pytest.param("tp1", "block64", id="block32-to-64"),
     pytest.param("block64", "tp1", id="block64-to-32"),
+    pytest.param("tp2", "block64", id="tp2-block32-to-tp1-block64"),
+    pytest.param("block64", "tp2", id="tp1-block64-to-tp2-block32"),
     pytest.param("block64-units", "tp1", id="block64-token-units-to-32"),
     pytest.param("tp1", "block64-units", id="block32-to-64-token-units"),
 ])
