@@ -33,7 +33,7 @@ from kvbroker.integrations.vllm.cuda_layout import KvRuns, block_ranges, read_ru
 from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
-from kvbroker.status import LlmError
+from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -74,6 +74,11 @@ class GpuKv:
     def landed(self, blocks: Sequence[int]) -> None:
         """A pull into `blocks` finished: make them visible to vLLM."""
 
+    def open_units(self, desc: CacheDesc) -> Cache:
+        """A second cache over the same memory, addressed in the units of a TP or block-size remap (cuda_remap);
+        closed with this one. LlmError where the daemon cannot serve it."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -84,6 +89,7 @@ class DeviceDirect(GpuKv):
     def __init__(self, client: Client, kv_caches: Mapping[str, torch.Tensor], runs: KvRuns, layout_tag: str,
                  exporter: Exporter | None = None) -> None:
         self._client = client
+        self.units: Cache | None = None
         tensors = run_tensors(kv_caches, runs)
         try:
             locations = (exporter or torch_locations)(tensors)
@@ -99,9 +105,18 @@ class DeviceDirect(GpuKv):
                 "or set kv_buffer_device=\"cpu\" (host-staged, any backend)") from e
         log.info("kvbroker connector: device-direct, %d runs x %d blocks x %d bytes of %s registered as cache %d",
                  len(runs.starts), runs.num_blocks, runs.block_bytes, runs.device, self.cache.cache_id)
+        self._locations = locations
+
+    def open_units(self, desc: CacheDesc) -> Cache:
+        # The same tensors registered again (the daemon maps an allocation once and counts its users).
+        self.units = self._client.register_kv_cache(desc, self._locations)
+        return self.units
 
     def close(self) -> None:
         # Before vLLM frees the memory: the daemon closes its IPC mapping inside this call (docs/device.md).
+        if self.units is not None:
+            self._client.unregister_kv_cache(self.units.cache_id, timeout=10.0)
+            self.units = None
         self._client.unregister_kv_cache(self.cache.cache_id, timeout=10.0)
 
 
@@ -119,6 +134,7 @@ class HostStaged(GpuKv):
                                f"{runs.run_bytes} byte host buffer through kvbrokerd: {e.status.name}: {e.message}"
                                ) from e
         self.host = [torch.from_numpy(a) for a in self.cache.tensors]
+        self.units: Cache | None = None
         self.saves = saves
         on_gpu = self.device[0].device.type == "cuda"
         self._stream: Any = torch.cuda.Stream(self.device[0].device) if on_gpu else None  # type: ignore[no-untyped-call]
@@ -213,7 +229,18 @@ class HostStaged(GpuKv):
                         dev[a:b].copy_(host[a:b], non_blocking=True)
             self._stream.synchronize()
 
+    def open_units(self, desc: CacheDesc) -> Cache:
+        self.units = self._client.allocate_cache(desc, view_of=self.cache)
+        if self.units.record.tensors != self.cache.record.tensors:  # a daemon that predates views: new memory
+            self._client.deallocate_cache(self.units.cache_id, timeout=5.0)
+            self.units = None
+            raise LlmError(LlmStatus.LLM_FEATURE_NOT_ENABLED, "the daemon does not make views of a cache")
+        return self.units
+
     def close(self) -> None:
+        if self.units is not None:
+            self._client.deallocate_cache(self.units.cache_id, timeout=5.0)
+            self.units = None
         if self._pinned:
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
             for ptr in self._pinned:

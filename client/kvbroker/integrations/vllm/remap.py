@@ -73,6 +73,10 @@ def settle(ours: KvLayout, remote: KvLayout) -> tuple[KvLayout, KvLayout] | None
 
 def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     """Why the KV described by `theirs_tag` cannot be used here (None: it can, through `plan_pull`)."""
+    if ours.physical:  # a GPU engine: its runs and units are cuda_remap's
+        from kvbroker.integrations.vllm import cuda_remap  # (it builds on this module)
+
+        return cuda_remap.refusal(ours, theirs_tag)
     theirs = parse_tag(theirs_tag)
     mine = {"version": f"vllm-kv/{LAYOUT_VERSION}", **ours.fields()}
     for name in MUST_MATCH:
@@ -87,12 +91,6 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         field = "tp" if not 1 <= remote.tp_size <= MAX_TP else "block"
         return Refusal(field, f"{field}: remote {getattr(remote, 'tp_size' if field == 'tp' else 'block_size')} is "
                               "out of range")
-    if ours.physical:  # a GPU engine's cache is addressed in whole blocks (gpu.runs_desc): nothing is remapped
-        for name, local, other in (("tp", ours.tp_size, remote.tp_size), ("block", ours.block_size,
-                                                                         remote.block_size)):
-            if local != other:
-                return Refusal(name, f"{name}: local {local} vs remote {other} (GPU engines pull rank to rank, "
-                                     "block to block)")
     if ours.has_state and ours.tp_size != remote.tp_size:
         # A rank's Mamba state is its slice of the heads and of the conv channels, interleaved per projection.
         return Refusal("tp", f"tp: local {ours.tp_size} vs remote {remote.tp_size} (Mamba state moves between equal "

@@ -1,0 +1,125 @@
+"""cuda_remap: TP and block-size remaps between GPU engines, on per-layer views whose strides are written out here for
+every vLLM 0.32 KVCacheLayout (tests/vllm/test_cuda_remap.py takes them from vLLM's own allocation, and moves them
+through real daemons). A plan is applied the way the daemon applies it (tests/cudaremapkit.py: every run, the same
+unit pairs) and every (layer, head, token) of the decode views is compared with the prefill's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[examples]')")
+
+from kvbroker.integrations.vllm import cuda_remap
+from kvbroker.integrations.vllm.cuda_remap import NoRemap, parse_geometry, read_geometry
+from kvbroker.integrations.vllm.layout import layout_of_tag
+from kvbroker.integrations.vllm.remap import refusal
+from tests.cudaremapkit import Rank, check, copy_units, engine_rank, fill, hand_views
+
+REMAPPED = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC")
+# (prefill tp, prefill block, decode tp, decode block, model KV heads)
+SHAPES = [
+    pytest.param(1, 16, 2, 32, 4, id="tp1-b16-to-tp2-b32"),
+    pytest.param(2, 32, 1, 16, 4, id="tp2-b32-to-tp1-b16"),
+    pytest.param(2, 16, 1, 16, 4, id="tp2-to-tp1"),
+    pytest.param(1, 16, 4, 16, 2, id="tp1-to-tp4-replicas"),
+    pytest.param(1, 16, 1, 64, 2, id="b16-to-b64"),
+]
+
+
+def _pull(order: str, p_tp: int, p_block: int, d_tp: int, d_block: int, heads: int, mla: bool = False) -> None:
+    prefill = [engine_rank(hand_views, order, p_tp, p_block, heads, mla) for _ in range(p_tp)]
+    decode = [engine_rank(hand_views, order, d_tp, d_block, heads, mla) for _ in range(d_tp)]
+    num_tokens = 2 * max(p_block, d_block) + 5  # a partial last block on both sides
+    p_blocks = [7, 2, 9, 4, 0, 11, 5, 1, 3, 10][: -(-num_tokens // p_block)]
+    d_blocks = [6, 3, 10, 1, 8, 0, 2, 4, 5, 11][: -(-num_tokens // d_block)]
+    start = d_block  # the decode engine had its first block cached
+    for index, rank in enumerate(prefill):
+        fill(rank, index, p_blocks, num_tokens)
+    for index, rank in enumerate(decode):
+        assert refusal(rank.layout, prefill[0].layout.tag()) is None
+        assert rank.geometry is not None and prefill[0].geometry is not None
+        plan = cuda_remap.plan_pull(rank.layout, rank.geometry, index, prefill[0].layout, prefill[0].geometry,
+                                    d_blocks[1:], p_blocks[start // p_block:], start, num_tokens)
+        copy_units(plan, prefill, rank)
+        check(rank, index, d_blocks[1:], start, num_tokens)
+
+
+@pytest.mark.parametrize("order", REMAPPED)
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "heads"), SHAPES)
+def test_every_head_and_token_lands_where_the_decode_views_read_it(order: str, p_tp: int, p_block: int, d_tp: int,
+                                                                   d_block: int, heads: int) -> None:
+    _pull(order, p_tp, p_block, d_tp, d_block, heads)
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LHBNC", "BLNHC"])
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block"), [(1, 16, 2, 32), (2, 32, 1, 16), (2, 16, 1, 16)])
+def test_mla_is_taken_whole_from_one_prefill_rank(order: str, p_tp: int, p_block: int, d_tp: int,
+                                                  d_block: int) -> None:
+    _pull(order, p_tp, p_block, d_tp, d_block, 1, mla=True)
+
+
+def test_head_major_pages_move_chunks_of_tokens_token_major_ones_single_tokens() -> None:
+    nhd = engine_rank(hand_views, "LBNHC", 1, 32, 4).geometry
+    hnd = engine_rank(hand_views, "LBHNC", 1, 32, 4).geometry
+    assert nhd is not None and hnd is not None
+    assert (nhd.unit_tokens, nhd.head_stride, nhd.token_stride) == (1, 1, 4)
+    assert (hnd.unit_tokens, hnd.head_stride, hnd.token_stride) == (16, 2, 1)
+    outer = engine_rank(hand_views, "BLHNC", 1, 32, 4).geometry
+    assert outer is not None and (outer.layers_per_run, outer.layer_step) == (3, 8)
+    assert parse_geometry(hnd.text) == hnd
+
+
+def test_a_homogeneous_pull_stays_whole_blocks_rank_to_rank() -> None:
+    rank = engine_rank(hand_views, "LBNHC", 2, 16, 4)
+    assert refusal(rank.layout, rank.layout.tag()) is None
+    assert layout_of_tag(rank.layout.tag()).unit_geometry == rank.layout.unit_geometry
+    assert not layout_of_tag(rank.layout.tag()).token_view
+
+
+def _refused(ours: Rank, theirs: Rank) -> str:
+    why = refusal(ours.layout, theirs.layout.tag())
+    assert why is not None
+    return why.field
+
+
+def test_what_cannot_be_remapped_is_refused_by_field() -> None:
+    # LHBNC gives each head a run of its own: whole blocks only, between equal shapes.
+    lhbnc_1, lhbnc_2 = (engine_rank(hand_views, "LHBNC", tp, 16, 4) for tp in (1, 2))
+    assert lhbnc_1.geometry is None
+    assert _refused(lhbnc_2, lhbnc_1) == "tp"
+    assert _refused(engine_rank(hand_views, "LHBNC", 1, 32, 4), lhbnc_1) == "block"
+    # Another vLLM KV cache layout: the bytes of a block are in another order.
+    assert _refused(engine_rank(hand_views, "LBHNC", 2, 16, 4), engine_rank(hand_views, "LBNHC", 1, 16, 4)) == "phys"
+    # Block sizes neither of which divides the other, and units of different sizes (chunks of 8 vs 16 tokens).
+    assert _refused(engine_rank(hand_views, "LBNHC", 1, 48, 4), engine_rank(hand_views, "LBNHC", 1, 32, 4)) == "block"
+    assert _refused(engine_rank(hand_views, "LBHNC", 1, 8, 4), engine_rank(hand_views, "LBHNC", 1, 16, 4)) == "block"
+    # KV heads TP does not split evenly (6 heads over 4 ranks), and a tag whose heads per rank do not add up.
+    six = engine_rank(hand_views, "LBNHC", 1, 16, 6)
+    assert _refused(six, dataclasses.replace(six, layout=dataclasses.replace(six.layout, tp_size=4))) == "tp"
+    two = engine_rank(hand_views, "LBNHC", 2, 16, 4)
+    odd = dataclasses.replace(two.layout, num_kv_heads=1)
+    assert _refused(engine_rank(hand_views, "LBNHC", 1, 16, 4), dataclasses.replace(two, layout=odd)) == "kv_heads"
+    # A peer without units (an older connector, or a layout without them).
+    bare = dataclasses.replace(two, layout=dataclasses.replace(two.layout, unit_geometry=""))
+    assert _refused(engine_rank(hand_views, "LBNHC", 1, 16, 4), bare) == "tp"
+    assert _refused(engine_rank(hand_views, "LBNHC", 1, 16, 4),
+                    dataclasses.replace(two, layout=dataclasses.replace(two.layout, model_id="other"))) == "model"
+
+
+def test_units_finer_than_a_grant_can_count_are_not_offered() -> None:
+    """Token-major pages of every layer in one block (BLNHC) cut a block into layers x heads x tokens units: past what
+    a grant counts per block (MAX_GRANT_UNITS), the engine offers no units and moves whole blocks only."""
+    views = hand_views("BLNHC", 1, 16, 64, False, layers=80)  # 80 x 16 x 64 = 81920 units
+    from kvbroker.integrations.vllm.cuda_layout import read_runs
+
+    with pytest.raises(NoRemap, match="more than the daemon can address"):
+        read_geometry(views, read_runs(views), 64)
+
+
+def test_malformed_geometry_in_a_peers_tag_is_refused_as_unreadable() -> None:
+    two = engine_rank(hand_views, "LBNHC", 2, 16, 4)
+    tag = two.layout.tag().replace(two.layout.unit_geometry, "cu1.0.1.1.1.0+0x1")
+    why = refusal(engine_rank(hand_views, "LBNHC", 1, 16, 4).layout, tag)
+    assert why is not None and why.field == "version"
