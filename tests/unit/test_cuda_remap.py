@@ -123,3 +123,35 @@ def test_malformed_geometry_in_a_peers_tag_is_refused_as_unreadable() -> None:
     tag = two.layout.tag().replace(two.layout.unit_geometry, "cu1.0.1.1.1.0+0x1")
     why = refusal(engine_rank(hand_views, "LBNHC", 1, 16, 4).layout, tag)
     assert why is not None and why.field == "version"
+
+
+def test_device_direct_registers_its_units_over_the_same_tensors_and_closes_them_first() -> None:
+    """BOOKKEEPING ONLY (a recording stand-in for the client): the unit cache of a device-direct engine is a second
+    registration of the very locations its cache was registered with, unregistered before the cache (before vLLM
+    frees the memory). Whether NIXL takes the same VRAM registered twice is for a GPU run (docs/device.md)."""
+    from types import SimpleNamespace
+
+    from kvbroker.integrations.vllm.cuda_remap import units_desc
+    from kvbroker.integrations.vllm.gpu import DeviceDirect
+    from kvbroker.types import Placement
+
+    rank = engine_rank(hand_views, "LBHNC", 1, 16, 2)
+    calls: list[tuple[object, ...]] = []
+
+    class Recorder:
+        def register_kv_cache(self, desc: object, locations: list[object]) -> object:
+            calls.append(("register", desc, tuple(locations)))
+            return SimpleNamespace(cache_id=len(calls), desc=desc)
+
+        def unregister_kv_cache(self, cache_id: int, timeout: float) -> None:
+            calls.append(("unregister", cache_id))
+
+    gpu = DeviceDirect(Recorder(), rank.views, rank.runs, rank.layout.tag(),  # type: ignore[arg-type]
+                       exporter=lambda tensors: [f"run{i}" for i in range(len(tensors))])  # type: ignore[misc]
+    assert rank.geometry is not None
+    desc = units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE)
+    gpu.open_units(desc)
+    gpu.close()
+    assert calls[0][2] == calls[1][2] == ("run0", "run1", "run2")
+    assert desc.shape == (rank.runs.num_blocks * rank.geometry.units_per_block, rank.geometry.unit_bytes)
+    assert [c[:2] for c in calls[2:]] == [("unregister", 2), ("unregister", 1)]

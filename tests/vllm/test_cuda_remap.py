@@ -8,7 +8,8 @@ KV cache layout it declares, as tests/vllm/test_cuda_layouts.py reads them.
   host-staged by the connector's own worker (its unit cache is a view of the daemon's host buffer; device-direct
   registers the same tensors a second time instead, which needs a GPU). The prefill workers stage what vLLM's views
   hold, grant the request's blocks with their unit caches as the scheduler does, and the decode workers pull with the
-  plan: prefill TP 1 block 16 -> decode TP 2 block 32, the reverse, and TP 2 -> 1.
+  plan: prefill TP 1 block 16 -> decode TP 2 block 32, the reverse, and TP 2 -> 1; and between equal shapes, the
+  whole-block pull of before (the units are offered, and not used).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ except ImportError:
 LAYERS, BLOCKS, MODEL_HEADS = 3, 12, 4
 # (prefill tp, prefill block, decode tp, decode block)
 SHAPES = [(1, 16, 2, 32), (2, 32, 1, 16), (2, 16, 1, 16)]
+HOMOGENEOUS = (2, 16, 2, 16)
 
 
 def vllm_views(order: str, blocks: int, heads: int, tokens: int, mla: bool) -> dict[str, torch.Tensor]:
@@ -131,8 +133,8 @@ def _worker(daemon: LocalDaemon, engine: str, rank: Rank, index: int, prefill: L
 
 
 @pytest.mark.parametrize("order", [lay.name for lay in KVCacheLayout if lay != KVCacheLayout.LHBNC] + ["LHBNC-mla"])
-@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block"), SHAPES, ids=["tp1b16-tp2b32", "tp2b32-tp1b16",
-                                                                                  "tp2-tp1"])
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block"), [*SHAPES, HOMOGENEOUS],
+                         ids=["tp1b16-tp2b32", "tp2b32-tp1b16", "tp2-tp1", "homogeneous"])
 def test_decode_workers_pull_through_real_daemons_byte_for_byte(daemons: tuple[LocalDaemon, LocalDaemon],
                                                                 order: str, p_tp: int, p_block: int, d_tp: int,
                                                                 d_block: int, tmp_path: Path) -> None:
@@ -164,7 +166,16 @@ def test_decode_workers_pull_through_real_daemons_byte_for_byte(daemons: tuple[L
                           tp_size=p_tp)
         spec = PullSpec("d-req", tuple(d_blocks[1:]), tuple(p_blocks[start // p_block:]), remote, first_block=1,
                         start_token=start, end_token=num_tokens)
-        for worker in decode:
+        for index, worker in enumerate(decode):
+            planned = worker._items(spec)
+            assert planned is not None
+            if (p_tp, p_block) == (d_tp, d_block):  # the homogeneous pull, as before units: whole blocks, rank to rank
+                ((item,)) = planned[1]
+                assert item.runs is None and item.dst_cache == worker.cache.cache_id  # type: ignore[union-attr]
+                assert (item.cache_slot, item.dst_blocks, item.first_block) == (index, tuple(d_blocks[1:]), 1)
+            else:
+                assert all(i.runs is not None and i.dst_cache == worker.view.cache_id  # type: ignore[union-attr]
+                           and i.cache_slot >= p_tp for i in planned[1])
             worker.start([spec], {})
         for index, (rank, worker) in enumerate(zip(d_ranks, decode, strict=True)):
             def pulled(w: WorkerSide = worker) -> bool:
