@@ -47,7 +47,7 @@ def engine_rank(make: ViewMaker, order: str, tp: int, block: int, model_heads: i
     runs = read_runs(views)
     first = next(iter(views.values()))
     layout = KvLayout(num_layers=len(views), num_blocks=runs.num_blocks, block_size=block, num_kv_heads=heads,
-                      head_size=HEAD, dtype="int32",
+                      head_size=HEAD, dtype="float32",
                       page_bytes=heads * block * int(first.shape[-1]) * first.element_size(), model_id="m",
                       tp_size=tp, total_kv_heads=1 if mla else model_heads, memory=MEMORY_MLA if mla else MEMORY_CPU,
                       physical=physical_tag(order, runs))

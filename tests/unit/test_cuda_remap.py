@@ -155,3 +155,40 @@ def test_device_direct_registers_its_units_over_the_same_tensors_and_closes_them
     assert calls[0][2] == calls[1][2] == ("run0", "run1", "run2")
     assert desc.shape == (rank.runs.num_blocks * rank.geometry.units_per_block, rank.geometry.unit_bytes)
     assert [c[:2] for c in calls[2:]] == [("unregister", 2), ("unregister", 1)]
+
+
+@pytest.mark.parametrize("remapped", [True, False])
+def test_failed_units_of_a_gpu_remap_are_reported_as_their_blocks_and_a_homogeneous_pulls_blocks_as_they_are(
+        remapped: bool) -> None:
+    """A GPU engine offers units and pulls whole blocks between equal shapes: the failed entries of a pull are its
+    unit cache's units (reported as the blocks that hold them) only where the pull was planned in units."""
+    import numpy as np
+
+    from kvbroker.blockruns import Runs
+    from kvbroker.integrations.vllm.config import ConnectorConfig
+    from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem
+    from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
+    from kvbroker.integrations.vllm.worker import WorkerSide
+    from kvbroker.status import LlmStatus
+    from kvbroker.types import Grant
+
+    rank = engine_rank(hand_views, "LBHNC", 1, 16, 2)
+    assert rank.geometry is not None
+    # No daemon: the constructor does no I/O, and this path does not reach one.
+    worker = WorkerSide(ConnectorConfig(target="unix:///nonexistent/kvbroker.sock"), "engine", 0, rank.layout)
+    worker._geometry = rank.geometry
+    grant = Grant(bytes(16), bytes(32))
+    one = np.ones(1, dtype=np.uint64)
+    runs = Runs(one, one, one, one, one * 0, one * 0) if remapped else None
+    worker._items = lambda spec: (  # type: ignore[method-assign]
+        worker.layout, [PullItem(spec.request_id, 1, grant, 0, 0, (), runs=runs)])
+    worker.loads.submit = lambda items: None  # type: ignore[method-assign]
+    remote = RemoteKv(cluster_id=1, grant=grant, block_ids=((1, 2, 3),), request_id="p", engine_id="engine-p",
+                      layout_tag=rank.layout.tag(), num_tokens=48, tp_size=1)
+    try:
+        worker.start([PullSpec("d", (4, 5, 6), (1, 2, 3), remote)], {})
+        failed = 5 * rank.geometry.units_per_block + 1 if remapped else 5
+        worker._loaded(LoadOutcome("d", frozenset({failed}), 0, 0.0, "", LlmStatus.LLM_FAILED))
+        assert worker.finished()[1] == {"d"} and worker.take_load_errors() == {5}
+    finally:
+        worker.shutdown()

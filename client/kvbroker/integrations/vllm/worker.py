@@ -82,6 +82,8 @@ class _Loading:
     """Prefill ranks it reads."""
     layout: KvLayout
     """How the pull addressed our KV (our cache's units, or our token view's)."""
+    gpu_units: int = 0
+    """A GPU engine's remap: units per block of its unit cache (its failed units are reported as their blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +267,9 @@ class WorkerSide:
                 continue
             addressed, mine = planned
             with self._lock:
-                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed)
+                units = self._geometry.units_per_block if self._geometry and any(i.runs is not None for i in mine) else 0
+                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed,
+                                                          units if addressed.physical else 0)
             items += mine
         self.loads.submit(items)  # the step's pulls, one message
 
@@ -412,8 +416,9 @@ class WorkerSide:
         try:
             if outcome.failed_blocks:  # the local units (or blocks) that did not land, as the blocks holding them
                 units = sorted(outcome.failed_blocks)
-                held = (frozenset(u // self._geometry.units_per_block for u in units) if loading.layout.physical
-                        and self._geometry is not None else blocks_of_units(loading.layout, units))
+                # (A GPU engine's cache is addressed in whole blocks, its unit cache in `gpu_units` per block.)
+                held = (frozenset(u // (loading.gpu_units or 1) for u in units) if loading.layout.physical else
+                        blocks_of_units(loading.layout, units))
                 failed = held & everything or everything
                 self.transfers.record_recompute(reason_of(outcome.status) if outcome.status is not None else "error",
                                                 pull_failed=True)
