@@ -33,6 +33,7 @@ from kvbroker.integrations.vllm.cuda_layout import KvRuns
 from kvbroker.integrations.vllm.layout import (
     DAEMON_TAG_FIELDS,
     LAYOUT_VERSION,
+    MAX_CHUNK_TOKENS,
     MAX_GRANT_UNITS,
     MEMORY_MLA,
     MUST_MATCH,
@@ -93,8 +94,11 @@ def parse_geometry(text: str) -> Geometry | None:
 
 
 def chunk_tokens(block_size: int) -> int:
-    return KvLayout(num_layers=1, num_blocks=1, block_size=block_size, num_kv_heads=1, head_size=1, dtype="uint8",
-                    page_bytes=1, model_id="", tp_size=1).chunk_tokens
+    """As `KvLayout.chunk_tokens`: the largest power of two up to MAX_CHUNK_TOKENS that divides the block size."""
+    chunk = MAX_CHUNK_TOKENS
+    while block_size % chunk:
+        chunk //= 2
+    return chunk
 
 
 def read_geometry(kv_caches: Mapping[str, Any], runs: KvRuns, block_size: int) -> Geometry:
@@ -133,10 +137,12 @@ def read_geometry(kv_caches: Mapping[str, Any], runs: KvRuns, block_size: int) -
             raise NoRemap(f"a layer starts {offset} bytes into its run's block, not at a unit")
         per_run.setdefault(r, []).append(offset // unit_bytes)
     patterns = {tuple(bases) for bases in per_run.values()}
-    (bases,) = patterns if len(patterns) == 1 else (None,)
-    step = bases[1] - bases[0] if bases is not None and len(bases) > 1 else 0
-    if bases is None or any(b != bases[0] + i * step for i, b in enumerate(bases)):
+    if len(patterns) != 1:
         raise NoRemap(f"the layers' places in their runs differ from run to run ({sorted(patterns)[:2]})")
+    bases = patterns.pop()
+    step = bases[1] - bases[0] if len(bases) > 1 else 0
+    if any(b != bases[0] + i * step for i, b in enumerate(bases)):
+        raise NoRemap(f"the layers of a run are not equally far apart ({bases[:4]})")
     upb = runs.block_bytes // unit_bytes
     if upb > MAX_GRANT_UNITS:
         raise NoRemap(f"a block is {upb} units of {unit_bytes} bytes: more than a grant counts per block "

@@ -266,10 +266,10 @@ class WorkerSide:
                 self._report(spec.request_id, frozenset(spec.local_blocks))
                 continue
             addressed, mine = planned
+            remapped = addressed.physical and self._geometry is not None and any(i.runs is not None for i in mine)
+            units = self._geometry.units_per_block if remapped and self._geometry is not None else 0
             with self._lock:
-                units = self._geometry.units_per_block if self._geometry and any(i.runs is not None for i in mine) else 0
-                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed,
-                                                          units if addressed.physical else 0)
+                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed, units)
             items += mine
         self.loads.submit(items)  # the step's pulls, one message
 
