@@ -125,10 +125,10 @@ def test_malformed_geometry_in_a_peers_tag_is_refused_as_unreadable() -> None:
     assert why is not None and why.field == "version"
 
 
-def test_device_direct_registers_its_units_over_the_same_tensors_and_closes_them_first() -> None:
-    """BOOKKEEPING ONLY (a recording stand-in for the client): the unit cache of a device-direct engine is a second
-    registration of the very locations its cache was registered with, unregistered before the cache (before vLLM
-    frees the memory). Whether NIXL takes the same VRAM registered twice is for a GPU run (docs/device.md)."""
+def test_device_direct_offers_no_units_and_registers_nothing_twice() -> None:
+    """BOOKKEEPING ONLY (a recording stand-in for the client): a second registration of the same VRAM would make the
+    daemon register the same descriptors with NIXL twice (refused, or freed wrongly on deregistration:
+    ai-dynamo/nixl#1792, #1773), so a device-direct engine registers its runs once and offers no remap units."""
     from types import SimpleNamespace
 
     from kvbroker.integrations.vllm.cuda_remap import units_desc
@@ -149,12 +149,10 @@ def test_device_direct_registers_its_units_over_the_same_tensors_and_closes_them
     gpu = DeviceDirect(Recorder(), rank.views, rank.runs, rank.layout.tag(),  # type: ignore[arg-type]
                        exporter=lambda tensors: [f"run{i}" for i in range(len(tensors))])  # type: ignore[misc]
     assert rank.geometry is not None
-    desc = units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE)
-    gpu.open_units(desc)
+    with pytest.raises(NoRemap, match="NIXL twice"):
+        gpu.open_units(units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE))
     gpu.close()
-    assert calls[0][2] == calls[1][2] == ("run0", "run1", "run2")
-    assert desc.shape == (rank.runs.num_blocks * rank.geometry.units_per_block, rank.geometry.unit_bytes)
-    assert [c[:2] for c in calls[2:]] == [("unregister", 2), ("unregister", 1)]
+    assert [c[0] for c in calls] == ["register", "unregister"]
 
 
 @pytest.mark.parametrize("remapped", [True, False])

@@ -6,7 +6,7 @@ KV cache layout it declares, as tests/vllm/test_cuda_layouts.py reads them.
   (tests/cudaremapkit.py) and every (layer, head, token) of the decode rank's vLLM views must hold the prefill's.
 - Real daemons on loopback, for every KVCacheLayout (MLA too): CPU TENSORS STAND IN FOR DEVICE TENSORS, served
   host-staged by the connector's own worker (its unit cache is a view of the daemon's host buffer; device-direct
-  registers the same tensors a second time instead, which needs a GPU). The prefill workers stage what vLLM's views
+  engines offer no units). The prefill workers stage what vLLM's views
   hold, grant the request's blocks with their unit caches as the scheduler does, and the decode workers pull with the
   plan: prefill TP 1 block 16 -> decode TP 2 block 32, the reverse, and TP 2 -> 1; and between equal shapes, the
   whole-block pull of before (the units are offered, and not used).

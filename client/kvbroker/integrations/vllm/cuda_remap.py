@@ -15,9 +15,9 @@ every run (kvbroker tensor) alike, so a layer's offset must repeat from run to r
 per run at offset 0; block-outermost: every layer in the one run, at a fixed step). A layout that gives one head a run
 of its own (LHBNC) moves whole blocks only: between engines of one TP size and block size.
 
-The engine serves these units as a second registration of the same memory (device-direct) or a view of its host
-buffer (host-staged); the geometry travels in the tag's `remap` field (`Geometry.text`), and a pull between engines
-of different shapes is planned here into the runs of `remap.plan_pull` (`remap._merged_runs`).
+A host-staged engine serves these units as a daemon view of its host buffer (a device-direct one offers none yet:
+`gpu.DeviceDirect.open_units` says why); the geometry travels in the tag's `remap` field (`Geometry.text`), and a
+pull between engines of different shapes is planned here into the runs of `remap.plan_pull` (`remap._merged_runs`).
 """
 
 from __future__ import annotations

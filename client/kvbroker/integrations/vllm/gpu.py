@@ -30,6 +30,7 @@ import torch
 from kvbroker._client import Client
 from kvbroker.device import torch_locations
 from kvbroker.integrations.vllm.cuda_layout import KvRuns, block_ranges, read_runs, run_tensors
+from kvbroker.integrations.vllm.cuda_remap import NoRemap
 from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
@@ -76,8 +77,8 @@ class GpuKv:
 
     def open_units(self, desc: CacheDesc) -> Cache:
         """A second cache over the same memory, addressed in the units of a TP or block-size remap (cuda_remap);
-        closed with this one. LlmError where the daemon cannot serve it."""
-        raise NotImplementedError
+        closed with this one. LlmError where the daemon cannot serve it, NoRemap where this mode offers none."""
+        raise NoRemap(f"{self.mode} mode offers no remap units")
 
     def close(self) -> None:
         raise NotImplementedError
@@ -89,7 +90,6 @@ class DeviceDirect(GpuKv):
     def __init__(self, client: Client, kv_caches: Mapping[str, torch.Tensor], runs: KvRuns, layout_tag: str,
                  exporter: Exporter | None = None) -> None:
         self._client = client
-        self.units: Cache | None = None
         tensors = run_tensors(kv_caches, runs)
         try:
             locations = (exporter or torch_locations)(tensors)
@@ -105,18 +105,16 @@ class DeviceDirect(GpuKv):
                 "or set kv_buffer_device=\"cpu\" (host-staged, any backend)") from e
         log.info("kvbroker connector: device-direct, %d runs x %d blocks x %d bytes of %s registered as cache %d",
                  len(runs.starts), runs.num_blocks, runs.block_bytes, runs.device, self.cache.cache_id)
-        self._locations = locations
 
     def open_units(self, desc: CacheDesc) -> Cache:
-        # The same tensors registered again (the daemon maps an allocation once and counts its users).
-        self.units = self._client.register_kv_cache(desc, self._locations)
-        return self.units
+        # Registering the same VRAM a second time would make the daemon register the same descriptors with NIXL
+        # twice, which NIXL either refuses or frees wrongly on deregistration (ai-dynamo/nixl#1792, #1773): units
+        # wait for a daemon-side view of a device cache that shares the registration.
+        raise NoRemap("device-direct engines offer no remap units yet (the daemon would register the same VRAM "
+                      "with NIXL twice); host-staged ones do")
 
     def close(self) -> None:
         # Before vLLM frees the memory: the daemon closes its IPC mapping inside this call (docs/device.md).
-        if self.units is not None:
-            self._client.unregister_kv_cache(self.units.cache_id, timeout=10.0)
-            self.units = None
         self._client.unregister_kv_cache(self.cache.cache_id, timeout=10.0)
 
 
