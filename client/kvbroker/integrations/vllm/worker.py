@@ -266,8 +266,8 @@ class WorkerSide:
                 self._report(spec.request_id, frozenset(spec.local_blocks))
                 continue
             addressed, mine = planned
-            remapped = addressed.physical and self._geometry is not None and any(i.runs is not None for i in mine)
-            units = self._geometry.units_per_block if remapped and self._geometry is not None else 0
+            remapped = addressed.physical and any(i.runs is not None for i in mine)  # (a GPU engine's unit cache)
+            units = self._geometry.units_per_block if remapped and self._geometry else 0
             with self._lock:
                 self._loading[spec.request_id] = _Loading(spec, len(mine), addressed, units)
             items += mine
