@@ -49,8 +49,10 @@ What it does:
   grant covers), as runs the daemon moves in place (`remap.py`). What
   changes the meaning of the bytes (model, dtype, memory layout, head size, layers, KV heads) must match: otherwise
   the KV is refused before any byte moves, with a log line naming the field, counted in the stats
-  (`num_refused`, `refused_<field>`), and the decode engine computes the prompt itself. GPU engines pull rank to
-  rank, block to block (kvbrokerd enforces equal layout tags).
+  (`num_refused`, `refused_<field>`), and the decode engine computes the prompt itself. GPU engines of one shape
+  pull rank to rank, block to block; host-staged ones of different TP or block sizes, in units read from vLLM's KV
+  views, served as a daemon view of the host buffer (`cuda_remap.py`; device-direct engines and LHBNC pages other
+  than MLA's move between equal shapes only).
 - Metrics: the decode output's `kv_transfer_params` (the OpenAI response's, too) report where the prompt's KV came
   from: `kvbroker_prompt_tokens`, `kvbroker_tokens_pulled` (from the prefill side), `kvbroker_tokens_cached` (the
   local prefix cache), `kvbroker_tokens_recomputed`, `kvbroker_refused` (why, when refused), and for a pull

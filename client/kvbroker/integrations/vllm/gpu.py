@@ -36,10 +36,11 @@ from kvbroker.integrations.vllm.cuda_layout import (
     read_runs,
     run_tensors,
 )
+from kvbroker.integrations.vllm.cuda_remap import NoRemap
 from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
-from kvbroker.status import LlmError
+from kvbroker.status import LlmError, LlmStatus
 from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -80,6 +81,11 @@ class GpuKv:
     def landed(self, blocks: Sequence[int]) -> None:
         """A pull into `blocks` finished: make them visible to vLLM."""
 
+    def open_units(self, desc: CacheDesc) -> Cache:
+        """A second cache over the same memory, addressed in the units of a TP or block-size remap (cuda_remap);
+        closed with this one. LlmError where the daemon cannot serve it, NoRemap where this mode offers none."""
+        raise NoRemap(f"{self.mode} mode offers no remap units")
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -106,6 +112,13 @@ class DeviceDirect(GpuKv):
         log.info("kvbroker connector: device-direct, %d runs x %d blocks x %d bytes of %s registered as cache %d",
                  len(runs.starts), runs.num_blocks, runs.block_bytes, runs.device, self.cache.cache_id)
 
+    def open_units(self, desc: CacheDesc) -> Cache:
+        # Registering the same VRAM a second time would make the daemon register the same descriptors with NIXL
+        # twice, which NIXL either refuses or frees wrongly on deregistration (ai-dynamo/nixl#1792, #1773): units
+        # wait for a daemon-side view of a device cache that shares the registration.
+        raise NoRemap("device-direct engines offer no remap units yet (the daemon would register the same VRAM "
+                      "with NIXL twice); host-staged ones do")
+
     def close(self) -> None:
         # Before vLLM frees the memory: the daemon closes its IPC mapping inside this call (docs/device.md).
         self._client.unregister_kv_cache(self.cache.cache_id, timeout=10.0)
@@ -125,6 +138,7 @@ class HostStaged(GpuKv):
                                f"{runs.run_bytes} byte host buffer through kvbrokerd: {e.status.name}: {e.message}"
                                ) from e
         self.host = [torch.from_numpy(a) for a in self.cache.tensors]
+        self.units: Cache | None = None
         self.saves = saves
         on_gpu = self.device[0].device.type == "cuda"
         self._stream: Any = torch.cuda.Stream(self.device[0].device) if on_gpu else None  # type: ignore[no-untyped-call]
@@ -219,7 +233,18 @@ class HostStaged(GpuKv):
                         dev[a:b].copy_(host[a:b], non_blocking=True)
             self._stream.synchronize()
 
+    def open_units(self, desc: CacheDesc) -> Cache:
+        self.units = self._client.allocate_cache(desc, view_of=self.cache)
+        if self.units.record.tensors != self.cache.record.tensors:  # a daemon that predates views: new memory
+            self._client.deallocate_cache(self.units.cache_id, timeout=5.0)
+            self.units = None
+            raise LlmError(LlmStatus.LLM_FEATURE_NOT_ENABLED, "the daemon does not make views of a cache")
+        return self.units
+
     def close(self) -> None:
+        if self.units is not None:
+            self._client.deallocate_cache(self.units.cache_id, timeout=5.0)
+            self.units = None
         if self._pinned:
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
             for ptr in self._pinned:

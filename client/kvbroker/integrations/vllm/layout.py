@@ -151,6 +151,9 @@ class KvLayout:
     mamba: str = ""
     """Mamba groups only: the kind of state and how its conv state is oriented, e.g. "mamba2.SD" (vLLM's
     `MambaSpec.mamba_type`, `VLLM_SSM_CONV_STATE_LAYOUT`): what `state`'s shapes mean, at any TP size."""
+    unit_geometry: str = ""
+    """GPU engines only: where the units of a TP or block-size remap lie in the runs (`cuda_remap.Geometry.text`),
+    served by a second cache over the same memory; the tag's `remap` field ("" : whole blocks only)."""
     pp: str = pipeline.NO_SPLIT
     """Pipeline parallelism: the first layer of each stage (`stages.py`), `-` when the engine is not split. Then
     `num_layers` is this stage's (its cache's tensors) and `model_layers` the model's (the tag's `layers`)."""
@@ -250,6 +253,18 @@ class KvLayout:
         return f"token{self.chunk_tokens}" if self.token_units or self.token_view else ""
 
     @property
+    def has_view(self) -> bool:
+        """A second cache over the same memory serves remaps: the token view, or a GPU engine's units."""
+        return self.token_view or bool(self.unit_geometry)
+
+    @property
+    def view_grant_units(self) -> int:
+        """How many of the view's blocks one engine block is (`CreateGrant`'s view_units_per_block)."""
+        if self.unit_geometry:  # (cuda_remap.Geometry.text: its third number)
+            return int(self.unit_geometry.split(".")[2])
+        return self.token_layout().grant_units
+
+    @property
     def grant_units(self) -> int:
         """How many of the daemon's blocks one engine block is (`CreateGrant`'s units_per_block): its transfer units
         (a GPU engine's cache is addressed in whole blocks: `gpu.runs_desc`)."""
@@ -260,7 +275,8 @@ class KvLayout:
                 "head": str(self.head_size),
                 "layers": str(self.model_layers or self.num_layers), "total_kv_heads": str(self.model_kv_heads),
                 "units": self.units, "groups": self.groups, "mamba": self.mamba or "-",
-                "state": self.state or "-", "remap": f"token{self.chunk_tokens}" if self.token_view else "-",
+                "state": self.state or "-",
+                "remap": self.unit_geometry or (f"token{self.chunk_tokens}" if self.token_view else "-"),
                 "tp": str(self.tp_size), "block": str(self.block_size), "kv_heads": str(self.num_kv_heads),
                 "page": str(self.page_bytes), **({"pp": self.pp} if self.pp != pipeline.NO_SPLIT else {})}
 
@@ -324,8 +340,10 @@ def layout_of_tag(tag: str) -> KvLayout:
                         token_units=f["units"] != "head", physical="" if f["phys"] == "-" else f["phys"],
                         groups=f["groups"], state="" if f["state"] == "-" else f["state"],
                         mamba="" if f.get("mamba", "-") == "-" else f["mamba"],
-                        token_view=f.get("remap", "-") != "-",  # (a tag of an older connector has no remap)
+                        token_view=f.get("remap", "-") not in ("-", "") and not f["remap"].startswith("cu"),
+                        unit_geometry=f["remap"] if f.get("remap", "").startswith("cu") else "",
                         pp=f.get("pp", pipeline.NO_SPLIT))
+        # (a tag of an older connector has no remap; a GPU engine's names its units' geometry: cuda_remap)
     except KeyError as e:
         raise ValueError(f"layout tag lacks {e.args[0]!r}") from None
     if not _GROUPS.fullmatch(layout.groups) or len(layout.windows) > MAX_GROUPS:

@@ -43,6 +43,7 @@ from kvbroker.integrations.vllm.layout import (
     parse_tag,
 )
 from kvbroker.integrations.vllm.mamba_state import plan_split_state, split_refusal
+from kvbroker.integrations.vllm.stages import NO_SPLIT
 
 MAX_TP = 1024
 MAX_BLOCK_TOKENS = 1 << 16
@@ -77,6 +78,14 @@ def settle(ours: KvLayout, remote: KvLayout) -> tuple[KvLayout, KvLayout] | None
 
 def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
     """Why the KV described by `theirs_tag` cannot be used here (None: it can, through `plan_pull`)."""
+    if ours.physical:  # a GPU engine: its runs and units are cuda_remap's
+        from kvbroker.integrations.vllm import cuda_remap  # (it builds on this module)
+
+        if (split := parse_tag(theirs_tag).get("pp", NO_SPLIT)) != ours.pp:
+            return Refusal("pp", f"pp: local {ours.pp} vs remote {split[:80]} (GPU engines are not split into "
+                                 "pipeline stages)")
+
+        return cuda_remap.refusal(ours, theirs_tag)
     theirs = parse_tag(theirs_tag)
     mine = {"version": f"vllm-kv/{LAYOUT_VERSION}", **ours.fields()}
     for name in MUST_MATCH:
@@ -91,12 +100,6 @@ def refusal(ours: KvLayout, theirs_tag: str) -> Refusal | None:
         field = "tp" if not 1 <= remote.tp_size <= MAX_TP else "block"
         return Refusal(field, f"{field}: remote {getattr(remote, 'tp_size' if field == 'tp' else 'block_size')} is "
                               "out of range")
-    if ours.physical:  # a GPU engine's cache is addressed in whole blocks (gpu.runs_desc): nothing is remapped
-        for name, local, other in (("tp", ours.tp_size, remote.tp_size), ("block", ours.block_size,
-                                                                         remote.block_size)):
-            if local != other:
-                return Refusal(name, f"{name}: local {local} vs remote {other} (GPU engines pull rank to rank, "
-                                     "block to block)")
     if ours.pp != remote.pp and (ours.physical or ours.has_state or "," in ours.groups):
         # A split engine's cache is one group's layers of its stage: Mamba state, several groups and GPU caches are
         # not split that way (layout_from_vllm refuses a split engine with them).

@@ -101,13 +101,14 @@ class SchedulerSide:
         self.endpoints = dict(endpoints)
         first = self.endpoints[min(self.endpoints)]
         self.layout = layout_of_tag(first.layout_tag)
-        if self.layout.token_view and not all(e.view_cache_id for e in self.endpoints.values()):
+        if self.layout.has_view and not all(e.view_cache_id for e in self.endpoints.values()):
             # A rank whose daemon made no token view: none is offered, so that the tag and the grants agree.
             log.warning("kvbroker connector: not every TP rank has a token view of its KV cache; pulls between "
                         "engines of different block sizes are refused")
-            self.layout = dataclasses.replace(self.layout, token_view=False)
+            self.layout = dataclasses.replace(self.layout, token_view=False, unit_geometry="")
             self.endpoints = {r: dataclasses.replace(e, view_cache_id=0, layout_tag=dataclasses.replace(
-                layout_of_tag(e.layout_tag), token_view=False).tag()) for r, e in self.endpoints.items()}
+                layout_of_tag(e.layout_tag), token_view=False, unit_geometry="").tag())
+                for r, e in self.endpoints.items()}
             first = self.endpoints[min(self.endpoints)]
         log.info("kvbroker connector: engine %s, cluster %d, peer address %s, caches %s, layout %r", self.engine_id,
                  first.cluster_id, first.peer_address, [e.cache_id for e in self.endpoints.values()],
@@ -420,8 +421,8 @@ class SchedulerSide:
                 max_hold=self.config.release_timeout_s, label=request.request_id,
                 event_topics=[release_topic(self.engine_id, r) for r in ranks], units_per_block=self.layout.grant_units,
                 # The same blocks in each rank's token view, for an engine of another block size.
-                view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.token_view else (),
-                view_units_per_block=self.layout.token_layout().grant_units, timeout=self.config.link_timeout_s,
+                view_cache_ids=[self.endpoints[r].view_cache_id for r in ranks] if self.layout.has_view else (),
+                view_units_per_block=self.layout.view_grant_units, timeout=self.config.link_timeout_s,
                 trace_context=trace_of(params) if span is None else otel.trace_of(span))
         except LlmError as e:
             if self.spans is not None and span is not None:

@@ -27,9 +27,12 @@ import torch
 
 from kvbroker._client import Client
 from kvbroker.integrations.vllm.config import ConnectorConfig
+from kvbroker.integrations.vllm.cuda_layout import read_runs
+from kvbroker.integrations.vllm.cuda_remap import Geometry, NoRemap, read_geometry, remote_geometry, units_desc
+from kvbroker.integrations.vllm.cuda_remap import plan_pull as cuda_remap_pull
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.grants import PeerLinks
-from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
+from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag, parse_tag
 from kvbroker.integrations.vllm.lifecycle import session_id
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
@@ -80,6 +83,8 @@ class _Loading:
     """Prefill ranks it reads."""
     layout: KvLayout
     """How the pull addressed our KV (our cache's units, or our token view's)."""
+    gpu_units: int = 0
+    """A GPU engine's remap: units per block of its unit cache (its failed units are reported as their blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +128,8 @@ class WorkerSide:
         self._allocation: DaemonKvAllocation | None = None
         self.gpu: GpuKv | None = None
         """Set on a GPU engine (register_gpu): the mode serving vLLM's device KV buffer."""
+        self._geometry: Geometry | None = None
+        """A GPU engine's remap units (`self.view` serves them)."""
         self._lock = threading.Lock()
         self._pull_ended = threading.Condition(self._lock)
         self._in_flight = 0
@@ -208,7 +215,26 @@ class WorkerSide:
         """A GPU engine: vLLM keeps its KV buffer; the daemon serves it device-direct or host-staged (gpu.py)."""
         self.gpu, self.layout = open_gpu_kv(self.client, kv_caches, self.layout, mode, vllm_layout, saves=saves)
         self.cache = self.gpu.cache
+        self._open_units(kv_caches)
         self._serve()
+
+    def _open_units(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """A GPU engine's KV in the units of a TP or block-size remap (cuda_remap), as a second cache over the same
+        memory; or none (said in the tag), and then only engines of our shape pull from us or into us."""
+        assert self.gpu is not None
+        try:
+            runs = read_runs(kv_caches)
+            geometry = read_geometry(kv_caches, runs, self.layout.block_size)
+            self.view = self.gpu.open_units(units_desc(runs, geometry, self.layout, self.gpu.cache.desc.placement))
+        except NoRemap as e:
+            log.info("kvbroker connector: KV moves between engines of this TP size and block size only: %s", e)
+            return
+        except LlmError as e:
+            log.warning("kvbroker connector: no remap units of KV cache %d (%s); pulls between engines of other TP "
+                        "or block sizes are refused", self.gpu.cache.cache_id, e.message)
+            return
+        self._geometry = geometry
+        self.layout = dataclasses.replace(self.layout, unit_geometry=geometry.text)
 
     def _serve(self) -> None:
         assert self.cache is not None
@@ -244,8 +270,10 @@ class WorkerSide:
                 self._report(spec.request_id, frozenset(spec.local_blocks))
                 continue
             addressed, mine = planned
+            remapped = addressed.physical and any(i.runs is not None for i in mine)  # (a GPU engine's unit cache)
+            units = self._geometry.units_per_block if remapped and self._geometry else 0
             with self._lock:
-                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed)
+                self._loading[spec.request_id] = _Loading(spec, len(mine), addressed, units)
             items += mine
         self.loads.submit(items)  # the step's pulls, one message
 
@@ -319,6 +347,9 @@ class WorkerSide:
             return None
         timeout = self.config.pull_timeout_s
         dst = self.cache.cache_id
+        if self.layout.physical and (remote.tp_size != self.layout.tp_size or parse_tag(remote.layout_tag).get(
+                "block") != str(self.layout.block_size)):  # a GPU engine of another shape (cuda_remap.refusal)
+            return self._gpu_remap_items(spec)
         if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
             if self.rank >= remote.tp_size:
                 log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
@@ -360,6 +391,29 @@ class WorkerSide:
                                ext_param=ext, timeout=timeout, trace=remote.trace)
                       for stage, ext in layers for one in plan]
 
+    def _gpu_remap_items(self, spec: PullSpec) -> tuple[KvLayout, list[PullItem]] | None:
+        """A GPU engine's pull from one of another TP or block size: both sides' unit caches (cuda_remap)."""
+        remote = spec.remote
+        described = layout_of_tag(remote.layout_tag)
+        theirs = remote_geometry(remote.layout_tag)
+        assert self.view is not None and self._geometry is not None and theirs is not None  # (refusal saw units)
+        start, end = (spec.start_token, spec.end_token) if spec.end_token else (
+            0, len(spec.local_blocks) * self.layout.block_size)
+        parts = spec.parts or (PullPart(spec.local_blocks, spec.remote_blocks, start, end),)
+        try:
+            plan = _merged(cuda_remap_pull(self.layout, self._geometry, self.rank, described, theirs,
+                                           part.local_blocks, part.remote_blocks, part.start_token, part.end_token)
+                           for part in parts)
+        except ValueError as e:
+            log.error("request %s: cannot map the prefill engine's blocks, recomputing: %s", spec.request_id, e)
+            self.transfers.record_recompute("block_mismatch")
+            return None
+        # Their unit caches' slots follow their caches' in the grant.
+        return self.layout, [PullItem(spec.request_id, remote.cluster_id, remote.grant,
+                                      described.tp_size + one.remote_rank, self.view.cache_id, (), runs=one.runs,
+                                      ext_param=_ONE_TENSOR_PER_LAYER, timeout=self.config.pull_timeout_s,
+                                      trace=remote.trace) for one in plan]
+
     def _loaded(self, outcome: LoadOutcome) -> None:
         """A request's pulls ended (from loads.py's threads)."""
         with self._lock:
@@ -371,7 +425,11 @@ class WorkerSide:
         failed: frozenset[int] = frozenset()
         try:
             if outcome.failed_blocks:  # the local units (or blocks) that did not land, as the blocks holding them
-                failed = blocks_of_units(loading.layout, sorted(outcome.failed_blocks)) & everything or everything
+                units = sorted(outcome.failed_blocks)
+                # (A GPU engine's cache is addressed in whole blocks, its unit cache in `gpu_units` per block.)
+                held = (frozenset(u // (loading.gpu_units or 1) for u in units) if loading.layout.physical else
+                        blocks_of_units(loading.layout, units))
+                failed = held & everything or everything
                 self.transfers.record_recompute(reason_of(outcome.status) if outcome.status is not None else "error",
                                                 pull_failed=True)
             else:
@@ -457,7 +515,7 @@ class WorkerSide:
         if self._poller is not None:
             self._poller.join(timeout=_POLL_WAIT_S + 11.0)
             self._poller = None
-        if self.view is not None:
+        if self.view is not None and self.gpu is None:  # (a GPU engine's units close with it)
             try:
                 self.client.deallocate_cache(self.view.cache_id, timeout=5.0)
             except LlmError as e:  # the lease frees it anyway
