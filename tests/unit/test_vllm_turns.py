@@ -3,6 +3,8 @@ the blocks whose tokens match, and the proxy's memory of turns (tests/vllm/test_
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -280,3 +282,58 @@ def test_without_turn_ttl_the_proxy_asks_no_decode_server_to_keep_a_turn(serve: 
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "a"})[0] == 200
     ((_, _, body),) = d.requests
     assert KEEP_TURN_PARAM not in body["kv_transfer_params"]
+
+
+def test_a_streamed_answer_is_remembered_as_the_non_streamed_one_would_be(serve: Any) -> None:
+    """Most chat clients stream: the proxy reads the turn from the events it relays (the text of each delta, the
+    decode connector's last event with kv_transfer_params) and the next turn carries it."""
+    turn = _turn(tokens(32), [4])
+
+    def decode_stream(handler: Any, body: dict[str, Any]) -> None:
+        handler.start_stream()
+        handler.chunk(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\ndata: {"choices": '
+                      b'[{"delta": {"content": "hel"}}]}\n')
+        handler.chunk(b'\ndata: {"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}]}\n\n')
+        handler.chunk(b"data: " + json.dumps({"choices": [], "kv_transfer_params": turn}).encode() + b"\n\n")
+        handler.chunk(b"data: [DONE]\n\n")
+        handler.chunk(b"")
+
+    p, d = serve(prefill_ok), serve(decode_stream)
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    with PdProxy(config_for([p.url], [d.url], turn_ttl=30.0), "127.0.0.1", 0) as proxy:
+        for messages in (first, second):
+            host, port = proxy.address
+            conn = http.client.HTTPConnection(host, port, timeout=10)
+            conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": "m", "messages": messages,
+                                                                          "stream": True}))
+            response = conn.getresponse()
+            assert response.status == 200 and response.read().endswith(b"data: [DONE]\n\n")
+            conn.close()
+    assert p.requests[1][2]["kv_transfer_params"] == {**turn, "do_remote_decode": True}
+    assert all(body["kv_transfer_params"][KEEP_TURN_PARAM] is True for _, _, body in d.requests)
+
+
+PARAMS_EVENT = b'data: {"choices": [], "kv_transfer_params": {"do_remote_decode": true}}\n\n'
+
+
+@pytest.mark.parametrize("events", [
+    pytest.param([b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"], id="no-params"),
+    pytest.param([b'data: {"choices": [{"text": "a"}]}\n\n', b"data: {not json\n\n", PARAMS_EVENT], id="unreadable"),
+    pytest.param([b'data: {"choices": [{"text": "' + b"a" * (vllm_turns.MAX_STREAMED_ANSWER_BYTES + 1) + b'"}]}\n\n',
+                  PARAMS_EVENT], id="oversized"),
+])
+def test_a_stream_that_names_no_turn_or_cannot_be_read_is_not_remembered(events: list[bytes]) -> None:
+    streamed = vllm_turns.StreamedAnswer("/v1/completions")
+    for event in events:
+        streamed.feed(event)
+    assert streamed.answer() is None
+
+
+def test_a_completion_stream_gathers_its_text_across_chunk_boundaries() -> None:
+    streamed = vllm_turns.StreamedAnswer("/v1/completions")
+    raw = (b'data: {"choices": [{"text": "ab"}]}\n\ndata: {"choices": [{"text": "c"}]}\n\n'
+           b'data: {"choices": [], "kv_transfer_params": {"remote_block_ids": [1]}}\n\ndata: [DONE]\n\n')
+    for i in range(0, len(raw), 7):
+        streamed.feed(raw[i:i + 7])
+    assert streamed.answer() == {"choices": [{"text": "abc"}], "kv_transfer_params": {"remote_block_ids": [1]}}

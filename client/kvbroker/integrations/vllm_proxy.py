@@ -69,6 +69,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from kvbroker.integrations.vllm_turns import (
     KEEP_TURN_PARAM,
+    StreamedAnswer,
     TurnMemory,
     answered,
     conversation_of,
@@ -618,7 +619,7 @@ class PdProxy:
         if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
             headers.update(trace.metadata())
 
-        turn, remember = self._turn_of(request, path, body, wants_stream)
+        turn, remember = self._turn_of(request, path, body)
         started = time.perf_counter()
         prefill_request = await self._encode(prefill_body(body, trace, turn), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
@@ -641,18 +642,16 @@ class PdProxy:
         )
         return answer
 
-    def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any], wants_stream: bool
+    def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any]
                  ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
         """Multi-turn reuse (`--turn-ttl`): the earlier turn this request continues, whose KV its prefill may pull
-        (None: none), and what remembers this turn's answer for the next one (None: not kept; the proxy reads only
-        non-streamed answers)."""
+        (None: none), and what remembers this turn's answer for the next one (None: not kept). A streamed answer is
+        read as it is relayed (`StreamedAnswer`)."""
         conversation = conversation_of(path, body) if self.config.turn_ttl > 0 else None
         if conversation is None:
             return None, None
         tenant = tenant_of(request.headers, _FORWARDED_HEADERS)
         turn = self._turns.take(tenant, path, body, conversation)
-        if wants_stream:
-            return turn, None
 
         def remember(answer: dict[str, Any]) -> None:
             params = handed_back(answer.get("kv_transfer_params"))
@@ -679,7 +678,7 @@ class PdProxy:
                           attributes, started_ns, SpanKind.SERVER)
         parent = otel.trace_of(root)
         leg: _Leg | None = None
-        turn, remember = self._turn_of(request, path, body, wants_stream)
+        turn, remember = self._turn_of(request, path, body)
         try:
             leg = self._leg("prefill", parent, attributes)
             prefill_request = await self._encode(prefill_body(body, leg.trace, turn), body_size)
@@ -937,15 +936,16 @@ class PdProxy:
                     content_type = response.headers.get("Content-Type", "application/json")
                     return await self._send(request, response.status, raw, content_type, request_id)
                 self._decode_pool.succeeded(server)
-                return await self._relay_stream(request, server, response, request_id, leg)
+                return await self._relay_stream(request, server, response, request_id, leg, on_answer, path)
         except UpstreamError as exc:
             self._decode_pool.failed(server, str(exc))
             raise
 
     async def _relay_stream(
         self, request: web.BaseRequest, server: Upstream, response: aiohttp.ClientResponse, request_id: str,
-        leg: _Leg | None = None
+        leg: _Leg | None = None, on_answer: Callable[[dict[str, Any]], None] | None = None, path: str = ""
     ) -> web.StreamResponse:
+        """`on_answer`: given the answer as a non-streamed one would be, once the stream ended whole and readable."""
         answer = web.StreamResponse(
             status=HTTPStatus.OK,
             headers={
@@ -957,6 +957,7 @@ class PdProxy:
         )
         await self._bounded(answer.prepare(request))
         timeout = self.config.decode_timeout
+        streamed = StreamedAnswer(path) if on_answer is not None else None
         while True:
             try:
                 chunk = await response.content.readany()
@@ -970,6 +971,8 @@ class PdProxy:
                 if leg is not None and not leg.first_token_ns:
                     leg.first_token_ns = time.time_ns()
                 await self._bounded(answer.write(chunk))
+                if streamed is not None:
+                    streamed.feed(chunk)
                 continue
             # The status line is gone: tell the client in the stream, the way vLLM reports errors in a stream.
             _log.warning("%s: %s", request_id, error)
@@ -979,8 +982,11 @@ class PdProxy:
             event = {"error": {"message": message, "type": "upstream_error", "code": int(error.status)}}
             await self._bounded(answer.write(b"data: " + json.dumps(event).encode() + b"\n\n"))
             answer.force_close()
+            streamed = None
             break
         await self._bounded(answer.write_eof())
+        if streamed is not None and on_answer is not None and (whole := streamed.answer()) is not None:
+            on_answer(whole)
         return answer
 
     async def _bounded(self, write: Awaitable[Any]) -> None:

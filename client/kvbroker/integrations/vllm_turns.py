@@ -94,6 +94,65 @@ def handed_back(params: Any) -> dict[str, Any] | None:
     return {k: v for k, v in params.items() if k not in _REPORT_KEYS}
 
 
+MAX_STREAMED_ANSWER_BYTES = 256 * 1024
+"""What a streamed answer may carry (its text and a pending event) for the proxy to remember it; past that it is
+relayed as ever and not remembered."""
+
+
+class StreamedAnswer:
+    """A streamed answer as the proxy relays it: its text, gathered from the events as they pass, and the decode
+    connector's `kv_transfer_params` from its last event (integrations/vllm/streams.py), shaped as the non-streamed
+    answer that `answered` and `handed_back` read. Bounded; anything it cannot read means no turn is remembered."""
+
+    def __init__(self, path: str) -> None:
+        self._chat = path.endswith("/chat/completions")
+        self._pending = b""
+        self._text: list[str] = []
+        self._size = 0
+        self._params: dict[str, Any] | None = None
+        self._unreadable = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._unreadable:
+            return
+        self._pending += chunk
+        while (end := self._pending.find(b"\n\n")) >= 0:
+            event, self._pending = self._pending[:end], self._pending[end + 2:]
+            self._read(event)
+        self._size += len(chunk)
+        if self._size > MAX_STREAMED_ANSWER_BYTES:
+            self._unreadable = True
+            self._pending, self._text = b"", []
+
+    def _read(self, event: bytes) -> None:
+        for line in event.split(b"\n"):
+            data = line.removeprefix(b"data:").strip() if line.startswith(b"data:") else None
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                document = json.loads(data)
+            except ValueError:
+                self._unreadable = True
+                return
+            if not isinstance(document, dict):
+                continue
+            if isinstance(params := document.get("kv_transfer_params"), dict):
+                self._params = params
+            choices = document.get("choices")
+            choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+            piece = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
+            if isinstance(piece, str):
+                self._text.append(piece)
+
+    def answer(self) -> dict[str, Any] | None:
+        """The answer as a non-streamed one would be, or None if the stream said no turn or could not be read."""
+        if self._unreadable or self._params is None:
+            return None
+        text = "".join(self._text)
+        choice = {"message": {"role": "assistant", "content": text}} if self._chat else {"text": text}
+        return {"choices": [choice], "kv_transfer_params": self._params}
+
+
 class TurnMemory:
     """Runs on the proxy's event loop only (no locks)."""
 
