@@ -12,10 +12,12 @@ directly is a single server's answer). Runs in the vLLM venv (tests/vllm/run.sh)
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,3 +133,22 @@ def test_a_turn_whose_grant_lapsed_is_computed_whole_and_still_right(deployment:
 
     assert pd["choices"][0]["token_ids"] == single["choices"][0]["token_ids"]
     assert pd["kv_transfer_params"].get("kvbroker_history_tokens_pulled", 0) == 0, pd["kv_transfer_params"]
+
+
+def test_a_streamed_first_turn_is_reused_too(deployment: Deployment) -> None:
+    """Most chat clients stream: the proxy reads the turn from the events it relays."""
+    prompt = prompt_of(70, 5)
+    request = urllib.request.Request(f"{deployment.proxy_url}/v1/completions", method="POST",
+                                     data=json.dumps({**completion(prompt, 30), "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [json.loads(line[len(b"data: "):]) for line in response.read().split(b"\n")
+                  if line.startswith(b"data: {")]
+    answer = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+    assert len(answer) == 30, events[:3]
+    second = prompt + answer + prompt_of(20, 6)
+    pd = post_json(deployment.proxy_url, "/v1/completions", completion(second, 12))
+    single = post_json(deployment.prefill.url, "/v1/completions", completion(second, 12))
+
+    assert pd["choices"][0]["token_ids"] == single["choices"][0]["token_ids"]
+    assert pd["kv_transfer_params"]["kvbroker_history_tokens_pulled"] == history_blocks(prompt, answer) == 96

@@ -108,6 +108,7 @@ class StreamedAnswer:
         self._chat = path.endswith("/chat/completions")
         self._pending = b""
         self._text: list[str] = []
+        self._token_ids: list[int] = []
         self._size = 0
         self._params: dict[str, Any] | None = None
         self._unreadable = False
@@ -143,13 +144,18 @@ class StreamedAnswer:
             piece = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
             if isinstance(piece, str):
                 self._text.append(piece)
+            ids = choice.get("token_ids")  # (a completion asked for `return_token_ids`)
+            if isinstance(ids, list) and all(type(t) is int for t in ids):
+                self._token_ids += ids
 
     def answer(self) -> dict[str, Any] | None:
         """The answer as a non-streamed one would be, or None if the stream said no turn or could not be read."""
         if self._unreadable or self._params is None:
             return None
         text = "".join(self._text)
-        choice = {"message": {"role": "assistant", "content": text}} if self._chat else {"text": text}
+        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if self._chat else {"text": text}
+        if self._token_ids and not self._chat:
+            choice["token_ids"] = self._token_ids
         return {"choices": [choice], "kv_transfer_params": self._params}
 
 
