@@ -3,13 +3,18 @@ the blocks whose tokens match, and the proxy's memory of turns (tests/vllm/test_
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvbroker.integrations import vllm_turns
+from kvbroker.integrations import vllm_proxy, vllm_turns
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.params import (
@@ -172,8 +177,8 @@ def test_an_untrusted_decode_daemons_turn_is_never_dialled() -> None:
 
 def test_the_decode_output_repeats_the_history_pull_only_when_it_is_a_bounded_count() -> None:
     report = {"prompt": 100, "cached": 0, "refused": ""}
-    for given, shown in ((64, 64), (-1, None), (101, None), ("64", None), (True, None)):
-        out = SchedulerSide._decode_report(report, None, {HISTORY_PULLED_PARAM: given})
+    for sent, shown in ((64, 64), (-1, None), (101, None), ("64", None), (True, None)):
+        out = SchedulerSide._decode_report(report, None, {HISTORY_PULLED_PARAM: sent})
         assert out.get(HISTORY_PULLED_PARAM) == shown
 
 
@@ -234,6 +239,74 @@ def test_the_oldest_turns_go_past_max_turns() -> None:
     assert len(memory) == 2
     assert memory.take("t", path, {}, "conversation 0 and more") is None
     assert memory.take("t", path, {}, "conversation 2 and more") == {"n": 2}
+
+
+_sha256 = hashlib.sha256
+
+
+class _CountingSha256:
+    """hashlib.sha256 that adds what it is fed to a shared count."""
+
+    fed = 0
+
+    def __init__(self, data: bytes = b"", inner: Any = None) -> None:
+        self._inner = inner if inner is not None else _sha256()
+        self.update(data)
+
+    def update(self, data: bytes) -> None:
+        _CountingSha256.fed += len(data)
+        self._inner.update(data)
+
+    def copy(self) -> _CountingSha256:
+        return _CountingSha256(inner=self._inner.copy())
+
+    def digest(self) -> bytes:
+        return bytes(self._inner.digest())
+
+    def hexdigest(self) -> str:
+        return str(self._inner.hexdigest())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(remembered=st.lists(st.integers(1, 16), min_size=4, max_size=20, unique=True),
+       first=st.integers(20_000, 100_000), sizes=st.lists(st.integers(0, 200), min_size=16, max_size=40))
+def test_finding_a_turn_hashes_the_conversation_once_however_many_lengths_are_remembered(
+        monkeypatch: pytest.MonkeyPatch, remembered: list[int], first: int, sizes: list[int]) -> None:
+    """A client whose scope remembers 16 conversation lengths made the proxy hash its next body's prefix once per
+    length, on the event loop (16 x 30 MiB of chat messages: ~6 s per request): what one lookup hashes is bounded
+    by the body, not by the lengths remembered."""
+    memory = TurnMemory(ttl_s=60, max_turns=100)
+    path = "/v1/chat/completions"
+    for n in remembered:  # short earlier conversations of this tenant
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * n}
+        conversation = conversation_of(path, body)
+        assert conversation is not None
+        memory.remember("t", path, body, conversation, {"n": n})
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * size} for size in [first, *sizes]]}
+    conversation = conversation_of(path, body)
+    assert conversation is not None
+    monkeypatch.setattr(vllm_turns, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.fed = 0
+    memory.take("t", path, body, conversation)
+    assert _CountingSha256.fed <= 2 * sum(len(str(item)) for item in conversation) + 4096
+
+
+def test_a_large_bodys_conversation_is_read_and_hashed_off_the_event_loop(
+        serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a large body is parsed on a worker thread (T22e), so is its conversation read and hashed for a turn."""
+    read_on: list[tuple[str, str]] = []
+    read = vllm_turns.conversation_of
+
+    def recording(path: str, body: dict[str, Any]) -> vllm_turns.Conversation | None:
+        read_on.append((str(body.get("prompt"))[:5], threading.current_thread().name))
+        return read(path, body)
+
+    monkeypatch.setattr(vllm_proxy, "conversation_of", recording)
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([p.url], [d.url], turn_ttl=60.0)) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "small"})[0] == 200
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "large" + "x" * 300_000})[0] == 200
+    assert [(prompt, name == "pd-proxy") for prompt, name in read_on] == [("small", True), ("large", False)]
 
 
 def test_a_turn_goes_into_the_prefill_request_and_the_decode_request_asks_to_keep_the_next() -> None:

@@ -56,7 +56,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 try:
@@ -69,10 +69,13 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from kvbroker.integrations.vllm_turns import (
     KEEP_TURN_PARAM,
+    Conversation,
     TurnMemory,
     answered,
     conversation_of,
     handed_back,
+    prefix_keys,
+    scope_of,
     tenant_of,
 )
 from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
@@ -81,6 +84,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
+_T = TypeVar("_T")
 
 PD_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEALTH_ROUTES = ("/health", "/healthz")
@@ -618,7 +622,7 @@ class PdProxy:
         if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
             headers.update(trace.metadata())
 
-        turn, remember = self._turn_of(request, path, body, wants_stream)
+        turn, remember = await self._turn_of(request, path, body, body_size, wants_stream)
         started = time.perf_counter()
         prefill_request = await self._encode(prefill_body(body, trace, turn), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
@@ -641,16 +645,26 @@ class PdProxy:
         )
         return answer
 
-    def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any], wants_stream: bool
-                 ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
+    async def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any], body_size: int,
+                       wants_stream: bool) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
         """Multi-turn reuse (`--turn-ttl`): the earlier turn this request continues, whose KV its prefill may pull
         (None: none), and what remembers this turn's answer for the next one (None: not kept; the proxy reads only
-        non-streamed answers)."""
-        conversation = conversation_of(path, body) if self.config.turn_ttl > 0 else None
-        if conversation is None:
+        non-streamed answers). The conversation is read and hashed on a worker thread where the body is large, as
+        it was parsed; the memory of turns is touched on the event loop only."""
+        if self.config.turn_ttl <= 0:
             return None, None
         tenant = tenant_of(request.headers, _FORWARDED_HEADERS)
-        turn = self._turns.take(tenant, path, body, conversation)
+
+        def read() -> tuple[Conversation | None, bytes]:
+            return conversation_of(path, body), scope_of(tenant, path, body)
+
+        conversation, scope = read() if body_size <= _PARSE_INLINE_BYTES else await self._off_loop(read)
+        if conversation is None:
+            return None, None
+        lengths = self._turns.lengths(scope, len(conversation))
+        keys = (prefix_keys(scope, conversation, lengths) if body_size <= _PARSE_INLINE_BYTES else
+                await self._off_loop(lambda: prefix_keys(scope, conversation, lengths)))
+        turn = self._turns.take_keys(keys)
         if wants_stream:
             return turn, None
 
@@ -679,7 +693,7 @@ class PdProxy:
                           attributes, started_ns, SpanKind.SERVER)
         parent = otel.trace_of(root)
         leg: _Leg | None = None
-        turn, remember = self._turn_of(request, path, body, wants_stream)
+        turn, remember = await self._turn_of(request, path, body, body_size, wants_stream)
         try:
             leg = self._leg("prefill", parent, attributes)
             prefill_request = await self._encode(prefill_body(body, leg.trace, turn), body_size)
@@ -724,6 +738,10 @@ class PdProxy:
         span = otel.start(self._tracer, f"pd.{role}", parent, {**attributes, "kvbroker.engine_role": role},
                           kind=SpanKind.CLIENT)
         return _Leg(span, otel.trace_of(span))
+
+    @staticmethod
+    async def _off_loop(work: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(None, work)
 
     @staticmethod
     async def _encode(document: dict[str, Any], body_size: int) -> bytes:
