@@ -693,8 +693,9 @@ class PdProxy:
                           attributes, started_ns, SpanKind.SERVER)
         parent = otel.trace_of(root)
         leg: _Leg | None = None
-        turn, remember = await self._turn_of(request, path, body, body_size, wants_stream)
         try:
+            # (inside: a client that leaves while a large body's conversation is read still ends the request's span)
+            turn, remember = await self._turn_of(request, path, body, body_size, wants_stream)
             leg = self._leg("prefill", parent, attributes)
             prefill_request = await self._encode(prefill_body(body, leg.trace, turn), body_size)
             prefill_server, kv_params = await self._prefill(path, prefill_request, _with_trace(headers, leg.trace),
