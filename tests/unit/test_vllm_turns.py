@@ -4,6 +4,7 @@ the blocks whose tokens match, and the proxy's memory of turns (tests/vllm/test_
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 import types
@@ -307,6 +308,27 @@ def test_a_large_bodys_conversation_is_read_and_hashed_off_the_event_loop(
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "small"})[0] == 200
         assert post(proxy, "/v1/completions", {"model": "m", "prompt": "large" + "x" * 300_000})[0] == 200
     assert [(prompt, name == "pd-proxy") for prompt, name in read_on] == [("small", True), ("large", False)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.lists(st.integers(1, 3000), min_size=1, max_size=30), taken=st.lists(st.booleans(), max_size=30))
+def test_the_turns_remembered_hold_a_bounded_number_of_bytes_whatever_their_sizes(blocks: list[int],
+                                                                                  taken: list[bool]) -> None:
+    """A turn holds a block id and a hash per block (5,000 blocks: ~0.6 MiB): `max_turns` (10,000) of a client's long
+    conversations alone held ~6 GiB. What the turns hold together is bounded in bytes, the oldest forgotten first."""
+    budget = 400_000
+    memory = TurnMemory(ttl_s=60, max_turns=10_000, max_bytes=budget)
+    path = "/v1/completions"
+    for i, n in enumerate(blocks):
+        params = _turn(tokens(n * BS), list(range(100, 100 + n)))
+        memory.remember("t", path, {}, f"conversation {i}", params)
+        if i < len(taken) and taken[i]:
+            memory.take("t", path, {}, f"conversation {i} goes on")
+        held = [t.params for t in memory._turns.values()]
+        assert sum(len(json.dumps(p)) for p in held) <= budget
+    last = _turn(tokens(blocks[-1] * BS), list(range(100, 100 + blocks[-1])))
+    if len(json.dumps(last)) <= budget and not (len(taken) >= len(blocks) and taken[len(blocks) - 1]):
+        assert memory.take("t", path, {}, f"conversation {len(blocks) - 1} goes on") == last  # the newest stays
 
 
 def test_a_turn_goes_into_the_prefill_request_and_the_decode_request_asks_to_keep_the_next() -> None:

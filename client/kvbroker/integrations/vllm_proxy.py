@@ -190,6 +190,9 @@ class ProxyConfig:
         "history; at most the decode server's kvbroker_hold_lease_s); 0: off, the decode server holds nothing",
         zero_allowed=True)
     max_turns: int = _setting(10000, "most finished turns remembered at once (the oldest are forgotten)")
+    max_turn_bytes: int = _setting(
+        64 * 1024 * 1024, "most bytes of the finished turns' kv_transfer_params (as JSON) remembered at once, all "
+        "together (the oldest are forgotten; a turn holds a block id and a hash per block: ~3x this in memory)")
 
 
 class UpstreamError(Exception):
@@ -431,7 +434,7 @@ class PdProxy:
         self._listener: asyncio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._refused_logged_at = 0.0
-        self._turns = TurnMemory(config.turn_ttl, config.max_turns)
+        self._turns = TurnMemory(config.turn_ttl, config.max_turns, config.max_turn_bytes)
 
     @property
     def address(self) -> tuple[str, int]:

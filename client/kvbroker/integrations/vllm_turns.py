@@ -11,7 +11,8 @@ turn's KV is that of its own prompt's first tokens and pulls only those: a match
 correctness (a template that renders the answer differently costs only the blocks after the difference).
 
 A turn is used once (its grant is released after the pull) and forgotten after `ttl_s` or when `max_turns` newer ones
-came; the decode server frees blocks nobody pulled when its hold lease lapses.
+came, or newer ones' params take its room of `max_bytes`; the decode server frees blocks nobody pulled when its hold
+lease lapses.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ LENGTHS_PER_SCOPE = 16
 class _Turn:
     params: dict[str, Any]
     expires: float  # time.monotonic()
+    nbytes: int
+    """The params' size as JSON (a turn of 5,000 blocks: ~210 KB, ~0.6 MiB held)."""
 
 
 Conversation = str | tuple[int, ...] | tuple[str, ...]
@@ -97,27 +100,35 @@ def handed_back(params: Any) -> dict[str, Any] | None:
 class TurnMemory:
     """Runs on the proxy's event loop only (no locks)."""
 
-    def __init__(self, ttl_s: float, max_turns: int) -> None:
+    def __init__(self, ttl_s: float, max_turns: int, max_bytes: int = 64 << 20) -> None:
         self.ttl_s = ttl_s
         self.max_turns = max_turns
+        self.max_bytes = max_bytes
+        """Of every remembered turn's params as JSON together: turns of long conversations hold a block id and a hash
+        per block, so `max_turns` of them alone let one client's long conversations hold gigabytes."""
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
         self._lengths: dict[bytes, deque[int]] = {}
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._turns)
 
     def remember(self, tenant: str, path: str, body: Mapping[str, Any], conversation: Conversation,
                  params: dict[str, Any]) -> None:
+        nbytes = len(json.dumps(params))
+        if nbytes > self.max_bytes:
+            return
         scope = scope_of(tenant, path, body)
         lengths = self._lengths.setdefault(scope, deque(maxlen=LENGTHS_PER_SCOPE))
         if len(conversation) in lengths:
             lengths.remove(len(conversation))
         lengths.append(len(conversation))
         key = prefix_keys(scope, conversation, (len(conversation),))[len(conversation)]
-        self._turns.pop(key, None)
-        self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s)
-        while len(self._turns) > self.max_turns:
-            self._turns.popitem(last=False)
+        self._forget(self._turns.pop(key, None))
+        self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s, nbytes)
+        self._bytes += nbytes
+        while len(self._turns) > self.max_turns or self._bytes > self.max_bytes:
+            self._forget(self._turns.popitem(last=False)[1])
         if len(self._lengths) > self.max_turns:  # scopes of tenants long gone
             self._lengths.pop(next(iter(self._lengths)))
 
@@ -138,9 +149,14 @@ class TurnMemory:
         now = time.monotonic()
         for length in sorted(keys, reverse=True):
             turn = self._turns.pop(keys[length], None)
+            self._forget(turn)
             if turn is not None and turn.expires > now:
                 return turn.params
         return None
+
+    def _forget(self, turn: _Turn | None) -> None:
+        if turn is not None:
+            self._bytes -= turn.nbytes
 
 
 def scope_of(tenant: str, path: str, body: Mapping[str, Any]) -> bytes:
