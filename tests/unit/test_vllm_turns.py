@@ -292,6 +292,31 @@ def test_finding_a_turn_hashes_the_conversation_once_however_many_lengths_are_re
     assert _CountingSha256.fed <= 2 * sum(len(str(item)) for item in conversation) + 4096
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["text", "ids", "chat"]), size=st.integers(1, 50_000), answer=st.integers(0, 40))
+def test_remembering_an_answer_hashes_the_answer_only_and_finds_the_same_turn(
+        monkeypatch: pytest.MonkeyPatch, kind: str, size: int, answer: int) -> None:
+    """The proxy remembers a turn on its event loop: the request's conversation was hashed with the lookup (off the
+    loop when large), so the answer's part alone is hashed there, and the key is the whole conversation's."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body: dict[str, Any] = ({"messages": [{"role": "user", "content": "x" * size}]} if kind == "chat" else
+                            {"prompt": "x" * size if kind == "text" else list(range(size))})
+    reply = {"choices": [{"text": "y" * answer, "token_ids": list(range(answer)),
+                          "message": {"role": "assistant", "content": "y" * answer}}]}
+    conversation = conversation_of(path, body)
+    assert conversation is not None
+    scope = vllm_turns.scope_of("t", path, body)
+    _, running = vllm_turns.running_keys(scope, conversation, ())
+    added = vllm_turns.added_by(conversation, path, reply)
+    monkeypatch.setattr(vllm_turns, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.fed = 0
+    length, key = running.extended(added)
+    assert _CountingSha256.fed <= 4 * (answer + 64)
+    monkeypatch.undo()
+    whole = answered(conversation, path, reply)
+    assert (length, key) == (len(whole), vllm_turns.prefix_keys(scope, whole, (len(whole),))[len(whole)])
+
+
 def test_a_large_bodys_conversation_is_read_and_hashed_off_the_event_loop(
         serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """As a large body is parsed on a worker thread (T22e), so is its conversation read and hashed for a turn."""

@@ -71,10 +71,10 @@ from kvbroker.integrations.vllm_turns import (
     KEEP_TURN_PARAM,
     Conversation,
     TurnMemory,
-    answered,
+    added_by,
     conversation_of,
     handed_back,
-    prefix_keys,
+    running_keys,
     scope_of,
     tenant_of,
 )
@@ -661,20 +661,21 @@ class PdProxy:
         def read() -> tuple[Conversation | None, bytes]:
             return conversation_of(path, body), scope_of(tenant, path, body)
 
-        conversation, scope = read() if body_size <= _PARSE_INLINE_BYTES else await self._off_loop(read)
+        inline = body_size <= _PARSE_INLINE_BYTES
+        conversation, scope = read() if inline else await self._off_loop(read)
         if conversation is None:
             return None, None
         lengths = self._turns.lengths(scope, len(conversation))
-        keys = (prefix_keys(scope, conversation, lengths) if body_size <= _PARSE_INLINE_BYTES else
-                await self._off_loop(lambda: prefix_keys(scope, conversation, lengths)))
+        keys, running = (running_keys(scope, conversation, lengths) if inline else
+                         await self._off_loop(lambda: running_keys(scope, conversation, lengths)))
         turn = self._turns.take_keys(keys)
         if wants_stream:
             return turn, None
 
         def remember(answer: dict[str, Any]) -> None:
             params = handed_back(answer.get("kv_transfer_params"))
-            if params is not None:
-                self._turns.remember(tenant, path, body, answered(conversation, path, answer), params)
+            if params is not None:  # (the answer's part hashed only: the request's was, above)
+                self._turns.remember_key(scope, *running.extended(added_by(conversation, path, answer)), params)
 
         return turn, remember
 

@@ -73,21 +73,28 @@ def _message(message: Mapping[str, Any]) -> str:
 def answered(conversation: Conversation, path: str, answer: Mapping[str, Any]) -> Conversation:
     """The conversation once the answer is added (as far as the answer says it: a token-id prompt's answer without
     `token_ids` adds nothing, which still lets the next turn reuse the prompt's blocks)."""
+    added = added_by(conversation, path, answer)
+    if isinstance(conversation, str):
+        return conversation + added if isinstance(added, str) else conversation
+    return (*conversation, *added)  # (both token ids, or both messages)
+
+
+def added_by(conversation: Conversation, path: str, answer: Mapping[str, Any]) -> Conversation:
+    """What the answer adds to the conversation (`answered`): text, a reply message or token ids, or nothing."""
     choices = answer.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     if isinstance(conversation, str):
         text = choice.get("text")
-        return conversation + text if isinstance(text, str) else conversation
+        return text if isinstance(text, str) else ""
     if path.endswith("/chat/completions"):
         message = choice.get("message")
         if isinstance(message, dict) and isinstance(message.get("content"), str):
-            reply = _message({"role": "assistant", "content": message["content"]})
-            return (*conversation, reply)
-        return conversation
+            return (_message({"role": "assistant", "content": message["content"]}),)
+        return ()
     tokens = choice.get("token_ids")
     if isinstance(tokens, list) and all(type(t) is int for t in tokens):
-        return (*conversation, *tokens)
-    return conversation
+        return tuple(tokens)
+    return ()
 
 
 def handed_back(params: Any) -> dict[str, Any] | None:
@@ -115,15 +122,19 @@ class TurnMemory:
 
     def remember(self, tenant: str, path: str, body: Mapping[str, Any], conversation: Conversation,
                  params: dict[str, Any]) -> None:
+        scope = scope_of(tenant, path, body)
+        key = prefix_keys(scope, conversation, (len(conversation),))[len(conversation)]
+        self.remember_key(scope, len(conversation), key, params)
+
+    def remember_key(self, scope: bytes, length: int, key: bytes, params: dict[str, Any]) -> None:
+        """`remember` of a conversation of `length` whose key (`prefix_keys`, `Running.extended`) is `key`."""
         nbytes = len(json.dumps(params))
         if nbytes > self.max_bytes:
             return
-        scope = scope_of(tenant, path, body)
         lengths = self._lengths.setdefault(scope, deque(maxlen=LENGTHS_PER_SCOPE))
-        if len(conversation) in lengths:
-            lengths.remove(len(conversation))
-        lengths.append(len(conversation))
-        key = prefix_keys(scope, conversation, (len(conversation),))[len(conversation)]
+        if length in lengths:
+            lengths.remove(length)
+        lengths.append(length)
         self._forget(self._turns.pop(key, None))
         self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s, nbytes)
         self._bytes += nbytes
@@ -164,22 +175,48 @@ def scope_of(tenant: str, path: str, body: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps([tenant, path, model if isinstance(model, str) else None]).encode()).digest()
 
 
+@dataclass
+class Running:
+    """The hash of a whole conversation, which the key of the conversation with an answer added continues."""
+
+    state: Any  # hashlib's sha256 object
+    length: int
+
+    def extended(self, added: Conversation) -> tuple[int, bytes]:
+        """The length and key of the conversation with `added` (`added_by`) after it: only `added` is hashed."""
+        state = self.state.copy()
+        _feed(state, added)
+        return self.length + len(added), state.digest()
+
+
 def prefix_keys(scope: bytes, conversation: Conversation, lengths: Collection[int]) -> dict[int, bytes]:
     """The key of the conversation's first `length` characters, tokens or messages for each of `lengths` (those past
-    its end are left out), in one pass over it: hashing each prefix on its own read a client's body once per length
-    remembered in its scope (16 x 30 MiB of chat messages: ~6 s on the proxy's event loop per request)."""
+    its end are left out), in one pass over it: hashing each prefix on its own read a client's
+    body once per length remembered in its scope (16 x 30 MiB of chat messages: ~6 s on the proxy's event loop per
+    request)."""
+    return running_keys(scope, conversation, lengths)[0]
+
+
+def running_keys(scope: bytes, conversation: Conversation, lengths: Collection[int]
+                 ) -> tuple[dict[int, bytes], Running]:
+    """`prefix_keys`, and the whole conversation's hash to continue (`Running.extended`)."""
     h = hashlib.sha256(scope)
     h.update(b"s" if isinstance(conversation, str) else b"l")
     keys: dict[int, bytes] = {}
     done = 0
     for length in sorted({n for n in lengths if 0 <= n <= len(conversation)}):
-        if isinstance(conversation, str):
-            h.update(conversation[done:length].encode("utf-8", "surrogatepass"))
-        else:  # (a token id, or a message's canonical JSON, which is ASCII without a raw newline)
-            h.update(b"".join(str(item).encode() + b"\n" for item in conversation[done:length]))
+        _feed(h, conversation[done:length])
         done = length
         keys[length] = h.copy().digest()
-    return keys
+    _feed(h, conversation[done:])
+    return keys, Running(h, len(conversation))
+
+
+def _feed(h: Any, part: Conversation) -> None:
+    if isinstance(part, str):
+        h.update(part.encode("utf-8", "surrogatepass"))
+    else:  # (a token id, or a message's canonical JSON, which is ASCII without a raw newline)
+        h.update(b"".join(str(item).encode() + b"\n" for item in part))
 
 
 def tenant_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
