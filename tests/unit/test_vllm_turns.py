@@ -167,6 +167,44 @@ def test_malformed_turns_mean_computing_the_history(change: dict[str, Any]) -> N
     assert "kvbroker_grant" not in req.kv_transfer_params  # its output carries no trace of the dropped turn
 
 
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(0, 200), st.text(max_size=12),
+                 st.floats(), st.lists(st.integers(-5, 2**65), max_size=5),
+                 st.lists(st.lists(st.integers(0, 300), max_size=4), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                 st.lists(st.sampled_from(["0" * 32, "f" * 32, "Z" * 32, ""]), max_size=5))
+_TAG_TEXT = st.one_of(st.integers(-3, 2**40).map(str), st.text(alphabet="0123456789-,.:+xcuswafl", max_size=12),
+                      st.sampled_from(["cu1.4.16.1.1.0+1x3", "0,1", "0,2", "-", "full", "mamba", "swa4", "token16"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.lists(st.tuples(st.sampled_from(["remote_block_ids", "remote_num_tokens", "tp_size", "kvbroker_grant",
+                                                  "kvbroker_cluster_id", BLOCK_HASHES_PARAM, "remote_engine_id",
+                                                  "kvbroker_protocol", "do_remote_prefill"]), _ANY), max_size=3),
+       tag_fields=st.lists(st.tuples(st.sampled_from(["tp", "block", "kv_heads", "page", "units", "remap", "pp",
+                                                      "groups", "state", "mamba", "layers"]), _TAG_TEXT), max_size=3))
+def test_a_forged_turn_is_pulled_within_the_requests_blocks_or_computed_never_an_exception(
+        fields: list[tuple[str, Any]], tag_fields: list[tuple[str, str]]) -> None:
+    """The scheduler's hooks must not raise (an exception there ends the engine): whatever a handed-back turn's
+    params and its layout tag say, the prefill request pulls into its own blocks, or computes its history."""
+    history = tokens(96)
+    prefill = _side("engine-p", 1, trusted="2=127.0.0.1:2")
+    params = {**_turn(history, [4, 5, 6]), "do_remote_decode": True}
+    tag = dict(item.partition("=")[::2] for item in TAG.split()[1:])
+    tag.update(tag_fields)
+    params["kvbroker_layout_tag"] = " ".join([TAG.split()[0], *(f"{k}={v}" for k, v in tag.items())])
+    params.update(fields)
+    req = Req("p-req", history + tokens(24, 9), params)
+    prefill.on_new_request(req)
+    count, _ = prefill.num_new_matched_tokens(req, 0)
+    assert 0 <= count <= 96
+    prefill.after_alloc(req, all_blocks=[20, 21, 22, 23], new_blocks=[20, 21, 22, 23], num_external_tokens=count)
+    for pull in prefill.take_plan().pulls:
+        assert set(pull.local_blocks) <= {20, 21, 22, 23} and pull.end_token <= 96
+    req.num_computed_tokens = 120
+    prefill._create_grant = lambda *_: GRANT  # type: ignore[method-assign]  # (no daemon here)
+    prefill.request_finished(req, [20, 21, 22, 23], finished_normally=True)
+
+
 def test_an_untrusted_decode_daemons_turn_is_never_dialled() -> None:
     history = tokens(96)
     prefill = _side("engine-p", 1, trusted="")
