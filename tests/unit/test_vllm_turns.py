@@ -3,15 +3,20 @@ the blocks whose tokens match, and the proxy's memory of turns (tests/vllm/test_
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
+import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvbroker.integrations import vllm_turns
+from kvbroker.integrations import vllm_proxy, vllm_turns
 from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import KvLayout
 from kvbroker.integrations.vllm.params import (
@@ -163,6 +168,44 @@ def test_malformed_turns_mean_computing_the_history(change: dict[str, Any]) -> N
     assert "kvbroker_grant" not in req.kv_transfer_params  # its output carries no trace of the dropped turn
 
 
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(0, 200), st.text(max_size=12),
+                 st.floats(), st.lists(st.integers(-5, 2**65), max_size=5),
+                 st.lists(st.lists(st.integers(0, 300), max_size=4), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                 st.lists(st.sampled_from(["0" * 32, "f" * 32, "Z" * 32, ""]), max_size=5))
+_TAG_TEXT = st.one_of(st.integers(-3, 2**40).map(str), st.text(alphabet="0123456789-,.:+xcuswafl", max_size=12),
+                      st.sampled_from(["cu1.4.16.1.1.0+1x3", "0,1", "0,2", "-", "full", "mamba", "swa4", "token16"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.lists(st.tuples(st.sampled_from(["remote_block_ids", "remote_num_tokens", "tp_size", "kvbroker_grant",
+                                                  "kvbroker_cluster_id", BLOCK_HASHES_PARAM, "remote_engine_id",
+                                                  "kvbroker_protocol", "do_remote_prefill"]), _ANY), max_size=3),
+       tag_fields=st.lists(st.tuples(st.sampled_from(["tp", "block", "kv_heads", "page", "units", "remap", "pp",
+                                                      "groups", "state", "mamba", "layers"]), _TAG_TEXT), max_size=3))
+def test_a_forged_turn_is_pulled_within_the_requests_blocks_or_computed_never_an_exception(
+        fields: list[tuple[str, Any]], tag_fields: list[tuple[str, str]]) -> None:
+    """The scheduler's hooks must not raise (an exception there ends the engine): whatever a handed-back turn's
+    params and its layout tag say, the prefill request pulls into its own blocks, or computes its history."""
+    history = tokens(96)
+    prefill = _side("engine-p", 1, trusted="2=127.0.0.1:2")
+    params = {**_turn(history, [4, 5, 6]), "do_remote_decode": True}
+    tag = dict(item.partition("=")[::2] for item in TAG.split()[1:])
+    tag.update(tag_fields)
+    params["kvbroker_layout_tag"] = " ".join([TAG.split()[0], *(f"{k}={v}" for k, v in tag.items())])
+    params.update(fields)
+    req = Req("p-req", history + tokens(24, 9), params)
+    prefill.on_new_request(req)
+    count, _ = prefill.num_new_matched_tokens(req, 0)
+    assert 0 <= count <= 96
+    prefill.after_alloc(req, all_blocks=[20, 21, 22, 23], new_blocks=[20, 21, 22, 23], num_external_tokens=count)
+    for pull in prefill.take_plan().pulls:
+        assert set(pull.local_blocks) <= {20, 21, 22, 23} and pull.end_token <= 96
+    req.num_computed_tokens = 120
+    prefill._create_grant = lambda *_: GRANT  # type: ignore[method-assign]  # (no daemon here)
+    prefill.request_finished(req, [20, 21, 22, 23], finished_normally=True)
+
+
 def test_an_untrusted_decode_daemons_turn_is_never_dialled() -> None:
     history = tokens(96)
     prefill = _side("engine-p", 1, trusted="")
@@ -174,8 +217,8 @@ def test_an_untrusted_decode_daemons_turn_is_never_dialled() -> None:
 
 def test_the_decode_output_repeats_the_history_pull_only_when_it_is_a_bounded_count() -> None:
     report = {"prompt": 100, "cached": 0, "refused": ""}
-    for given, shown in ((64, 64), (-1, None), (101, None), ("64", None), (True, None)):
-        out = SchedulerSide._decode_report(report, None, {HISTORY_PULLED_PARAM: given})
+    for sent, shown in ((64, 64), (-1, None), (101, None), ("64", None), (True, None)):
+        out = SchedulerSide._decode_report(report, None, {HISTORY_PULLED_PARAM: sent})
         assert out.get(HISTORY_PULLED_PARAM) == shown
 
 
@@ -236,6 +279,120 @@ def test_the_oldest_turns_go_past_max_turns() -> None:
     assert len(memory) == 2
     assert memory.take("t", path, {}, "conversation 0 and more") is None
     assert memory.take("t", path, {}, "conversation 2 and more") == {"n": 2}
+
+
+_sha256 = hashlib.sha256
+
+
+class _CountingSha256:
+    """hashlib.sha256 that adds what it is fed to a shared count."""
+
+    fed = 0
+
+    def __init__(self, data: bytes = b"", inner: Any = None) -> None:
+        self._inner = inner if inner is not None else _sha256()
+        self.update(data)
+
+    def update(self, data: bytes) -> None:
+        _CountingSha256.fed += len(data)
+        self._inner.update(data)
+
+    def copy(self) -> _CountingSha256:
+        return _CountingSha256(inner=self._inner.copy())
+
+    def digest(self) -> bytes:
+        return bytes(self._inner.digest())
+
+    def hexdigest(self) -> str:
+        return str(self._inner.hexdigest())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(remembered=st.lists(st.integers(1, 16), min_size=4, max_size=20, unique=True),
+       first=st.integers(20_000, 100_000), sizes=st.lists(st.integers(0, 200), min_size=16, max_size=40))
+def test_finding_a_turn_hashes_the_conversation_once_however_many_lengths_are_remembered(
+        monkeypatch: pytest.MonkeyPatch, remembered: list[int], first: int, sizes: list[int]) -> None:
+    """A client whose scope remembers 16 conversation lengths made the proxy hash its next body's prefix once per
+    length, on the event loop (16 x 30 MiB of chat messages: ~6 s per request): what one lookup hashes is bounded
+    by the body, not by the lengths remembered."""
+    memory = TurnMemory(ttl_s=60, max_turns=100)
+    path = "/v1/chat/completions"
+    for n in remembered:  # short earlier conversations of this tenant
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * n}
+        conversation = conversation_of(path, body)
+        assert conversation is not None
+        memory.remember("t", path, body, conversation, {"n": n})
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * size} for size in [first, *sizes]]}
+    conversation = conversation_of(path, body)
+    assert conversation is not None
+    monkeypatch.setattr(vllm_turns, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.fed = 0
+    memory.take("t", path, body, conversation)
+    assert _CountingSha256.fed <= 2 * sum(len(str(item)) for item in conversation) + 4096
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["text", "ids", "chat"]), size=st.integers(1, 50_000), answer=st.integers(0, 40))
+def test_remembering_an_answer_hashes_the_answer_only_and_finds_the_same_turn(
+        monkeypatch: pytest.MonkeyPatch, kind: str, size: int, answer: int) -> None:
+    """The proxy remembers a turn on its event loop: the request's conversation was hashed with the lookup (off the
+    loop when large), so the answer's part alone is hashed there, and the key is the whole conversation's."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body: dict[str, Any] = ({"messages": [{"role": "user", "content": "x" * size}]} if kind == "chat" else
+                            {"prompt": "x" * size if kind == "text" else list(range(size))})
+    reply = {"choices": [{"text": "y" * answer, "token_ids": list(range(answer)),
+                          "message": {"role": "assistant", "content": "y" * answer}}]}
+    conversation = conversation_of(path, body)
+    assert conversation is not None
+    scope = vllm_turns.scope_of("t", path, body)
+    _, running = vllm_turns.running_keys(scope, conversation, ())
+    added = vllm_turns.added_by(conversation, path, reply)
+    monkeypatch.setattr(vllm_turns, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.fed = 0
+    length, key = running.extended(added)
+    assert _CountingSha256.fed <= 4 * (answer + 64)
+    monkeypatch.undo()
+    whole = answered(conversation, path, reply)
+    assert (length, key) == (len(whole), vllm_turns.prefix_keys(scope, whole, (len(whole),))[len(whole)])
+
+
+def test_a_large_bodys_conversation_is_read_and_hashed_off_the_event_loop(
+        serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a large body is parsed on a worker thread (T22e), so is its conversation read and hashed for a turn."""
+    read_on: list[tuple[str, str]] = []
+    read = vllm_turns.conversation_of
+
+    def recording(path: str, body: dict[str, Any]) -> vllm_turns.Conversation | None:
+        read_on.append((str(body.get("prompt"))[:5], threading.current_thread().name))
+        return read(path, body)
+
+    monkeypatch.setattr(vllm_proxy, "conversation_of", recording)
+    p, d = serve(prefill_ok), serve(decode_json)
+    with PdProxy(config_for([p.url], [d.url], turn_ttl=60.0)) as proxy:
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "small"})[0] == 200
+        assert post(proxy, "/v1/completions", {"model": "m", "prompt": "large" + "x" * 300_000})[0] == 200
+    assert [(prompt, name == "pd-proxy") for prompt, name in read_on] == [("small", True), ("large", False)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.lists(st.integers(1, 3000), min_size=1, max_size=30), taken=st.lists(st.booleans(), max_size=30))
+def test_the_turns_remembered_hold_a_bounded_number_of_bytes_whatever_their_sizes(blocks: list[int],
+                                                                                  taken: list[bool]) -> None:
+    """A turn holds a block id and a hash per block (5,000 blocks: ~0.6 MiB): `max_turns` (10,000) of a client's long
+    conversations alone held ~6 GiB. What the turns hold together is bounded in bytes, the oldest forgotten first."""
+    budget = 400_000
+    memory = TurnMemory(ttl_s=60, max_turns=10_000, max_bytes=budget)
+    path = "/v1/completions"
+    for i, n in enumerate(blocks):
+        params = _turn(tokens(n * BS), list(range(100, 100 + n)))
+        memory.remember("t", path, {}, f"conversation {i}", params)
+        if i < len(taken) and taken[i]:
+            memory.take("t", path, {}, f"conversation {i} goes on")
+        held = [t.params for t in memory._turns.values()]
+        assert sum(len(json.dumps(p)) for p in held) <= budget
+    last = _turn(tokens(blocks[-1] * BS), list(range(100, 100 + blocks[-1])))
+    if len(json.dumps(last)) <= budget and not (len(taken) >= len(blocks) and taken[len(blocks) - 1]):
+        assert memory.take("t", path, {}, f"conversation {len(blocks) - 1} goes on") == last  # the newest stays
 
 
 def test_a_turn_goes_into_the_prefill_request_and_the_decode_request_asks_to_keep_the_next() -> None:

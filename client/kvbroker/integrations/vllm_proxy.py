@@ -56,7 +56,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 try:
@@ -69,11 +69,14 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from kvbroker.integrations.vllm_turns import (
     KEEP_TURN_PARAM,
+    Conversation,
     StreamedAnswer,
     TurnMemory,
-    answered,
+    added_by,
     conversation_of,
     handed_back,
+    running_keys,
+    scope_of,
     tenant_of,
 )
 from kvbroker.tracecontext import TRACEPARENT, TRACESTATE, TraceContext
@@ -82,6 +85,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 _log = logging.getLogger("kvbroker.integrations.vllm_proxy")
+_T = TypeVar("_T")
 
 PD_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEALTH_ROUTES = ("/health", "/healthz")
@@ -187,6 +191,9 @@ class ProxyConfig:
         "history; at most the decode server's kvbroker_hold_lease_s); 0: off, the decode server holds nothing",
         zero_allowed=True)
     max_turns: int = _setting(10000, "most finished turns remembered at once (the oldest are forgotten)")
+    max_turn_bytes: int = _setting(
+        64 * 1024 * 1024, "most bytes of the finished turns' kv_transfer_params (as JSON) remembered at once, all "
+        "together (the oldest are forgotten; a turn holds a block id and a hash per block: ~3x this in memory)")
 
 
 class UpstreamError(Exception):
@@ -428,7 +435,7 @@ class PdProxy:
         self._listener: asyncio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._refused_logged_at = 0.0
-        self._turns = TurnMemory(config.turn_ttl, config.max_turns)
+        self._turns = TurnMemory(config.turn_ttl, config.max_turns, config.max_turn_bytes)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -619,7 +626,7 @@ class PdProxy:
         if trace is not None:  # both servers' own spans (vLLM's --otlp-traces-endpoint) join the request's trace
             headers.update(trace.metadata())
 
-        turn, remember = self._turn_of(request, path, body)
+        turn, remember = await self._turn_of(request, path, body, body_size)
         started = time.perf_counter()
         prefill_request = await self._encode(prefill_body(body, trace, turn), body_size)
         prefill_server, kv_params = await self._prefill(path, prefill_request, headers, request_id)
@@ -642,21 +649,32 @@ class PdProxy:
         )
         return answer
 
-    def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any]
-                 ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
+    async def _turn_of(self, request: web.BaseRequest, path: str, body: dict[str, Any], body_size: int
+                       ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:
         """Multi-turn reuse (`--turn-ttl`): the earlier turn this request continues, whose KV its prefill may pull
-        (None: none), and what remembers this turn's answer for the next one (None: not kept). A streamed answer is
-        read as it is relayed (`StreamedAnswer`)."""
-        conversation = conversation_of(path, body) if self.config.turn_ttl > 0 else None
-        if conversation is None:
+        (None: none), and what remembers this turn's answer for the next one (None: not kept; a streamed answer is
+        read as it is relayed: `StreamedAnswer`). The conversation is read and hashed on a worker thread where the
+        body is large, as it was parsed; the memory of turns is touched on the event loop only."""
+        if self.config.turn_ttl <= 0:
             return None, None
         tenant = tenant_of(request.headers, _FORWARDED_HEADERS)
-        turn = self._turns.take(tenant, path, body, conversation)
+
+        def read() -> tuple[Conversation | None, bytes]:
+            return conversation_of(path, body), scope_of(tenant, path, body)
+
+        inline = body_size <= _PARSE_INLINE_BYTES
+        conversation, scope = read() if inline else await self._off_loop(read)
+        if conversation is None:
+            return None, None
+        lengths = self._turns.lengths(scope, len(conversation))
+        keys, running = (running_keys(scope, conversation, lengths) if inline else
+                         await self._off_loop(lambda: running_keys(scope, conversation, lengths)))
+        turn = self._turns.take_keys(keys)
 
         def remember(answer: dict[str, Any]) -> None:
             params = handed_back(answer.get("kv_transfer_params"))
-            if params is not None:
-                self._turns.remember(tenant, path, body, answered(conversation, path, answer), params)
+            if params is not None:  # (the answer's part hashed only: the request's was, above)
+                self._turns.remember_key(scope, *running.extended(added_by(conversation, path, answer)), params)
 
         return turn, remember
 
@@ -678,8 +696,9 @@ class PdProxy:
                           attributes, started_ns, SpanKind.SERVER)
         parent = otel.trace_of(root)
         leg: _Leg | None = None
-        turn, remember = self._turn_of(request, path, body)
         try:
+            # (inside: a client that leaves while a large body's conversation is read still ends the request's span)
+            turn, remember = await self._turn_of(request, path, body, body_size)
             leg = self._leg("prefill", parent, attributes)
             prefill_request = await self._encode(prefill_body(body, leg.trace, turn), body_size)
             prefill_server, kv_params = await self._prefill(path, prefill_request, _with_trace(headers, leg.trace),
@@ -723,6 +742,10 @@ class PdProxy:
         span = otel.start(self._tracer, f"pd.{role}", parent, {**attributes, "kvbroker.engine_role": role},
                           kind=SpanKind.CLIENT)
         return _Leg(span, otel.trace_of(span))
+
+    @staticmethod
+    async def _off_loop(work: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(None, work)
 
     @staticmethod
     async def _encode(document: dict[str, Any], body_size: int) -> bytes:

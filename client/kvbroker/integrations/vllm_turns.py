@@ -11,7 +11,8 @@ turn's KV is that of its own prompt's first tokens and pulls only those: a match
 correctness (a template that renders the answer differently costs only the blocks after the difference).
 
 A turn is used once (its grant is released after the pull) and forgotten after `ttl_s` or when `max_turns` newer ones
-came; the decode server frees blocks nobody pulled when its hold lease lapses.
+came, or newer ones' params take its room of `max_bytes`; the decode server frees blocks nobody pulled when its hold
+lease lapses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,8 @@ LENGTHS_PER_SCOPE = 16
 class _Turn:
     params: dict[str, Any]
     expires: float  # time.monotonic()
+    nbytes: int
+    """The params' size as JSON (a turn of 5,000 blocks: ~210 KB, ~0.6 MiB held)."""
 
 
 Conversation = str | tuple[int, ...] | tuple[str, ...]
@@ -70,21 +73,28 @@ def _message(message: Mapping[str, Any]) -> str:
 def answered(conversation: Conversation, path: str, answer: Mapping[str, Any]) -> Conversation:
     """The conversation once the answer is added (as far as the answer says it: a token-id prompt's answer without
     `token_ids` adds nothing, which still lets the next turn reuse the prompt's blocks)."""
+    added = added_by(conversation, path, answer)
+    if isinstance(conversation, str):
+        return conversation + added if isinstance(added, str) else conversation
+    return (*conversation, *added)  # (both token ids, or both messages)
+
+
+def added_by(conversation: Conversation, path: str, answer: Mapping[str, Any]) -> Conversation:
+    """What the answer adds to the conversation (`answered`): text, a reply message or token ids, or nothing."""
     choices = answer.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     if isinstance(conversation, str):
         text = choice.get("text")
-        return conversation + text if isinstance(text, str) else conversation
+        return text if isinstance(text, str) else ""
     if path.endswith("/chat/completions"):
         message = choice.get("message")
         if isinstance(message, dict) and isinstance(message.get("content"), str):
-            reply = _message({"role": "assistant", "content": message["content"]})
-            return (*conversation, reply)
-        return conversation
+            return (_message({"role": "assistant", "content": message["content"]}),)
+        return ()
     tokens = choice.get("token_ids")
     if isinstance(tokens, list) and all(type(t) is int for t in tokens):
-        return (*conversation, *tokens)
-    return conversation
+        return tuple(tokens)
+    return ()
 
 
 def handed_back(params: Any) -> dict[str, Any] | None:
@@ -162,27 +172,39 @@ class StreamedAnswer:
 class TurnMemory:
     """Runs on the proxy's event loop only (no locks)."""
 
-    def __init__(self, ttl_s: float, max_turns: int) -> None:
+    def __init__(self, ttl_s: float, max_turns: int, max_bytes: int = 64 << 20) -> None:
         self.ttl_s = ttl_s
         self.max_turns = max_turns
+        self.max_bytes = max_bytes
+        """Of every remembered turn's params as JSON together: turns of long conversations hold a block id and a hash
+        per block, so `max_turns` of them alone let one client's long conversations hold gigabytes."""
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
         self._lengths: dict[bytes, deque[int]] = {}
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._turns)
 
     def remember(self, tenant: str, path: str, body: Mapping[str, Any], conversation: Conversation,
                  params: dict[str, Any]) -> None:
-        scope = _scope(tenant, path, body)
+        scope = scope_of(tenant, path, body)
+        key = prefix_keys(scope, conversation, (len(conversation),))[len(conversation)]
+        self.remember_key(scope, len(conversation), key, params)
+
+    def remember_key(self, scope: bytes, length: int, key: bytes, params: dict[str, Any]) -> None:
+        """`remember` of a conversation of `length` whose key (`prefix_keys`, `Running.extended`) is `key`."""
+        nbytes = len(json.dumps(params))
+        if nbytes > self.max_bytes:
+            return
         lengths = self._lengths.setdefault(scope, deque(maxlen=LENGTHS_PER_SCOPE))
-        if len(conversation) in lengths:
-            lengths.remove(len(conversation))
-        lengths.append(len(conversation))
-        key = _key(scope, conversation)
-        self._turns.pop(key, None)
-        self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s)
-        while len(self._turns) > self.max_turns:
-            self._turns.popitem(last=False)
+        if length in lengths:
+            lengths.remove(length)
+        lengths.append(length)
+        self._forget(self._turns.pop(key, None))
+        self._turns[key] = _Turn(params, time.monotonic() + self.ttl_s, nbytes)
+        self._bytes += nbytes
+        while len(self._turns) > self.max_turns or self._bytes > self.max_bytes:
+            self._forget(self._turns.popitem(last=False)[1])
         if len(self._lengths) > self.max_turns:  # scopes of tenants long gone
             self._lengths.pop(next(iter(self._lengths)))
 
@@ -190,29 +212,76 @@ class TurnMemory:
              ) -> dict[str, Any] | None:
         """The params of the longest remembered turn this conversation continues (forgotten: a grant serves one
         pull), or None."""
-        scope = _scope(tenant, path, body)
+        scope = scope_of(tenant, path, body)
+        return self.take_keys(prefix_keys(scope, conversation, self.lengths(scope, len(conversation))))
+
+    def lengths(self, scope: bytes, below: int) -> list[int]:
+        """The conversation lengths remembered in `scope` (`scope_of`) that a conversation of `below` characters,
+        tokens or messages may continue: the prefixes `take_keys` looks for."""
+        return [n for n in self._lengths.get(scope, ()) if n < below]
+
+    def take_keys(self, keys: Mapping[int, bytes]) -> dict[str, Any] | None:
+        """`take` of a conversation whose prefixes' keys (`prefix_keys`) are `keys`."""
         now = time.monotonic()
-        for length in sorted(self._lengths.get(scope, ()), reverse=True):
-            if length >= len(conversation):
-                continue
-            turn = self._turns.pop(_key(scope, conversation[:length]), None)
+        for length in sorted(keys, reverse=True):
+            turn = self._turns.pop(keys[length], None)
+            self._forget(turn)
             if turn is not None and turn.expires > now:
                 return turn.params
         return None
 
+    def _forget(self, turn: _Turn | None) -> None:
+        if turn is not None:
+            self._bytes -= turn.nbytes
 
-def _scope(tenant: str, path: str, body: Mapping[str, Any]) -> bytes:
+
+def scope_of(tenant: str, path: str, body: Mapping[str, Any]) -> bytes:
     model = body.get("model")
     return hashlib.sha256(json.dumps([tenant, path, model if isinstance(model, str) else None]).encode()).digest()
 
 
-def _key(scope: bytes, conversation: Conversation) -> bytes:
+@dataclass
+class Running:
+    """The hash of a whole conversation, which the key of the conversation with an answer added continues."""
+
+    state: Any  # hashlib's sha256 object
+    length: int
+
+    def extended(self, added: Conversation) -> tuple[int, bytes]:
+        """The length and key of the conversation with `added` (`added_by`) after it: only `added` is hashed."""
+        state = self.state.copy()
+        _feed(state, added)
+        return self.length + len(added), state.digest()
+
+
+def prefix_keys(scope: bytes, conversation: Conversation, lengths: Collection[int]) -> dict[int, bytes]:
+    """The key of the conversation's first `length` characters, tokens or messages for each of `lengths` (those past
+    its end are left out), in one pass over it: hashing each prefix on its own read a client's
+    body once per length remembered in its scope (16 x 30 MiB of chat messages: ~6 s on the proxy's event loop per
+    request)."""
+    return running_keys(scope, conversation, lengths)[0]
+
+
+def running_keys(scope: bytes, conversation: Conversation, lengths: Collection[int]
+                 ) -> tuple[dict[int, bytes], Running]:
+    """`prefix_keys`, and the whole conversation's hash to continue (`Running.extended`)."""
     h = hashlib.sha256(scope)
-    if isinstance(conversation, str):
-        h.update(b"s" + conversation.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(b"l" + json.dumps(list(conversation), separators=(",", ":")).encode())
-    return h.digest()
+    h.update(b"s" if isinstance(conversation, str) else b"l")
+    keys: dict[int, bytes] = {}
+    done = 0
+    for length in sorted({n for n in lengths if 0 <= n <= len(conversation)}):
+        _feed(h, conversation[done:length])
+        done = length
+        keys[length] = h.copy().digest()
+    _feed(h, conversation[done:])
+    return keys, Running(h, len(conversation))
+
+
+def _feed(h: Any, part: Conversation) -> None:
+    if isinstance(part, str):
+        h.update(part.encode("utf-8", "surrogatepass"))
+    else:  # (a token id, or a message's canonical JSON, which is ASCII without a raw newline)
+        h.update(b"".join(str(item).encode() + b"\n" for item in part))
 
 
 def tenant_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
