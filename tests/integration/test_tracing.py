@@ -261,3 +261,20 @@ def test_asking_for_tracing_without_opentelemetry_installed_is_a_clear_error(tmp
     assert "otlp_traces_endpoint" in out.stderr and "kvbroker[trace]" in out.stderr, out.stderr
 
 
+
+
+def test_linking_and_cache_calls_are_traced_under_the_callers_trace(traced: Traced) -> None:
+    """A slow first request may wait on its link or its cache: those calls have spans of their own too."""
+    from kvbroker import ClusterInfo
+
+    parent = TraceContext.parse("00-9cf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    assert parent is not None
+    with tracecontext.use(parent), traced.d.client() as dc:
+        cache = dc.allocate_cache(DESC)
+        dc.link_clusters([ClusterInfo(traced.p.cluster_id, traced.p.peer_address)])
+        dc.deallocate_cache(cache.cache_id)
+    def names() -> set[str] | None:
+        seen = {span.name.rpartition("/")[2] for span in traced.receiver.of(parent.trace_id)}
+        return seen if {"AllocateCache", "LinkClusters", "DeallocateCache"} <= seen else None
+
+    wait_until(names, what="the spans of AllocateCache, LinkClusters and DeallocateCache")

@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvbroker.v1.KvBroker"
 TRACED_RPCS = ("PullKvBlocks", "PushKvBlocks", "PullKvCache", "PushKvCache", "CopyKvBlocks", "TransferKvBlocksBatch",
-               "CreateGrant", "RenewGrant", "ReleaseGrant")
-"""The calls that get a span of their own while tracing is on: those that move or grant blocks."""
+               "CreateGrant", "RenewGrant", "ReleaseGrant", "LinkClusters", "UnlinkClusters", "AllocateCache",
+               "DeallocateCache", "RegisterKvCache", "UnregisterKvCache")
+"""The calls that get a span of their own while tracing is on: those that move or grant blocks, and those that make
+or drop what a transfer needs (links, caches), which a slow first request may be waiting on."""
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_LINK_TIMEOUT_S = 3.0
 
