@@ -9,8 +9,6 @@ tests/device/cuda_check.py (a GPU)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,99 +17,33 @@ from typing import Any, cast
 import pytest
 
 from kvbroker import CacheDesc, DataType, DeviceMemory, ParamInvalidError, Placement, TensorLocation
-from kvbrokerd.backends.common.cudaipc import CudaIpcImporter
-from kvbrokerd.backends.nixl.backend import NixlBackend
-from kvbrokerd.dataplane.seam import LocalContext
-from kvbrokerd.registry.caches import CacheEntry, Registry
-from tests.fakecuda import FakeRuntime
+from tests.fakenixl import Rig, nixl_rig
 
 BASE = CacheDesc(num_tensors=2, shape=(8, 1024), data_type=DataType.UINT8)
 UNITS = CacheDesc(num_tensors=2, shape=(64, 128), data_type=DataType.UINT8)  # the same tensors, other blocks
 
 
-class Agent:
-    """Records registrations; every call also goes into the shared `events` (to check the order against CUDA's)."""
-
-    def __init__(self, events: list[tuple[Any, ...]]) -> None:
-        self.events = events
-        self.live: dict[int, tuple[str, tuple[tuple[int, int, int, str], ...]]] = {}
-        self._ids = itertools.count(1)
-
-    def register_memory(self, descs: list[tuple[int, int, int, str]], mem: str) -> int:
-        handle = next(self._ids)
-        self.live[handle] = (mem, tuple(descs))
-        self.events.append(("register", handle))
-        return handle
-
-    def deregister_memory(self, handle: int) -> None:
-        assert handle in self.live, f"registration {handle} deregistered twice"
-        del self.live[handle]
-        self.events.append(("deregister", handle))
-
-    def get_partial_agent_metadata(self, handle: int, *_: Any) -> bytes:
-        return b"md%d" % handle
-
-
-class Recorder(FakeRuntime):
-    def __init__(self, events: list[tuple[Any, ...]]) -> None:
-        super().__init__()
-        self.events = events
-
-    def _record(self, *call: Any) -> None:
-        super()._record(*call)
-        if call[0] in ("open", "close"):
-            self.events.append(call[:2])
-
-
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[tuple[Registry, NixlBackend, Agent, list[tuple[Any, ...]]]]:
-    registry = Registry(tmp_path, max_caches=16)
-    registry.open()
-    events: list[tuple[Any, ...]] = []
-    agent = Agent(events)
-    backend = NixlBackend(cast(LocalContext, SimpleNamespace(cluster_id=8, registry=registry)))
-    backend.agent = cast(Any, SimpleNamespace(call=lambda fn: fn(agent), submit=lambda fn: _done(fn(agent))))
-    runtime = Recorder(events)
-    backend._cuda = CudaIpcImporter(runtime, runtime)
-    backend.cuda_missing = ""
-    registry.on_remove.append(backend.forget_cache)
-    try:
-        yield registry, backend, agent, events
-    finally:
-        registry.close()
-
-
-def _done(result: Any) -> concurrent.futures.Future[Any]:
-    """The agent thread's answer, inline."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    future.set_result(result)
-    return future
-
-
-def _remove(registry: Registry, entry: CacheEntry) -> None:
-    asyncio.run(registry.remove(entry.cache_id, daemon_owned=None))
-
-
-def _kinds(events: list[tuple[Any, ...]]) -> list[str]:
-    return [e[0] for e in events]
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    with nixl_rig(tmp_path) as rig:
+        yield rig
 
 
 @pytest.mark.parametrize("base_goes_first", [True, False])
-def test_bookkeeping_a_host_view_shares_its_bases_registration(
-        rig: tuple[Registry, NixlBackend, Agent, list[tuple[Any, ...]]], base_goes_first: bool) -> None:
+def test_bookkeeping_a_host_view_shares_its_bases_registration(rig: Rig, base_goes_first: bool) -> None:
     """A CPU engine's token view (AllocateCache view_of) is its base's memory at the same addresses: one
     registration, whose metadata both caches' descriptions carry, deregistered when the last of them goes."""
-    registry, backend, agent, events = rig
+    registry, backend, agent = rig.registry, rig.backend, rig.agent
     base = registry.allocate(BASE, "s")
     view = registry.allocate_view(UNITS, "s", base.cache_id)
     assert view.addresses == base.addresses
     described = [asyncio.run(backend.describe_cache(e)) for e in (base, view)]
-    assert _kinds(events) == ["register"] and described[0].endswith(b"md1") and described[1].endswith(b"md1")
+    assert rig.kinds() == ["register"] and described[0].endswith(b"md1") and described[1].endswith(b"md1")
     first, last = (base, view) if base_goes_first else (view, base)
-    _remove(registry, first)
-    assert _kinds(events) == ["register"]
-    _remove(registry, last)
-    assert _kinds(events) == ["register", "deregister"] and agent.live == {}
+    rig.remove(first.cache_id)
+    assert rig.kinds() == ["register"]
+    rig.remove(last.cache_id)
+    assert rig.kinds() == ["register", "deregister"] and agent.live == {}
 
 
 def _cuda(handle: bytes, offset: int) -> TensorLocation:
@@ -119,10 +51,10 @@ def _cuda(handle: bytes, offset: int) -> TensorLocation:
 
 
 def test_bookkeeping_a_device_cache_registered_again_in_units_shares_the_import_and_the_registration(
-        rig: tuple[Registry, NixlBackend, Agent, list[tuple[Any, ...]]]) -> None:
+        rig: Rig) -> None:
     """DeviceDirect.open_units registers the same VRAM again, in remap units: one IPC open, one NIXL registration,
     and the mapping closed only after NIXL let go of it, whichever cache goes first."""
-    registry, backend, agent, events = rig
+    backend, agent, events = rig.backend, rig.agent, rig.events
     tensors = [_cuda(b"KV", 0), _cuda(b"KV", BASE.tensor_nbytes)]
     device = (CacheDesc(num_tensors=2, shape=BASE.shape, data_type=DataType.UINT8, placement=Placement.DEVICE),
               CacheDesc(num_tensors=2, shape=UNITS.shape, data_type=DataType.UINT8, placement=Placement.DEVICE))
@@ -130,18 +62,18 @@ def test_bookkeeping_a_device_cache_registered_again_in_units_shares_the_import_
     units = backend.import_device_cache(device[1], tensors, "s")
     assert units.addresses == cache.addresses
     assert events == [("open", b"KV.."), ("register", 1)]
-    _remove(registry, cache)
+    rig.remove(cache.cache_id)
     assert events == [("open", b"KV.."), ("register", 1)]  # the units cache still reads and writes that memory
-    _remove(registry, units)
+    rig.remove(units.cache_id)
     assert events == [("open", b"KV.."), ("register", 1), ("deregister", 1), ("close", b"KV..")]
     assert agent.live == {} and backend._cuda is not None and backend._cuda.open_mappings == 0
 
 
 def test_bookkeeping_memory_partly_registered_for_another_cache_is_refused_and_leaves_nothing_behind(
-        rig: tuple[Registry, NixlBackend, Agent, list[tuple[Any, ...]]]) -> None:
+        rig: Rig) -> None:
     """A second cache over one of the first cache's ranges and other memory besides would have NIXL hold that range
     twice: refused (LLM_PARAM_INVALID) before NIXL sees it, its own IPC import closed again."""
-    registry, backend, agent, events = rig
+    registry, backend, agent, events = rig.registry, rig.backend, rig.agent, rig.events
     gap = 2 * BASE.tensor_nbytes  # two separate ranges in one allocation
     desc = CacheDesc(num_tensors=2, shape=BASE.shape, data_type=DataType.UINT8, placement=Placement.DEVICE)
     first = backend.import_device_cache(desc, [_cuda(b"KV", 0), _cuda(b"KV", gap)], "s")
@@ -149,13 +81,12 @@ def test_bookkeeping_memory_partly_registered_for_another_cache_is_refused_and_l
         backend.import_device_cache(desc, [_cuda(b"KV", 0), _cuda(b"XY", 0)], "s")
     assert [c.cache_id for c in registry.list()] == [first.cache_id]
     assert events == [("open", b"KV.."), ("register", 1), ("open", b"XY.."), ("close", b"XY..")]
-    _remove(registry, first)
-    assert agent.live == {} and _kinds(events)[-2:] == ["deregister", "close"]
+    rig.remove(first.cache_id)
+    assert agent.live == {} and rig.kinds()[-2:] == ["deregister", "close"]
 
 
-def test_bookkeeping_closing_the_backend_deregisters_a_shared_registration_once(
-        rig: tuple[Registry, NixlBackend, Agent, list[tuple[Any, ...]]]) -> None:
-    registry, backend, agent, events = rig
+def test_bookkeeping_closing_the_backend_deregisters_a_shared_registration_once(rig: Rig) -> None:
+    registry, backend, agent = rig.registry, rig.backend, rig.agent
     base = registry.allocate(BASE, "s")
     view = registry.allocate_view(UNITS, "s", base.cache_id)
     for entry in (base, view):
@@ -165,4 +96,4 @@ def test_bookkeeping_closing_the_backend_deregisters_a_shared_registration_once(
     backend._live = cast(Any, SimpleNamespace(stop=lambda: None))
     backend.close()
     teardown[0](SimpleNamespace(deregister_memory=agent.deregister_memory, remove_remote_agent=lambda name: None))
-    assert _kinds(events) == ["register", "deregister"]
+    assert rig.kinds() == ["register", "deregister"]
