@@ -5,32 +5,24 @@ unit pairs) and every (layer, head, token) of the decode views is compared with 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[examples]')")
 
-import torch
 
-from kvbroker import CacheDesc, DeviceMemory, Placement, TensorLocation
+from kvbroker import Placement
 from kvbroker.integrations.vllm import cuda_remap
 from kvbroker.integrations.vllm.cuda_remap import NoRemap, parse_geometry, read_geometry, units_desc
-from kvbroker.integrations.vllm.gpu import DeviceDirect, GpuKv
+from kvbroker.integrations.vllm.gpu import DeviceDirect
 from kvbroker.integrations.vllm.layout import layout_of_tag
 from kvbroker.integrations.vllm.remap import refusal
-from kvbroker.types import CUDA_REREGISTER
-from kvbrokerd.backends.common.cudaipc import CudaIpcImporter
 from tests.cudaremapkit import Rank, check, copy_units, engine_rank, fill, hand_views
-from tests.fakecuda import FakeRuntime
-from tests.fakenixl import Rig, nixl_rig
+from tests.devicedirectkit import DaemonClient, device_direct_daemon, serve_device_direct
 
 REMAPPED = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC")
 # (prefill tp, prefill block, decode tp, decode block, model KV heads)
@@ -144,92 +136,6 @@ def test_malformed_geometry_in_a_peers_tag_is_refused_as_unreadable() -> None:
     assert why is not None and why.field == "version"
 
 
-class DaemonClient:
-    """What DeviceDirect asks of kvbroker.Client, answered by a nixl backend on a real registry (tests/fakenixl.py:
-    a recording stand-in for NIXL, fake CUDA whose IPC handles name the test's own CPU buffers)."""
-
-    def __init__(self, rig: Rig, features: tuple[str, ...] = (CUDA_REREGISTER,)) -> None:
-        self.rig = rig
-        self.features = features
-        self.calls: list[str] = []
-
-    def get_cluster_info(self) -> Any:
-        return SimpleNamespace(features=self.features)
-
-    def register_kv_cache(self, desc: CacheDesc, locations: list[TensorLocation]) -> Any:
-        self.calls.append("register")
-        entry = self.rig.backend.import_device_cache(desc, locations, "engine")
-        return SimpleNamespace(cache_id=entry.cache_id, desc=desc)
-
-    def unregister_kv_cache(self, cache_id: int, timeout: float) -> None:
-        self.calls.append("unregister")
-        self.rig.remove(cache_id)
-
-
-class ExportedMemory(FakeRuntime):
-    """Fake CUDA whose IPC handle is the hex address of a CPU allocation (`export`): opening it maps that very
-    memory."""
-
-    def __init__(self, events: list[tuple[Any, ...]]) -> None:
-        super().__init__()
-        self.events = events
-        self.exported: dict[int, int] = {}
-        """Exported allocations: base address -> bytes."""
-
-    def export(self, tensors: Sequence[torch.Tensor]) -> list[TensorLocation]:
-        """torch_locations' answer for CPU tensors: each tensor's allocation (storage), named by its address."""
-        out = []
-        for t in tensors:
-            storage = t.untyped_storage()
-            self.exported[storage.data_ptr()] = storage.nbytes()
-            handle = f"{storage.data_ptr():x}".encode().ljust(64, b".")
-            out.append(TensorLocation("", t.data_ptr() - storage.data_ptr(),
-                                      DeviceMemory("cuda", "0", handle, storage.nbytes())))
-        return out
-
-    def cuMemGetAddressRange(self, base: int) -> tuple[Any, int, int]:
-        return self.CUresult.CUDA_SUCCESS, base, self.exported[base]
-
-    def cudaIpcOpenMemHandle(self, h: Any, flags: int) -> tuple[Any, int]:
-        handle = ctypes.string_at(h.getPtr(), 64)
-        self.events.append(("open", handle[:12]))
-        base = int(handle.rstrip(b".").decode(), 16)
-        self.mapped[base] = handle
-        return self.cudaError_t.cudaSuccess, base
-
-    def cudaIpcCloseMemHandle(self, base: int) -> tuple[Any]:
-        self.events.append(("close", self.mapped.pop(base)[:12]))
-        return (self.cudaError_t.cudaSuccess,)
-
-
-@contextlib.contextmanager
-def _device_direct_daemon(tmp_path: Path) -> Iterator[tuple[Rig, ExportedMemory, list[GpuKv]]]:
-    """The daemon stand-in; the engines opened on it are closed (units first) before it goes."""
-    with nixl_rig(tmp_path) as rig:
-        runtime = ExportedMemory(rig.events)
-        rig.backend._cuda = CudaIpcImporter(runtime, runtime)
-        engines: list[GpuKv] = []
-        try:
-            yield rig, runtime, engines
-        finally:
-            for gpu in engines:
-                gpu.close()
-
-
-def _open_device_direct(client: DaemonClient, cuda: ExportedMemory, rank: Rank) -> tuple[DeviceDirect, Any]:
-    gpu = DeviceDirect(client, rank.views, rank.runs, rank.layout.tag(), exporter=cuda.export)  # type: ignore[arg-type]
-    assert rank.geometry is not None
-    units = gpu.open_units(units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE))
-    return gpu, units
-
-
-def _served_units(rig: Rig, cache_id: int) -> list[np.ndarray]:
-    """The unit cache as the daemon addresses it: its tensors at the addresses the daemon imported."""
-    entry = rig.registry.get(cache_id)
-    n, unit = entry.desc.tensor_nbytes, entry.desc.block_nbytes
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a)).reshape(-1, unit) for a in entry.addresses]
-
-
 @pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLHNC"])
 @pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "heads"), SHAPES[:3])
 def test_device_direct_engines_remap_through_units_the_daemon_imports_over_their_vram(
@@ -237,17 +143,9 @@ def test_device_direct_engines_remap_through_units_the_daemon_imports_over_their
     """BOOKKEEPING ONLY for CUDA and NIXL (fakes): every rank registers its runs device-direct and its unit cache as
     the same VRAM again; the daemon imports each allocation once and registers it with NIXL once, and the plan applied
     to the memory the daemon serves as unit caches lands every (layer, head, token) where the decode views read it."""
-    with _device_direct_daemon(tmp_path) as (rig, cuda, engines):
+    with device_direct_daemon(tmp_path) as (rig, cuda, engines):
         client = DaemonClient(rig)
-        units: dict[int, int] = {}
-
-        def serve(ranks: list[Rank]) -> Callable[[Rank], list[np.ndarray]]:
-            for rank in ranks:
-                gpu, cache = _open_device_direct(client, cuda, rank)
-                engines.append(gpu)
-                units[id(rank)] = cache.cache_id
-            return lambda rank: _served_units(rig, units[id(rank)])
-
+        serve = serve_device_direct(client, cuda, engines)
         _pull(order, p_tp, p_block, d_tp, d_block, heads, serve=serve)
         engines_count = p_tp + d_tp
         assert rig.kinds() == ["open", "register"] * engines_count and len(rig.registry.list()) == 2 * engines_count
@@ -261,7 +159,7 @@ def test_device_direct_offers_no_units_on_a_daemon_that_would_register_the_vram_
     on deregistration: ai-dynamo/nixl#1792, #1773): the engine registers its runs once and offers no units."""
     rank = engine_rank(hand_views, "LBHNC", 1, 16, 2)
     assert rank.geometry is not None
-    with _device_direct_daemon(tmp_path) as (rig, cuda, engines):
+    with device_direct_daemon(tmp_path) as (rig, cuda, engines):
         client = DaemonClient(rig, features=())
         gpu = DeviceDirect(client, rank.views, rank.runs, rank.layout.tag(), exporter=cuda.export)  # type: ignore[arg-type]
         engines.append(gpu)
