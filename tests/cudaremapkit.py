@@ -89,13 +89,15 @@ def check(rank: Rank, rank_index: int, blocks: Sequence[int], start: int, end: i
             assert torch.equal(got, want), f"rank {rank_index} layer {layer} head {head}: {got[:2]} vs {want[:2]}"
 
 
-def copy_units(pulls: Sequence[UnitPull], sources: Sequence[Rank], dest: Rank) -> None:
+def copy_units(pulls: Sequence[UnitPull], sources: Sequence[Rank], dest: Rank,
+               units_of: Callable[[Rank], list[np.ndarray]] = Rank.unit_tensors) -> None:
     """What the daemons do with a plan: every run (kvbroker tensor) of the source rank's unit cache into the same run
-    of ours, unit pair by unit pair."""
+    of ours, unit pair by unit pair. `units_of`: a rank's unit cache (default: over its own tensors; a test of a
+    daemon passes the memory that daemon serves)."""
     for pull in pulls:
         src_units, dst_units = expand(pull.runs)
-        src = sources[pull.remote_rank].unit_tensors()
-        dst = dest.unit_tensors()
+        src = units_of(sources[pull.remote_rank])
+        dst = units_of(dest)
         assert len(src) == len(dst)
         for s, d in zip(src, dst, strict=True):
             d[dst_units.astype(np.int64)] = s[src_units.astype(np.int64)]

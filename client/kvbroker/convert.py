@@ -130,6 +130,7 @@ def cluster_status_from_pb(msg: broker_pb2.GetClusterInfoResponse) -> ClusterSta
         num_links=msg.num_links,
         protocol_version=msg.protocol_version,
         metrics_address=msg.metrics_address,
+        features=tuple(msg.features),
     )
 
 

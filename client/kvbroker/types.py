@@ -201,6 +201,11 @@ class LinkInfo:
     reason: str = ""
 
 
+CUDA_REREGISTER = "cuda-reregister"
+"""A daemon feature (`ClusterStatus.features`): device memory registered again with the same tensor locations as a
+listed cache (the same memory in other blocks) shares that cache's IPC import and engine registration."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterStatus:
     """What `get_cluster_info` reports about the daemon."""
@@ -214,6 +219,8 @@ class ClusterStatus:
     num_links: int
     protocol_version: int
     metrics_address: str = ""
+    features: tuple[str, ...] = ()
+    """Behaviours older daemons lack (`CUDA_REREGISTER`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,3 +66,12 @@ def test_device_locations_survive_the_wire(tmp_path: Path) -> None:
     loc = _cuda(4096)
     assert tensor_location_from_pb(tensor_location_to_pb(loc)) == loc
     assert tensor_location_from_pb(tensor_location_to_pb(TensorLocation("s", 8))) == TensorLocation("s", 8)
+
+
+def test_the_daemon_says_a_device_cache_may_be_registered_again(daemon: LocalDaemon) -> None:
+    """The vLLM connector offers device-direct remap units only where the daemon shares the second registration of the
+    same VRAM (an older daemon would register it with NIXL twice): GetClusterInfo's features say so."""
+    from kvbroker.types import CUDA_REREGISTER
+
+    with daemon.client() as c:
+        assert CUDA_REREGISTER in c.get_cluster_info().features

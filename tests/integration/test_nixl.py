@@ -5,6 +5,7 @@ installed. The shared suites (test_pull, test_transfer_api, test_validation, tes
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -89,6 +90,47 @@ def test_a_removed_remote_cache_is_never_read_as_live(linked_pair: Pair) -> None
         finally:
             s.deallocate_cache(reused)
             d.deallocate_cache(dst)
+
+
+@on_the_nixl_pair
+def test_a_view_and_its_base_are_served_through_one_registration_whichever_goes_first(linked_pair: Pair) -> None:
+    """A CPU engine's token view over a nixl link: the view is its base's memory at the same addresses, registered
+    with NIXL once for both (tests/unit/test_nixl_registrations.py counts it), and the peer loads that registration
+    for each of the two caches it pulls from. The view goes on serving after its base is released (the memory stays
+    registered and mapped), and neither is read once both are gone."""
+    src_d, dst_d = linked_pair
+    desc, quarters = CacheDesc(num_tensors=2, shape=(16, 4096)), CacheDesc(num_tensors=2, shape=(64, 1024))
+    with src_d.client() as s, dst_d.client() as d:
+        base = s.allocate_cache(desc)
+        view = s.allocate_cache(quarters, view_of=base)
+        dst, dst_quarters = d.allocate_cache(desc), d.allocate_cache(quarters)
+        try:
+            fill(base, 5)
+            assert d.pull_kv_blocks(CacheIndex(src_d.cluster_id, base.cache_id), dst, [3], [0]).backend == "nixl"
+            assert d.pull_kv_blocks(CacheIndex(src_d.cluster_id, view.cache_id), dst_quarters, [13], [9]).backend \
+                == "nixl"
+            for t in range(2):
+                assert dst.tensors[t][0].tobytes() == view.tensors[t][12:16].tobytes()  # base block 3: quarters 12..15
+                assert dst_quarters.tensors[t][9].tobytes() == base.tensors[t].reshape(64, -1)[13].tobytes()
+            s.deallocate_cache(base)
+            fill(view, 6)
+            d.pull_kv_blocks(CacheIndex(src_d.cluster_id, view.cache_id), dst_quarters, [40, 2], [1, 2])
+            assert all(dst_quarters.tensors[t][1:3].tobytes() == view.tensors[t][[40, 2]].tobytes() for t in range(2))
+            with pytest.raises(LlmError) as info:
+                d.pull_kv_blocks(CacheIndex(src_d.cluster_id, base.cache_id), dst, [0], [0])
+            assert info.value.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+            s.deallocate_cache(view)
+            with pytest.raises(LlmError) as info:
+                d.pull_kv_blocks(CacheIndex(src_d.cluster_id, view.cache_id), dst_quarters, [0], [0])
+            assert info.value.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST
+        finally:
+            for cache in (base, view):
+                with contextlib.suppress(LlmError):
+                    s.deallocate_cache(cache)
+            d.deallocate_cache(dst)
+            d.deallocate_cache(dst_quarters)
+    for daemon in linked_pair:
+        assert daemon.proc is not None and daemon.proc.poll() is None
 
 
 @on_the_nixl_pair

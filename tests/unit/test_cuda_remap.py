@@ -6,16 +6,23 @@ unit pairs) and every (layer, head, token) of the decode views is compared with 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[examples]')")
 
+
+from kvbroker import Placement
 from kvbroker.integrations.vllm import cuda_remap
-from kvbroker.integrations.vllm.cuda_remap import NoRemap, parse_geometry, read_geometry
+from kvbroker.integrations.vllm.cuda_remap import NoRemap, parse_geometry, read_geometry, units_desc
+from kvbroker.integrations.vllm.gpu import DeviceDirect
 from kvbroker.integrations.vllm.layout import layout_of_tag
 from kvbroker.integrations.vllm.remap import refusal
 from tests.cudaremapkit import Rank, check, copy_units, engine_rank, fill, hand_views
+from tests.devicedirectkit import DaemonClient, device_direct_daemon, serve_device_direct
 
 REMAPPED = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC")
 # (prefill tp, prefill block, decode tp, decode block, model KV heads)
@@ -28,9 +35,13 @@ SHAPES = [
 ]
 
 
-def _pull(order: str, p_tp: int, p_block: int, d_tp: int, d_block: int, heads: int, mla: bool = False) -> None:
+def _pull(order: str, p_tp: int, p_block: int, d_tp: int, d_block: int, heads: int, mla: bool = False,
+          serve: Callable[[list[Rank]], Callable[[Rank], list[np.ndarray]]] | None = None) -> None:
+    """`serve`: registers the ranks with a daemon and returns where that daemon finds each rank's unit cache (None:
+    the copies go straight between the ranks' own tensors)."""
     prefill = [engine_rank(hand_views, order, p_tp, p_block, heads, mla) for _ in range(p_tp)]
     decode = [engine_rank(hand_views, order, d_tp, d_block, heads, mla) for _ in range(d_tp)]
+    units_of = serve(prefill + decode) if serve is not None else Rank.unit_tensors
     num_tokens = 2 * max(p_block, d_block) + 5  # a partial last block on both sides
     p_blocks = [7, 2, 9, 4, 0, 11, 5, 1, 3, 10][: -(-num_tokens // p_block)]
     d_blocks = [6, 3, 10, 1, 8, 0, 2, 4, 5, 11][: -(-num_tokens // d_block)]
@@ -42,7 +53,7 @@ def _pull(order: str, p_tp: int, p_block: int, d_tp: int, d_block: int, heads: i
         assert rank.geometry is not None and prefill[0].geometry is not None
         plan = cuda_remap.plan_pull(rank.layout, rank.geometry, index, prefill[0].layout, prefill[0].geometry,
                                     d_blocks[1:], p_blocks[start // p_block:], start, num_tokens)
-        copy_units(plan, prefill, rank)
+        copy_units(plan, prefill, rank, units_of)
         check(rank, index, d_blocks[1:], start, num_tokens)
 
 
@@ -125,34 +136,36 @@ def test_malformed_geometry_in_a_peers_tag_is_refused_as_unreadable() -> None:
     assert why is not None and why.field == "version"
 
 
-def test_device_direct_offers_no_units_and_registers_nothing_twice() -> None:
-    """BOOKKEEPING ONLY (a recording stand-in for the client): a second registration of the same VRAM would make the
-    daemon register the same descriptors with NIXL twice (refused, or freed wrongly on deregistration:
-    ai-dynamo/nixl#1792, #1773), so a device-direct engine registers its runs once and offers no remap units."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLHNC"])
+@pytest.mark.parametrize(("p_tp", "p_block", "d_tp", "d_block", "heads"), SHAPES[:3])
+def test_device_direct_engines_remap_through_units_the_daemon_imports_over_their_vram(
+        tmp_path: Path, order: str, p_tp: int, p_block: int, d_tp: int, d_block: int, heads: int) -> None:
+    """BOOKKEEPING ONLY for CUDA and NIXL (fakes): every rank registers its runs device-direct and its unit cache as
+    the same VRAM again; the daemon imports each allocation once and registers it with NIXL once, and the plan applied
+    to the memory the daemon serves as unit caches lands every (layer, head, token) where the decode views read it."""
+    with device_direct_daemon(tmp_path) as (rig, cuda, engines):
+        client = DaemonClient(rig)
+        serve = serve_device_direct(client, cuda, engines)
+        _pull(order, p_tp, p_block, d_tp, d_block, heads, serve=serve)
+        engines_count = p_tp + d_tp
+        assert rig.kinds() == ["open", "register"] * engines_count and len(rig.registry.list()) == 2 * engines_count
+    assert rig.kinds()[2 * engines_count:] == ["deregister", "close"] * engines_count
+    assert rig.agent.live == {} and client.calls == ["register", "register"] * engines_count + [
+        "unregister", "unregister"] * engines_count
 
-    from kvbroker.integrations.vllm.cuda_remap import units_desc
-    from kvbroker.integrations.vllm.gpu import DeviceDirect
-    from kvbroker.types import Placement
 
+def test_device_direct_offers_no_units_on_a_daemon_that_would_register_the_vram_twice(tmp_path: Path) -> None:
+    """A daemon without CUDA_REREGISTER would register the same descriptors with NIXL twice (refused, or freed wrongly
+    on deregistration: ai-dynamo/nixl#1792, #1773): the engine registers its runs once and offers no units."""
     rank = engine_rank(hand_views, "LBHNC", 1, 16, 2)
-    calls: list[tuple[object, ...]] = []
-
-    class Recorder:
-        def register_kv_cache(self, desc: object, locations: list[object]) -> object:
-            calls.append(("register", desc, tuple(locations)))
-            return SimpleNamespace(cache_id=len(calls), desc=desc)
-
-        def unregister_kv_cache(self, cache_id: int, timeout: float) -> None:
-            calls.append(("unregister", cache_id))
-
-    gpu = DeviceDirect(Recorder(), rank.views, rank.runs, rank.layout.tag(),  # type: ignore[arg-type]
-                       exporter=lambda tensors: [f"run{i}" for i in range(len(tensors))])  # type: ignore[misc]
     assert rank.geometry is not None
-    with pytest.raises(NoRemap, match="NIXL twice"):
-        gpu.open_units(units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE))
-    gpu.close()
-    assert [c[0] for c in calls] == ["register", "unregister"]
+    with device_direct_daemon(tmp_path) as (rig, cuda, engines):
+        client = DaemonClient(rig, features=())
+        gpu = DeviceDirect(client, rank.views, rank.runs, rank.layout.tag(), exporter=cuda.export)  # type: ignore[arg-type]
+        engines.append(gpu)
+        with pytest.raises(NoRemap, match="NIXL twice"):
+            gpu.open_units(units_desc(rank.runs, rank.geometry, rank.layout, Placement.DEVICE))
+    assert client.calls == ["register", "unregister"] and rig.kinds() == ["open", "register", "deregister", "close"]
 
 
 @pytest.mark.parametrize("remapped", [True, False])

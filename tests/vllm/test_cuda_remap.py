@@ -4,12 +4,14 @@ KV cache layout it declares, as tests/vllm/test_cuda_layouts.py reads them.
 
 - The plan, for every (backend, layout): each decode rank's units are copied as the daemon copies them
   (tests/cudaremapkit.py) and every (layer, head, token) of the decode rank's vLLM views must hold the prefill's.
+- Device-direct, for every (backend, layout): each rank's runs and unit cache registered through the connector's
+  DeviceDirect with a daemon stand-in (tests/devicedirectkit.py: a real registry and nixl backend, fakes of CUDA and
+  NIXL), the plan applied to the unit caches at the addresses that daemon imported.
 - Real daemons on loopback, for every KVCacheLayout (MLA too): CPU TENSORS STAND IN FOR DEVICE TENSORS, served
-  host-staged by the connector's own worker (its unit cache is a view of the daemon's host buffer; device-direct
-  engines offer no units). The prefill workers stage what vLLM's views
-  hold, grant the request's blocks with their unit caches as the scheduler does, and the decode workers pull with the
-  plan: prefill TP 1 block 16 -> decode TP 2 block 32, the reverse, and TP 2 -> 1; and between equal shapes, the
-  whole-block pull of before (the units are offered, and not used).
+  host-staged by the connector's own worker (its unit cache is a view of the daemon's host buffer). The prefill
+  workers stage what vLLM's views hold, grant the request's blocks with their unit caches as the scheduler does,
+  and the decode workers pull with the plan: prefill TP 1 block 16 -> decode TP 2 block 32, the reverse, and
+  TP 2 -> 1; and between equal shapes, the whole-block pull of before (the units are offered, and not used).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvbroker.integrations.vllm.params import PullSpec, RemoteKv
 from kvbroker.integrations.vllm.remap import refusal
 from kvbroker.integrations.vllm.worker import WorkerSide
 from tests.cudaremapkit import HEAD, Rank, check, copy_units, engine_rank, fill
+from tests.devicedirectkit import DaemonClient, device_direct_daemon, serve_device_direct
 from tests.helpers import wait_until
 from tests.vllm.test_cuda_layouts import CASES, _is_mla
 
@@ -105,6 +108,30 @@ def test_every_backends_layout_remaps_every_head_and_token(layout: KVCacheLayout
                                     d_blocks[1:], p_blocks[start // p_block:], start, num_tokens)
         copy_units(plan, prefill, rank)
         check(rank, index, d_blocks[1:], start, num_tokens)
+
+
+@pytest.mark.parametrize(("layout", "mla"), list(VIEWS), ids=[f"{lay.name}{'-mla' if mla else ''}-{len(names)}-backends"
+                                                               for (lay, mla), names in VIEWS.items()])
+def test_device_direct_engines_remap_every_backends_layout_through_units_the_daemon_imports(
+        tmp_path: Path, layout: KVCacheLayout, mla: bool) -> None:
+    """BOOKKEEPING for CUDA and NIXL (fakes): prefill TP 1 blocks of 16 -> decode TP 2 blocks of 32, device-direct on
+    both sides; each engine's allocation imported and registered with NIXL once for its two caches."""
+    p_tp, p_block, d_tp, d_block = SHAPES[0]
+    with device_direct_daemon(tmp_path) as (rig, cuda, engines):
+        prefill = [engine_rank(vllm_views, layout.name, p_tp, p_block, MODEL_HEADS, mla, BLOCKS) for _ in range(p_tp)]
+        decode = [engine_rank(vllm_views, layout.name, d_tp, d_block, MODEL_HEADS, mla, BLOCKS) for _ in range(d_tp)]
+        units_of = serve_device_direct(DaemonClient(rig), cuda, engines)(prefill + decode)
+        assert rig.kinds() == ["open", "register"] * (p_tp + d_tp)
+        num_tokens, p_blocks, d_blocks, start = _tokens(p_block, d_block)
+        for index, rank in enumerate(prefill):
+            fill(rank, index, p_blocks, num_tokens)
+        for index, rank in enumerate(decode):
+            assert rank.geometry is not None and prefill[0].geometry is not None
+            plan = cuda_remap.plan_pull(rank.layout, rank.geometry, index, prefill[0].layout, prefill[0].geometry,
+                                        d_blocks[1:], p_blocks[start // p_block:], start, num_tokens)
+            copy_units(plan, prefill, rank, units_of)
+            check(rank, index, d_blocks[1:], start, num_tokens)
+    assert rig.agent.live == {} and rig.kinds().count("close") == p_tp + d_tp
 
 
 def test_lhbnc_moves_whole_blocks_between_equal_shapes_only() -> None:

@@ -75,6 +75,7 @@ class GetClusterInfoResponse(_message.Message):
     NUM_LINKS_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """This daemon's cluster id."""
     version: _builtins.str
@@ -95,6 +96,14 @@ class GetClusterInfoResponse(_message.Message):
     def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Data-plane backends enabled, in order of preference."""
 
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Behaviours of this daemon that a client may rely on and older daemons lack (none on those). "cuda-reregister":
+        RegisterKvCache of device memory that a listed cache already covers with exactly the same tensor locations (the
+        same memory in other blocks, e.g. the vLLM connector's remap units) shares that cache's IPC import and engine
+        registration; an older daemon would register the memory with its engine (NIXL) twice.
+        """
+
     def __init__(
         self,
         *,
@@ -107,10 +116,11 @@ class GetClusterInfoResponse(_message.Message):
         num_links: _builtins.int = ...,
         protocol_version: _builtins.int = ...,
         metrics_address: _builtins.str = ...,
+        features: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "instance_epoch", b"instance_epoch", "metrics_address", b"metrics_address", "num_caches", b"num_caches", "num_links", b"num_links", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "cluster_id", b"cluster_id", "features", b"features", "instance_epoch", b"instance_epoch", "metrics_address", b"metrics_address", "num_caches", b"num_caches", "num_links", b"num_links", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

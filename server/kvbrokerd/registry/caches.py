@@ -228,7 +228,9 @@ class Registry:
 
     def allocate_view(self, desc: CacheDesc, owner: str, base_id: int) -> CacheEntry:
         """A second cache over the memory of allocated cache `base_id`, which `owner` (a session) holds: the same
-        tensors and bytes, other blocks. It keeps the memory mapped until released, whatever becomes of the base."""
+        tensors and bytes, other blocks. It keeps the memory mapped until released, whatever becomes of the base.
+        It shares the base's mapping (the same addresses), so an engine that registers memory (nixl) finds both
+        caches over the same regions and registers them once."""
         validate_desc(desc)
         self._check_capacity()
         with self._lock:
@@ -238,8 +240,9 @@ class Registry:
             if (desc.num_tensors, desc.tensor_nbytes) != (base.desc.num_tensors, base.desc.tensor_nbytes):
                 param_invalid(f"a view of cache {base_id} has {base.desc.num_tensors} tensors of "
                               f"{base.desc.tensor_nbytes} bytes, not {desc.num_tensors} of {desc.tensor_nbytes}")
-            # Its own descriptor of the file: the base may be released (and its descriptor closed) first.
-            segments = {name: shmseg.Segment(name, os.dup(seg.fd), seg.size, seg.uid, seg.writable)
+            # Its own descriptor of the file: the base may be released (and its descriptor closed) first. The
+            # mapping outlives whichever closes first: mmap refuses to unmap while the other's views export it.
+            segments = {name: shmseg.Segment(name, os.dup(seg.fd), seg.size, seg.uid, seg.writable, seg.map())
                         for name, seg in base.segments.items()}
         entry = self._add(self._reserve_id(), desc, base.tensors, segments, daemon_owned=True, owner=owner,
                           view_of=base_id)

@@ -68,13 +68,16 @@ class Segment:
     """One segment file, open for as long as this object lives. Size re-checks (fstat) and kernel copies (pread)
     use the descriptor; `map` maps it read-only or read-write, as it was opened."""
 
-    def __init__(self, name: str, fd: int, size: int, uid: int, writable: bool) -> None:
+    def __init__(self, name: str, fd: int, size: int, uid: int, writable: bool,
+                 mapping: mmap.mmap | None = None) -> None:
+        """`mapping`: another Segment's mapping of the same file, shared (the memory at the same addresses); either
+        one's `close` unmaps it only once no buffer of the other's uses it."""
         self.name = name
         self.fd = fd
         self.size = size
         self.uid = uid
         self.writable = writable
-        self._mmap: mmap.mmap | None = None
+        self._mmap: mmap.mmap | None = mapping
 
     @classmethod
     def open(cls, shm_dir: Path, name: str, *, writable: bool, owner: int | None, min_size: int = 1) -> Segment:

@@ -15,7 +15,7 @@ from kvbroker import convert as cv
 from kvbroker.convert import desc_to_pb, tensor_location_from_pb, tensor_location_to_pb
 from kvbroker.status import LlmStatus
 from kvbroker.tracecontext import TraceContext
-from kvbroker.types import TransferResult
+from kvbroker.types import CUDA_REREGISTER, TransferResult
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc, types_pb2
 from kvbrokerd import backends as backend_index
 from kvbrokerd import tracing
@@ -42,6 +42,8 @@ TRACED_RPCS = ("PullKvBlocks", "PushKvBlocks", "PullKvCache", "PushKvCache", "Co
 """The calls that get a span of their own while tracing is on: those that move or grant blocks, and those that make
 or drop what a transfer needs (links, caches), which a slow first request may be waiting on."""
 MAX_CLUSTERS_PER_CALL = 16
+FEATURES = (CUDA_REREGISTER,)
+"""GetClusterInfo's `features`: what this daemon does that older ones do not."""
 DEFAULT_LINK_TIMEOUT_S = 3.0
 
 
@@ -125,6 +127,7 @@ class KvBrokerService(broker_pb2_grpc.KvBrokerServicer):
             cluster_id=n.cluster_id, version=kvbrokerd.__version__, peer_address=n.peer_address,
             backends=list(n.backends), instance_epoch=n.epoch, num_caches=len(n.registry),
             num_links=len(n.links.links), protocol_version=PROTOCOL_VERSION, metrics_address=n.metrics_address,
+            features=list(FEATURES),
         )
 
     async def Ping(self, request: broker_pb2.PingRequest, context: grpc.aio.ServicerContext

@@ -4,7 +4,8 @@ in one of two modes, chosen by vLLM's `kv_buffer_device` (as for NixlConnector):
 - device-direct (`"cuda"`, vLLM's default on a GPU): every run of the buffer (`cuda_layout.read_runs`) is registered
   with this node's daemon as device memory (`kvbroker.device`: a CUDA IPC handle of vLLM's allocation plus the
   run's offset; no copy). The daemons move blocks VRAM to VRAM through the `nixl` backend, which is the only one
-  that moves `cuda` memory: both daemons need `--backends nixl` (docs/device.md).
+  that moves `cuda` memory: both daemons need `--backends nixl` (docs/device.md). The remap units (cuda_remap) are
+  the same locations registered again: the daemon shares the first registration's IPC import and NIXL registration.
 - host-staged (`"cpu"`): the daemon allocates a host cache of the same runs (shared memory, like the CPU engine's)
   and transfers only ever touch it, so any backend (shm, tcp) works and no NIXL/UCX is needed. The prefill worker
   copies the blocks each step wrote device-to-host on a side CUDA stream, run by run as soon as every layer of a run
@@ -41,7 +42,7 @@ from kvbroker.integrations.vllm.cudart import clear_last_error
 from kvbroker.integrations.vllm.layout import KvLayout, UnsupportedLayoutError
 from kvbroker.shm import Cache
 from kvbroker.status import LlmError, LlmStatus
-from kvbroker.types import CacheDesc, DataType, Placement, TensorLocation
+from kvbroker.types import CUDA_REREGISTER, CacheDesc, DataType, Placement, TensorLocation
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -96,6 +97,7 @@ class DeviceDirect(GpuKv):
     def __init__(self, client: Client, kv_caches: Mapping[str, torch.Tensor], runs: KvRuns, layout_tag: str,
                  exporter: Exporter | None = None) -> None:
         self._client = client
+        self.units: Cache | None = None
         tensors = run_tensors(kv_caches, runs)
         try:
             locations = (exporter or torch_locations)(tensors)
@@ -104,6 +106,7 @@ class DeviceDirect(GpuKv):
                                "kv_buffer_device=\"cpu\" (host-staged)") from e
         try:
             self.cache = client.register_kv_cache(runs_desc(runs, layout_tag, Placement.DEVICE), locations)
+            self._locations = locations
         except LlmError as e:
             raise RuntimeError(
                 f"KvBrokerConnector (device-direct): the daemon cannot serve the KV buffer in {runs.device} memory: "
@@ -113,15 +116,24 @@ class DeviceDirect(GpuKv):
                  len(runs.starts), runs.num_blocks, runs.block_bytes, runs.device, self.cache.cache_id)
 
     def open_units(self, desc: CacheDesc) -> Cache:
-        # Registering the same VRAM a second time would make the daemon register the same descriptors with NIXL
-        # twice, which NIXL either refuses or frees wrongly on deregistration (ai-dynamo/nixl#1792, #1773): units
-        # wait for a daemon-side view of a device cache that shares the registration.
-        raise NoRemap("device-direct engines offer no remap units yet (the daemon would register the same VRAM "
-                      "with NIXL twice); host-staged ones do")
+        # The same VRAM registered again, at the same locations: a daemon with CUDA_REREGISTER shares the first
+        # registration's IPC import and NIXL registration. An older one would register the same descriptors with
+        # NIXL twice, which NIXL refuses or frees wrongly on deregistration (ai-dynamo/nixl#1792, #1773).
+        if CUDA_REREGISTER not in self._client.get_cluster_info().features:
+            raise NoRemap("device-direct remap units need a daemon that shares a device cache's registration "
+                          f"({CUDA_REREGISTER}); this one would register the same VRAM with NIXL twice")
+        self.units = self._client.register_kv_cache(desc, self._locations)
+        return self.units
 
     def close(self) -> None:
-        # Before vLLM frees the memory: the daemon closes its IPC mapping inside this call (docs/device.md).
-        self._client.unregister_kv_cache(self.cache.cache_id, timeout=10.0)
+        # Before vLLM frees the memory: the daemon closes its IPC mapping inside the last of these calls
+        # (docs/device.md).
+        try:
+            if self.units is not None:
+                self._client.unregister_kv_cache(self.units.cache_id, timeout=10.0)
+                self.units = None
+        finally:
+            self._client.unregister_kv_cache(self.cache.cache_id, timeout=10.0)
 
 
 class HostStaged(GpuKv):

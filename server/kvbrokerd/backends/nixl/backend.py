@@ -172,19 +172,34 @@ def _regions(entry: CacheEntry, allocations: Sequence[object] | None = None) -> 
     return [(s, e - s) for s, e, _ in merged]
 
 
+_RegionsKey = tuple[str, int, tuple[tuple[int, int], ...]]
+"""(memory kind, device, registered byte ranges): caches whose regions are equal share one registration."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Registration:
+    """Memory registered with the agent once, for every cache over exactly these regions (agent thread only)."""
+
+    key: _RegionsKey
+    handle: Any
+    metadata: bytes
+    users: int = 0
+
+
 @dataclasses.dataclass(eq=False)
 class _LocalCache:
     """A cache of ours registered with the agent (agent thread only)."""
 
-    registration: Any
-    metadata: bytes
+    registration: _Registration
     addresses: np.ndarray
     blocks: Any = None
     """Prepared per-block list (local side), made on first use."""
     mem: str = _DRAM
     device: int = 0
     imported: cudaipc.ImportedTensors | None = None
-    """The CUDA IPC mappings of a device cache, closed after its deregistration."""
+    """The CUDA IPC mappings of a device cache, released after its registration is (or after it let go of a
+    registration other caches still hold: each of them holds these mappings too, so none closes before NIXL has
+    deregistered the memory)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -454,6 +469,9 @@ class NixlBackend(Backend):
         # Agent thread only:
         self._fixed: list[Any] = []
         self._caches: dict[int, _LocalCache] = {}
+        self._registrations: dict[_RegionsKey, _Registration] = {}
+        self._registered: dict[tuple[str, int, int, int], _Registration] = {}
+        """Every registered byte range (memory kind, device, address, length) and the registration it is in."""
         self._peers: dict[str, NixlChannel] = {}
         self._closed = False
         self.cuda_missing = "the nixl backend has not started"
@@ -577,11 +595,41 @@ class NixlBackend(Backend):
                 fail(LlmStatus.LLM_FAILED, "the nixl backend is closed")
             if devicemem.memory_kind(entry.tensors) != "host":  # registered at import; gone means the cache is
                 fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"cache {entry.cache_id} is being removed")
-            registration = agent.register_memory([(a, n, 0, "") for a, n in _regions(entry)], _DRAM)
-            metadata = agent.get_partial_agent_metadata(registration, False, [])
-            mine = self._caches[entry.cache_id] = _LocalCache(registration, metadata,
+            registration = self._register(agent, entry.cache_id, _DRAM, 0, _regions(entry))
+            mine = self._caches[entry.cache_id] = _LocalCache(registration,
                                                               np.asarray(entry.addresses, dtype=np.uint64))
         return mine
+
+    def _register(self, agent: Any, cache_id: int, mem: str, device: int, regions: list[tuple[int, int]]
+                  ) -> _Registration:
+        """A registration of exactly `regions` for cache `cache_id`: the one another cache over them holds, or a new
+        one. Refuses regions of which only some are registered already (NIXL would hold one range twice)."""
+        key: _RegionsKey = (mem, device, tuple(regions))
+        registration = self._registrations.get(key)
+        if registration is None:
+            for start, length in regions:
+                other = self._registered.get((mem, device, start, length))
+                if other is not None:
+                    param_invalid(f"cache {cache_id}: bytes [{start:#x}, {start + length:#x}) are registered with "
+                                  "NIXL for another cache whose tensors cover other memory besides; a second cache "
+                                  "over the same memory must have the same tensor locations")
+            handle = agent.register_memory([(a, n, device, "") for a, n in regions], mem)
+            registration = _Registration(key, handle, agent.get_partial_agent_metadata(handle, False, []))
+            self._registrations[key] = registration
+            for start, length in regions:
+                self._registered[(mem, device, start, length)] = registration
+        registration.users += 1
+        return registration
+
+    def _let_go(self, agent: Any, registration: _Registration) -> None:
+        """One cache fewer holds `registration`; the last one deregisters it."""
+        registration.users -= 1
+        if registration.users == 0:
+            mem, device, regions = registration.key
+            del self._registrations[registration.key]
+            for start, length in regions:
+                self._registered.pop((mem, device, start, length), None)
+            agent.deregister_memory(registration.handle)
 
     def local_blocks(self, agent: Any, entry: CacheEntry, mine: _LocalCache) -> Any:
         block = entry.desc.block_nbytes
@@ -601,7 +649,7 @@ class NixlBackend(Backend):
         live = self._live.address(entry.cache_id)
         version = _VERSION_VRAM if mine.mem == _VRAM else _VERSION
         return (DESCRIPTION.pack(_MAGIC, version, mine.device, entry.desc.num_tensors, entry.desc.tensor_nbytes, live)
-                + mine.addresses.astype("<u8").tobytes() + mine.metadata)
+                + mine.addresses.astype("<u8").tobytes() + mine.registration.metadata)
 
     def forget_cache(self, entry: CacheEntry) -> None:
         """Deregisters `entry` (it has no pins: no local transfer uses it) before the registry unmaps it; a device
@@ -619,7 +667,7 @@ class NixlBackend(Backend):
         try:
             if mine.blocks is not None:
                 mine.blocks.release()
-            agent.deregister_memory(mine.registration)
+            self._let_go(agent, mine.registration)
         finally:
             if mine.imported is not None and self._cuda is not None:
                 for error in self._cuda.release(mine.imported):
@@ -646,8 +694,8 @@ class NixlBackend(Backend):
 
             def register(entry: CacheEntry) -> None:
                 try:
-                    registration = agent.register_memory(
-                        [(a, n, imported.device, "") for a, n in _regions(entry, imported.keys)], _VRAM)
+                    registration = self._register(agent, entry.cache_id, _VRAM, imported.device,
+                                                  _regions(entry, imported.keys))
                 except Exception as e:
                     if is_nixl_error(e):
                         raise llm_error(e, "NIXL cannot register the imported VRAM (its UCX lacks CUDA support, or "
@@ -656,8 +704,7 @@ class NixlBackend(Backend):
                     raise
                 listed.append(entry.cache_id)
                 self._caches[entry.cache_id] = _LocalCache(
-                    registration, agent.get_partial_agent_metadata(registration, False, []),
-                    np.asarray(entry.addresses, dtype=np.uint64), mem=_VRAM, device=imported.device,
+                    registration, np.asarray(entry.addresses, dtype=np.uint64), mem=_VRAM, device=imported.device,
                     imported=imported)
 
             try:
@@ -688,8 +735,12 @@ class NixlBackend(Backend):
                 with contextlib.suppress(Exception):
                     if mine.blocks is not None:
                         mine.blocks.release()
-                    agent.deregister_memory(mine.registration)
+            for registration in self._registrations.values():
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(registration.handle)
             self._caches.clear()
+            self._registrations.clear()
+            self._registered.clear()
             if self._cuda is not None:  # after NIXL let go of the memory; before the owner may free it
                 for error in self._cuda.close_all():
                     log.warning("nixl: %s", error)
