@@ -8,7 +8,8 @@ the daemon's is bench/trace_cost.py.
    **off** (no OTEL_* settings, no flag), **before** (`--before TREE`: the proxy of another source tree, e.g. the
    commit before tracing), **on-100%** (`--otlp-traces-endpoint` to the sink, `OTEL_TRACES_SAMPLER=always_on`: three
    spans a request, exported). Per mode: the client's latency p50/p99 and the proxy's CPU a request (every thread's,
-   from /proc/<pid>/task/*/schedstat, exporter included), medians over rounds, and their ratios to off.
+   from /proc/<pid>/task/*/schedstat, the exporter's included; and the busiest thread's alone, the event loop's: the
+   requests' own work), medians over rounds, and their ratios to off.
 2. The connector's scheduler side (`SchedulerSide`, in this process, driven as vLLM drives it and as
    tests/unit/test_trace_spans.py does): a decode request that pulls (arrival, matched tokens, allocation, the step's
    plan, the workers' transfer, the pull's end, the next step's output, finished: wait_in_queue and pull spans) and
@@ -139,13 +140,13 @@ def spans_received(url: str) -> int:
     return n
 
 
-def process_cpu_ns(pid: int) -> int:
-    """CPU time of every thread of `pid` so far, in ns (bench/floor.py's measure)."""
-    total = 0
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU time of each thread of `pid` so far, in ns (bench/floor.py's measure, thread by thread)."""
+    times = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):  # the thread ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
+            times[task.name] = int((task / "schedstat").read_text().split()[0])
+    return times
 
 
 # -- 1. the proxy -----------------------------------------------------------------------------------------------------
@@ -189,12 +190,13 @@ def run_proxy(env: dict[str, str], extra: list[str], urls: dict[str, str], reque
             post(conn, i % 2 == 1)
         out: dict[str, Any] = {}
         for kind, stream in (("json", False), ("stream", True)):
-            cpu = process_cpu_ns(proc.pid)
+            before = thread_cpu_ns(proc.pid)
             times = [post(conn, stream) for _ in range(requests)]
-            cpu = process_cpu_ns(proc.pid) - cpu
+            spent = [ns - before.get(tid, 0) for tid, ns in thread_cpu_ns(proc.pid).items()]
+            cpu, loop = sum(spent), max(spent)
             times.sort()
             out[kind] = {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(len(times) * 0.99)] * 1e6,
-                         "cpu_us": cpu / requests / 1e3}
+                         "cpu_us": cpu / requests / 1e3, "loop_cpu_us": loop / requests / 1e3}
         conn.close()
         return out
     finally:
@@ -335,7 +337,7 @@ def main() -> None:
                 print(f"proxy round {r + 1}: {mode} {runs[mode][-1]}", file=sys.stderr, flush=True)
             time.sleep(6)  # the on mode's last batch (the exporter's schedule is 5 s; the proxy flushes on SIGTERM)
             proxy = {f"{kind} {what}": {m: statistics.median(run[kind][what] for run in runs[m]) for m in modes}
-                     for kind in ("json", "stream") for what in ("p50_us", "p99_us", "cpu_us")}
+                     for kind in ("json", "stream") for what in ("p50_us", "p99_us", "cpu_us", "loop_cpu_us")}
             report["proxy"] = proxy
             report["proxy_spans"] = spans_received(urls["prefill"])
             print_table(f"the proxy: {args.requests} requests a kind and mode a round, medians over {args.rounds} "
