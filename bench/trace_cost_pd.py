@@ -1,22 +1,24 @@
-"""The cost of the P/D proxy's and the vLLM connector's spans (docs/tracing.md), off and with every request sampled;
-the daemon's is bench/trace_cost.py.
+"""The cost of the P/D proxy's and the vLLM connector's spans (docs/tracing.md): off, on with nothing sampled, on with
+every request sampled; the daemon's is bench/trace_cost.py.
 
 1. The proxy (`python -m kvbroker.integrations.vllm_proxy`, a process of its own) in front of a fake prefill and a
    fake decode server (aiohttp, answering as vLLM's OpenAI server does, in a helper process beside an OTLP/gRPC sink
    that counts what it is sent): one client on one keep-alive connection sends `--requests` non-streamed completions,
    then as many streamed ones (16 chunks and `[DONE]`). Modes, alternating round by round (each one first in turn):
    **off** (no OTEL_* settings, no flag), **before** (`--before TREE`: the proxy of another source tree, e.g. the
-   commit before tracing), **on-100%** (`--otlp-traces-endpoint` to the sink, `OTEL_TRACES_SAMPLER=always_on`: three
-   spans a request, exported). Per mode: the client's latency p50/p99 and the proxy's CPU a request (every thread's,
-   from /proc/<pid>/task/*/schedstat, the exporter's included; and the busiest thread's alone, the event loop's: the
-   requests' own work), medians over rounds, and their ratios to off.
+   commit before tracing), **on-0%** (`--otlp-traces-endpoint` to the sink, `OTEL_TRACES_SAMPLER=traceidratio` at 0:
+   tracing on, no request sampled: non-recording spans, nothing exported), **on-100%** (the same,
+   `OTEL_TRACES_SAMPLER=always_on`: three spans a request, exported). Per mode: the client's latency p50/p99 and the
+   proxy's CPU a request (every thread's, from /proc/<pid>/task/*/schedstat, the exporter's included; and the busiest
+   thread's alone, the event loop's: the requests' own work), medians over rounds, and their ratios to off.
 2. The connector's scheduler side (`SchedulerSide`, in this process, driven as vLLM drives it and as
    tests/unit/test_trace_spans.py does): a decode request that pulls (arrival, matched tokens, allocation, the step's
    plan, the workers' transfer, the pull's end, the next step's output, finished: wait_in_queue and pull spans) and
    a prefill request that grants (finished, its grant, the hold's end: grant and hold spans), the daemon replaced by
    a stub that returns a grant at once (so only the hooks are timed). Spans off (`spans` None: what every request
-   pays) against on (a provider of its own exporting over OTLP/gRPC to the sink, every trace sampled, flushed inside
-   the timed block); microseconds a request of wall time, of this thread's CPU and of the process's (exporter).
+   pays) against on (a provider of its own exporting over OTLP/gRPC to the sink, flushed inside the timed block),
+   the requests' trace (the proxy's leg) unsampled or sampled; microseconds a request of wall time, of this thread's
+   CPU and of the process's (the exporter's thread too).
 
     git archive c7018f4 | (mkdir -p /tmp/kvb-c7018f4 && tar -x -C /tmp/kvb-c7018f4)    # the proxy before its spans
     .venv/bin/python bench/trace_cost_pd.py --before /tmp/kvb-c7018f4 --rounds 5
@@ -149,6 +151,14 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
     return times
 
 
+def settled(url: str, expected: int, within: float = 15.0) -> int:
+    """The spans the sink received, once they are `expected` (or `within` seconds passed: then fewer, said)."""
+    deadline = time.monotonic() + within
+    while (n := spans_received(url)) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return n
+
+
 # -- 1. the proxy -----------------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -170,6 +180,13 @@ def post(conn: http.client.HTTPConnection, stream: bool) -> float:
     return took
 
 
+WARM_UPS = 100
+SPANS_A_REQUEST = 3
+"""The proxy's: pd.request, pd.prefill, pd.decode."""
+SPANS_A_PAIR = 4
+"""The connector's, a decode request's and a prefill request's: wait_in_queue, pull; grant, hold."""
+
+
 def run_proxy(env: dict[str, str], extra: list[str], urls: dict[str, str], requests: int) -> dict[str, Any]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvbroker.integrations.vllm_proxy", "--prefill", urls["prefill"],
@@ -186,7 +203,7 @@ def run_proxy(env: dict[str, str], extra: list[str], urls: dict[str, str], reque
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("the proxy did not start") from None
                 time.sleep(0.1)
-        for i in range(100):  # warm-up: both kinds, the upstream connections made
+        for i in range(WARM_UPS):  # warm-up: both kinds, the upstream connections made
             post(conn, i % 2 == 1)
         out: dict[str, Any] = {}
         for kind, stream in (("json", False), ("stream", True)):
@@ -198,6 +215,7 @@ def run_proxy(env: dict[str, str], extra: list[str], urls: dict[str, str], reque
             out[kind] = {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(len(times) * 0.99)] * 1e6,
                          "cpu_us": cpu / requests / 1e3, "loop_cpu_us": loop / requests / 1e3}
         conn.close()
+        out["requests"] = 1 + WARM_UPS + 2 * requests
         return out
     finally:
         proc.terminate()
@@ -226,8 +244,8 @@ class _StubClient:
         pass
 
 
-def connector_sides(endpoint: str) -> tuple[Any, Any, Any]:
-    """(a decode side, a prefill side, the provider of the spans on them: None until set)."""
+def connector_sides() -> tuple[Any, Any, str]:
+    """A decode side, a prefill side (its daemon a stub) and their layout tag; no spans."""
     from kvbroker.integrations.vllm.config import ConnectorConfig
     from kvbroker.integrations.vllm.layout import KvLayout
     from kvbroker.integrations.vllm.params import WorkerEndpoint
@@ -247,7 +265,18 @@ def connector_sides(endpoint: str) -> tuple[Any, Any, Any]:
     return decode, prefill, tag
 
 
-def drive(decode: Any, prefill: Any, tag: str, n: int, provider: Any) -> dict[str, float]:
+@dataclass
+class ConnectorMode:
+    decode: Any
+    prefill: Any
+    tag: str
+    provider: Any = None
+    """Where the spans go (flushed at the end of each timed block); None: spans off."""
+    sampled: bool = True
+    """The requests' trace (the proxy's leg) is sampled: their spans are recorded and exported."""
+
+
+def drive(mode: ConnectorMode, n: int) -> dict[str, float]:
     """`n` decode requests that pull and `n` prefill requests that grant, each through its scheduler hooks;
     microseconds a request (a pair): wall, this thread's CPU, the process's CPU (the span exporter's thread too)."""
     from kvbroker.integrations.vllm.params import WorkerEndpoint, prefill_output_params
@@ -255,9 +284,11 @@ def drive(decode: Any, prefill: Any, tag: str, n: int, provider: Any) -> dict[st
     from kvbroker.types import Grant
 
     grant = Grant(bytes(range(16)), bytes(range(32)))
-    remote = prefill_output_params({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, tag)}, "engine-p", "p-req",
+    decode, prefill = mode.decode, mode.prefill
+    remote = prefill_output_params({0: WorkerEndpoint(0, 1, "127.0.0.1:1", 5, mode.tag)}, "engine-p", "p-req",
                                    [list(range(16))], 500, grant)
-    leg = {"kvbroker_traceparent": "00-5bf92f3577b34da6a3ce929d0e0e4736-10f067aa0ba902b7-01"}
+    flags = "01" if mode.sampled else "00"
+    leg = {"kvbroker_traceparent": f"00-5bf92f3577b34da6a3ce929d0e0e4736-10f067aa0ba902b7-{flags}"}
     blocks = list(range(50, 66))
     transfer = RequestTransfer(0.01, 16 * 32 * 16384, "shm", 500)
     wall = 0.0
@@ -282,22 +313,25 @@ def drive(decode: Any, prefill: Any, tag: str, n: int, provider: Any) -> dict[st
             prefill.spans.holds_ended({p.request_id})
         wall += time.perf_counter() - started
         decode.grants._releases.clear()  # (no thread sends them; both modes alike)
-    if provider is not None:
-        provider.force_flush()  # the export of this block's spans counts in its CPU
+    if mode.provider is not None:
+        mode.provider.force_flush()  # the export of this block's spans counts in its CPU
     return {"wall_us": wall / n * 1e6, "thread_cpu_us": (time.thread_time() - thread0) / n * 1e6,
             "process_cpu_us": (time.process_time() - process0) / n * 1e6}
 
 
-def connector_modes(endpoint: str) -> tuple[dict[str, tuple[Any, Any, Any, Any]], Any]:
+def connector_modes(endpoint: str) -> tuple[dict[str, ConnectorMode], Any]:
+    """Spans off; on, the requests' traces unsampled (the proxy sampled them out: the spans follow its decision);
+    on, every one sampled."""
     from kvbroker.integrations import otel
     from kvbroker.integrations.vllm.spans import RequestSpans
 
     provider = otel.own_provider("trace-cost-pd", endpoint, sampler_ratio=1.0)
-    off_d, off_p, tag = connector_sides(endpoint)
-    on_d, on_p, _ = connector_sides(endpoint)
-    on_d.spans = RequestSpans(provider.get_tracer("kvbroker.vllm"), "engine-d", "tiny")
-    on_p.spans = RequestSpans(provider.get_tracer("kvbroker.vllm"), "engine-p", "tiny")
-    return {"off": (off_d, off_p, tag, None), "on-100%": (on_d, on_p, tag, provider)}, provider
+    modes = {"off": ConnectorMode(*connector_sides())}
+    for name, sampled in (("on-unsampled", False), ("on-100%", True)):
+        mode = modes[name] = ConnectorMode(*connector_sides(), provider, sampled)
+        mode.decode.spans = RequestSpans(provider.get_tracer("kvbroker.vllm"), "engine-d", "tiny")
+        mode.prefill.spans = RequestSpans(provider.get_tracer("kvbroker.vllm"), "engine-p", "tiny")
+    return modes, provider
 
 
 # -- the run ----------------------------------------------------------------------------------------------------------
@@ -328,38 +362,47 @@ def main() -> None:
                                                                           [])}
             if args.before is not None:
                 modes["before"] = ({**base, "PYTHONPATH": str(args.before.resolve() / "client")}, [])
+            traced = ["--otlp-traces-endpoint", urls["otlp"]]
+            modes["on-0%"] = ({**base, "PYTHONPATH": str(TREE / "client"), "OTEL_TRACES_SAMPLER": "traceidratio",
+                               "OTEL_TRACES_SAMPLER_ARG": "0"}, traced)
             modes["on-100%"] = ({**base, "PYTHONPATH": str(TREE / "client"), "OTEL_TRACES_SAMPLER": "always_on"},
-                                ["--otlp-traces-endpoint", urls["otlp"]])
+                                traced)
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for r, mode in rotations(list(modes), args.rounds):
                 loads.append(os.getloadavg()[0])
                 runs[mode].append(run_proxy(*modes[mode], urls, args.requests))
                 print(f"proxy round {r + 1}: {mode} {runs[mode][-1]}", file=sys.stderr, flush=True)
-            time.sleep(6)  # the on mode's last batch (the exporter's schedule is 5 s; the proxy flushes on SIGTERM)
+            sent = sum(run["requests"] for run in runs["on-100%"])
+            report["proxy_spans"] = settled(urls["prefill"], SPANS_A_REQUEST * sent)
+            report["proxy_spans_expected"] = SPANS_A_REQUEST * sent
             proxy = {f"{kind} {what}": {m: statistics.median(run[kind][what] for run in runs[m]) for m in modes}
                      for kind in ("json", "stream") for what in ("p50_us", "p99_us", "cpu_us", "loop_cpu_us")}
             report["proxy"] = proxy
-            report["proxy_spans"] = spans_received(urls["prefill"])
             print_table(f"the proxy: {args.requests} requests a kind and mode a round, medians over {args.rounds} "
-                        f"rounds; spans received with tracing on: {report['proxy_spans']}", proxy, list(modes))
+                        f"rounds; spans received with tracing on: {report['proxy_spans']} of "
+                        f"{report['proxy_spans_expected']}", proxy, list(modes))
         if args.skip != "connector":
             sides, provider = connector_modes(urls["otlp"])
             before_spans = spans_received(urls["prefill"])
             cruns: dict[str, list[dict[str, float]]] = {m: [] for m in sides}
             for mode in sides:  # warm-up (imports, first spans)
-                drive(*sides[mode][:3], 200, sides[mode][3])
+                drive(sides[mode], WARM_UPS)
             for r, mode in rotations(list(sides), args.rounds):
                 loads.append(os.getloadavg()[0])
-                cruns[mode].append(drive(*sides[mode][:3], args.connector_requests, sides[mode][3]))
+                cruns[mode].append(drive(sides[mode], args.connector_requests))
                 print(f"connector round {r + 1}: {mode} {cruns[mode][-1]}", file=sys.stderr, flush=True)
             provider.shutdown()
             connector = {what: {m: statistics.median(run[what] for run in cruns[m]) for m in sides}
                          for what in ("wall_us", "thread_cpu_us", "process_cpu_us")}
             report["connector"] = connector
-            report["connector_spans"] = spans_received(urls["prefill"]) - before_spans
+            # (the unsampled mode's requests export nothing)
+            report["connector_spans_expected"] = SPANS_A_PAIR * (WARM_UPS + args.rounds * args.connector_requests)
+            report["connector_spans"] = settled(urls["prefill"], before_spans + report["connector_spans_expected"]
+                                                ) - before_spans
             print_table(f"the connector: a decode request that pulls + a prefill request that grants, us a pair, "
                         f"{args.connector_requests} pairs a mode a round, medians over {args.rounds} rounds; spans "
-                        f"received: {report['connector_spans']}", connector, list(sides))
+                        f"received: {report['connector_spans']} of {report['connector_spans_expected']}", connector,
+                        list(sides))
     report["load"] = [min(loads), max(loads)] if loads else []
     print(f"load average (1 min) {min(loads):.1f}-{max(loads):.1f}" if loads else "")
     print(json.dumps(report))
@@ -368,10 +411,10 @@ def main() -> None:
 def print_table(title: str, table: dict[str, dict[str, float]], modes: list[str]) -> None:
     print(title)
     others = [m for m in modes if m != "off"]
-    print(f"{'':<16s}" + "".join(f"{m:>10s}" for m in modes) + "".join(f"{m + '/off':>14s}" for m in others))
+    print(f"{'':<18s}" + "".join(f"{m:>13s}" for m in modes) + "".join(f"{m + '/off':>18s}" for m in others))
     for name, row in table.items():
-        print(f"{name:<16s}" + "".join(f"{row[m]:>10.1f}" for m in modes)
-              + "".join(f"{row[m] / row['off']:>14.3f}" for m in others))
+        print(f"{name:<18s}" + "".join(f"{row[m]:>13.1f}" for m in modes)
+              + "".join(f"{row[m] / row['off']:>18.3f}" for m in others))
 
 
 if __name__ == "__main__":
