@@ -348,6 +348,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000, help="proxy requests per kind (json, stream) and mode")
     p.add_argument("--connector-requests", type=int, default=3000, help="connector request pairs per mode and round")
     p.add_argument("--skip", default="", help="'proxy' or 'connector'")
+    p.add_argument("--proxy-modes", default="off,before,on-0%,on-100%",
+                   help="the proxy's modes (off is always measured; before needs --before)")
     p.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_fakes:
@@ -367,12 +369,14 @@ def main() -> None:
                                "OTEL_TRACES_SAMPLER_ARG": "0"}, traced)
             modes["on-100%"] = ({**base, "PYTHONPATH": str(TREE / "client"), "OTEL_TRACES_SAMPLER": "always_on"},
                                 traced)
+            wanted = {"off", *args.proxy_modes.split(",")}
+            modes = {m: how for m, how in modes.items() if m in wanted}
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for r, mode in rotations(list(modes), args.rounds):
                 loads.append(os.getloadavg()[0])
                 runs[mode].append(run_proxy(*modes[mode], urls, args.requests))
                 print(f"proxy round {r + 1}: {mode} {runs[mode][-1]}", file=sys.stderr, flush=True)
-            sent = sum(run["requests"] for run in runs["on-100%"])
+            sent = sum(run["requests"] for run in runs.get("on-100%", []))
             report["proxy_spans"] = settled(urls["prefill"], SPANS_A_REQUEST * sent)
             report["proxy_spans_expected"] = SPANS_A_REQUEST * sent
             proxy = {f"{kind} {what}": {m: statistics.median(run[kind][what] for run in runs[m]) for m in modes}
