@@ -76,3 +76,23 @@ def test_walk_bench_follows_one_request_from_the_servicer_to_the_data_plane() ->
                 "kvbrokerd/backends/shm/backend.py"} <= set(r["visits"]), (form, r["visits"])
         assert not any("_pb2" in f for f in r["visits"]), r["visits"]
         assert r["stays"] == sum(r["visits"].values()) and r["returns"] == r["stays"] - r["files"]
+
+
+def test_trace_cost_pd_bench_measures_each_mode_and_every_span_reaches_its_sink() -> None:
+    """The proxy (off, a 'before' tree: this one, on at 0% and at 100%) and the connector's hooks (off, on with
+    unsampled and sampled requests): every span sampled is exported to the bench's OTLP sink (3 a proxied request,
+    4 a decode + prefill pair), and none that is not."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_cost_pd.py"), "--before", str(ROOT),
+                          "--rounds", "1", "--requests", "3", "--connector-requests", "5"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert set(report["proxy"]) == {f"{kind} {what}" for kind in ("json", "stream")
+                                    for what in ("p50_us", "p99_us", "cpu_us", "loop_cpu_us")}
+    for row in report["proxy"].values():
+        assert set(row) == {"off", "before", "on-0%", "on-100%"} and all(v > 0 for v in row.values()), row
+    assert report["proxy_spans"] == report["proxy_spans_expected"] == 3 * (1 + 100 + 2 * 3)
+    assert set(report["connector"]) == {"wall_us", "thread_cpu_us", "process_cpu_us"}
+    for row in report["connector"].values():
+        assert set(row) == {"off", "on-unsampled", "on-100%"} and all(v > 0 for v in row.values()), row
+    assert report["connector_spans"] == report["connector_spans_expected"] == 4 * (100 + 5)
