@@ -109,6 +109,7 @@ def test_prefill_params_round_trip_with_nixl_key_names() -> None:
     ({"kvbroker_grant": 5}, "malformed"),
     ({"tp_size": 0}, "no prefill rank"),
     ({"remote_engine_id": "e" * 200}, "too long"),
+    ({"kvbroker_layout_tag": "vllm-kv/7 " + "x=1 " * 5000}, "at most 16384"),  # before any hook parses it
 ])
 def test_unusable_params_are_refused(change: dict[str, Any], message: str) -> None:
     params = {**prefill_output_params(ENDPOINTS, "engine-p", "req-1", [[3]], 10, GRANT), **change}

@@ -31,10 +31,13 @@ they differ (`remap.settle`). `kvbroker_token_units` (existing configs) makes th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import re
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +68,8 @@ CPU_ISA_MEMORY = {"vec": MEMORY_CPU, "vec16": MEMORY_CPU, "amx": MEMORY_CPU_AMX}
 AMX_TILE_TOKENS = 16
 # An MLA block: [block_size, head_size] of one latent vector per token, the same on every TP rank.
 MEMORY_MLA = "mla:block.token.dim"
+TAGS_CACHED = 128
+"""Layout tags whose parse is kept (a deployment meets a few: its engines' shapes)."""
 FULL_ATTENTION = "full"
 MAMBA = "mamba"
 MAX_GROUPS = 64
@@ -310,13 +315,16 @@ def compat_fields(layout: KvLayout) -> dict[str, str]:
     return layout.fields()
 
 
-def parse_tag(tag: str) -> dict[str, str]:
+@functools.lru_cache(maxsize=TAGS_CACHED)
+def parse_tag(tag: str) -> Mapping[str, str]:
+    """A tag's fields (read-only: the same answer is handed to every caller). Cached: a request's hooks read the
+    same peer tag many times, and tags are bounded (`params.MAX_LAYOUT_TAG_CHARS`)."""
     version, _, rest = tag.partition(" ")
     out = {"version": version}
     for item in rest.split():
         k, _, v = item.partition("=")
         out[k] = v
-    return out
+    return types.MappingProxyType(out)
 
 
 def explain_mismatch(ours: str, theirs: str) -> str:
@@ -329,6 +337,7 @@ def explain_mismatch(ours: str, theirs: str) -> str:
     return "; ".join(diffs) or f"local {ours!r} vs remote {theirs!r}"
 
 
+@functools.lru_cache(maxsize=TAGS_CACHED)
 def layout_of_tag(tag: str) -> KvLayout:
     """The layout a peer described in its tag (ValueError if a field is missing or malformed)."""
     f = parse_tag(tag)

@@ -167,6 +167,11 @@ def prefill_output_params(endpoints: Mapping[int, WorkerEndpoint], engine_id: st
     }
 
 
+MAX_LAYOUT_TAG_CHARS = 16384
+"""A layout tag is a few hundred characters (a GPU engine's runs and geometry, a Mamba state's shapes: a few
+thousand); one from a request's params is refused past this, before any hook parses it."""
+
+
 def _stage_count(layout_tag: str) -> int:
     split = parse_tag(layout_tag).get("pp", NO_SPLIT)
     return 1 if split == NO_SPLIT else split.count(",") + 1
@@ -202,6 +207,9 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteKv:
         raise BadTransferParams(f"malformed kv_transfer_params: {e}") from None
     if not remote.tp_size:
         raise BadTransferParams("kv_transfer_params name no prefill rank (tp_size 0)")
+    if len(remote.layout_tag) > MAX_LAYOUT_TAG_CHARS:
+        raise BadTransferParams(f"kvbroker_layout_tag is {len(remote.layout_tag)} characters; at most "
+                                f"{MAX_LAYOUT_TAG_CHARS}")
     if len(release_topic(remote.engine_id, remote.tp_size)) > MAX_TOPIC_BYTES:
         raise BadTransferParams(f"remote_engine_id is too long ({len(remote.engine_id)} characters)")
     return remote

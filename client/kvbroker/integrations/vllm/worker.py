@@ -32,7 +32,7 @@ from kvbroker.integrations.vllm.cuda_remap import Geometry, NoRemap, read_geomet
 from kvbroker.integrations.vllm.cuda_remap import plan_pull as cuda_remap_pull
 from kvbroker.integrations.vllm.gpu import GpuKv, open_gpu_kv
 from kvbroker.integrations.vllm.grants import PeerLinks
-from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag, parse_tag
+from kvbroker.integrations.vllm.layout import MEMORY_MLA, KvLayout, layout_of_tag
 from kvbroker.integrations.vllm.lifecycle import session_id
 from kvbroker.integrations.vllm.loads import LoadOutcome, PullItem, StepLoads
 from kvbroker.integrations.vllm.memory import DaemonKvAllocation
@@ -347,9 +347,9 @@ class WorkerSide:
             return None
         timeout = self.config.pull_timeout_s
         dst = self.cache.cache_id
-        if self.layout.physical and (remote.tp_size != self.layout.tp_size or parse_tag(remote.layout_tag).get(
-                "block") != str(self.layout.block_size)):  # a GPU engine of another shape (cuda_remap.refusal)
-            return self._gpu_remap_items(spec)
+        if self.layout.physical and (remote.tp_size != self.layout.tp_size or
+                                     layout_of_tag(remote.layout_tag).block_size != self.layout.block_size):
+            return self._gpu_remap_items(spec)  # a GPU engine of another shape (cuda_remap.refusal mapped it)
         if self.layout.physical:  # a GPU engine: whole blocks, rank to rank (remap.refusal saw equal shapes)
             if self.rank >= remote.tp_size:
                 log.error("request %s: prefill engine has %d TP ranks, this is rank %d", spec.request_id,
