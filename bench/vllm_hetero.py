@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     args = ap.parse_args()
     tokens, layers, heads = args.tokens, args.layers, args.heads
     blocks = tokens // 32 + 2
@@ -65,6 +66,7 @@ def main() -> None:
              ("blocks 32 -> 64, default settings (views)", 1, 32, 1, 64, 0, "views"),
              ("blocks 64 -> 32, default settings (views)", 1, 64, 1, 32, 0, "views"),
              ("tp2 blocks 64 -> tp1 blocks 32, default settings (views)", 2, 64, 1, 32, 0, "views")]
+    cases = [c for c in cases if args.only in c[0]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalDaemon(Path(tmp), 61, backends=("shm",)) as p_daemon, \
             LocalDaemon(Path(tmp), 62, backends=("shm",)) as d_daemon, p_daemon.client() as p, \

@@ -1,5 +1,6 @@
 """PullKvBlocksSession between real daemons: a step of pulls as one message, each pull with its own outcome (the one
-PullKvBlocks would give), one job per peer and cache, failures that stay with their pull, and every bound."""
+PullKvBlocks would give), one job per peer and cache (over shm, per peer and destination cache), failures that stay
+with their pull, and every bound."""
 
 from __future__ import annotations
 
@@ -388,3 +389,86 @@ def test_a_failed_job_gives_each_pull_its_own_report(trio: Trio) -> None:
     finally:
         trio.pc.deallocate_cache(src)
         trio.dc.deallocate_cache(dst)
+
+
+# -- pulls from several caches of one peer (a decode rank gathering the prefill's TP ranks) ----------------------------
+
+def _pull_from(trio: Trio, cache: Cache, pull_id: int, src: list[int], dst: list[int]) -> broker_pb2.SessionPull:
+    return broker_pb2.SessionPull(id=pull_id, timeout_ms=20_000, pull=broker_pb2.PullKvBlocksRequest(
+        src_cache_index=types_pb2.CacheIndex(cluster_id=trio.p.cluster_id, cache_id=cache.cache_id),
+        dst_cache_id=trio.dst.cache_id, src_blocks=src, dst_blocks=dst))
+
+
+def test_pulls_from_two_caches_of_one_peer_into_one_cache_run_as_one_job(trio: Trio) -> None:
+    """A step's pulls from two of the peer's caches (a decode rank's from two prefill ranks) that write apart run as
+    one data-plane job over both caches (shm), and the destination holds each source's own bytes."""
+    second = trio.pc.allocate_cache(DESC)
+    try:
+        fill(second, 7)
+        before = snapshot(trio.dst)
+        msg = broker_pb2.PullSessionRequest(pulls=[_pull_from(trio, trio.src, 1, [1, 2, 9], [30, 31, 40]),
+                                                   _pull_from(trio, second, 2, [1, 2, 5], [32, 33, 41]),
+                                                   _pull_from(trio, trio.src, 3, [3], [42])])
+        completions = _raw_session(trio, [msg], 3)
+        assert {c.status for c in completions} == {"LLM_SUCCESS"}, completions
+        assert len({c.metadata["job"] for c in completions}) == 1
+        expected = expected_pull(trio.src, before, [1, 2, 9, 3], [30, 31, 40, 42], range(4), range(4))
+        assert_bytes_equal(trio.dst.tensors, expected_pull(second, expected, [1, 2, 5], [32, 33, 41], range(4),
+                                                           range(4)))
+    finally:
+        trio.pc.deallocate_cache(second)
+
+
+def test_pulls_from_two_caches_writing_one_block_are_two_jobs_that_both_land(trio: Trio) -> None:
+    """Pulls from two caches that write one destination block are never one job: each lands (the block claims
+    order them) and the block holds one of the two sources."""
+    second = trio.pc.allocate_cache(DESC)
+    try:
+        fill(second, 8)
+        msg = broker_pb2.PullSessionRequest(pulls=[_pull_from(trio, trio.src, 1, [1, 2], [50, 51]),
+                                                   _pull_from(trio, second, 2, [3, 4], [51, 52])])
+        completions = _raw_session(trio, [msg], 2)
+        assert {c.status for c in completions} == {"LLM_SUCCESS"}, completions
+        assert len({c.metadata["job"] for c in completions}) == 2
+        for s, q, d in zip(trio.src.tensors, second.tensors, trio.dst.tensors, strict=True):
+            s, q, d = (t.reshape(t.shape[0], -1).view(np.uint8) for t in (s, q, d))
+            assert np.array_equal(d[50], s[1]) and np.array_equal(d[52], q[4])
+            assert np.array_equal(d[51], s[2]) or np.array_equal(d[51], q[3])
+    finally:
+        trio.pc.deallocate_cache(second)
+
+
+def test_a_refused_pull_from_one_of_two_caches_fails_alone(trio: Trio) -> None:
+    """A pull from the second cache that names a block out of range is refused with PullKvBlocks' status, and
+    writes nothing; the pulls from the first cache land."""
+    second = trio.pc.allocate_cache(DESC)
+    try:
+        fill(second, 9)
+        before = snapshot(trio.dst)
+        msg = broker_pb2.PullSessionRequest(pulls=[_pull_from(trio, trio.src, 1, [4, 5], [55, 56]),
+                                                   _pull_from(trio, second, 2, [6, 64], [57, 58])])
+        completions = {c.id: c for c in _raw_session(trio, [msg], 2)}
+        assert completions[1].status == "LLM_SUCCESS"
+        assert completions[2].status == "LLM_PARAM_INVALID" and "out of range" in completions[2].message
+        assert_bytes_equal(trio.dst.tensors, expected_pull(trio.src, before, [4, 5], [55, 56], range(4), range(4)))
+    finally:
+        trio.pc.deallocate_cache(second)
+
+
+def test_a_source_gone_fails_the_job_over_both_caches_and_reports_each_pulls_blocks(trio: Trio) -> None:
+    """The second cache deallocated once the daemon knows it: the job over both caches fails with
+    LLM_KV_CACHE_NOT_EXIST, each pull reports its own blocks, and the next step from the first cache lands."""
+    second = trio.pc.allocate_cache(DESC)
+    fill(second, 10)
+    trio.dc.pull_kv_blocks(CacheIndex(trio.p.cluster_id, second.cache_id), trio.dst, [0], [60])  # known to d
+    trio.pc.deallocate_cache(second)
+    msg = broker_pb2.PullSessionRequest(pulls=[_pull_from(trio, trio.src, 1, [4, 5], [59, 60]),
+                                               _pull_from(trio, second, 2, [6], [61])])
+    completions = {c.id: c for c in _raw_session(trio, [msg], 2)}
+    assert completions[2].status == "LLM_KV_CACHE_NOT_EXIST", completions[2]
+    assert completions[1].status in ("LLM_SUCCESS", "LLM_KV_CACHE_NOT_EXIST"), completions[1]
+    if completions[1].status != "LLM_SUCCESS":
+        assert set(completions[1].report.failed_dst_blocks) <= {59, 60}
+    assert set(completions[2].report.failed_dst_blocks) <= {61}
+    again = _raw_session(trio, [broker_pb2.PullSessionRequest(pulls=[_pull_from(trio, trio.src, 3, [4], [59])])], 1)
+    assert again[0].status == "LLM_SUCCESS", again[0]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvbroker import CacheDesc, DataType, LlmStatus, ParamInvalidError, blockruns
 from kvbrokerd.dataplane.pairs import BlockPairs, block_array, coalesce
 from kvbrokerd.dataplane.plan import Progress
-from kvbrokerd.transfers.planner import LayerSelection, plan_blocks, plan_pairs
+from kvbrokerd.transfers.planner import LayerSelection, plan_blocks, plan_pairs, side_by_side
 
 DESC = CacheDesc(num_tensors=4, shape=(16, 8), data_type=DataType.FLOAT16)  # 16 bytes per block
 
@@ -152,3 +152,19 @@ def test_a_plan_from_stretches_is_the_plan_of_their_blocks(stretches: list[tuple
     for column in ("src_tensor", "src_offset", "dst_tensor", "dst_offset", "length"):
         assert np.array_equal(getattr(got, column), getattr(want, column)), column
     assert np.array_equal(got.destination_blocks(), want.destination_blocks())
+
+
+def test_plans_side_by_side_shift_each_sources_tensors_and_keep_strides() -> None:
+    """Two sources' strided plans as one (a pull from two caches of one peer): the second's source tensors follow
+    the first cache's, counts and strides stay, and the destination blocks are both plans' (unwritten until asked)."""
+    desc = CacheDesc(num_tensors=2, shape=(64, 16), data_type=DataType.UINT8)
+    first = BlockPairs.of_runs(blockruns.check([0], [0], [2], [4], [4], [4]))  # src 0-1, 4-5...; dst 0-1, 4-5...
+    second = BlockPairs.of_runs(blockruns.check([0], [2], [2], [4], [4], [4]))  # dst 2-3, 6-7...
+    plans = [plan_pairs(desc, desc, p, LayerSelection()) for p in (first, second)]
+    assert all(p.strided for p in plans)
+    one = side_by_side(plans, [0, desc.num_tensors])
+    assert one.strided and one.src_tensor.tolist() == [0, 1, 2, 3]
+    assert one.dst_tensor.tolist() == [0, 1, 0, 1]
+    assert one.count is not None and one.count.tolist() == [4, 4, 4, 4]
+    assert one.total_bytes == sum(p.total_bytes for p in plans)
+    assert sorted(one.destination_blocks().tolist()) == sorted(range(16))

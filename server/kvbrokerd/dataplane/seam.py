@@ -207,6 +207,9 @@ class PeerChannel(abc.ABC):
     copies_strided: bool = False
     """Whether `pull`/`push` take strided plans (`Plan.count`); others get the plan with every repetition written
     out as a run (`Plan.plain`)."""
+    pulls_from_several: bool = False
+    """Whether `pull_several` runs one plan over several of the peer's caches (a decode rank's pulls from the
+    prefill's TP ranks, one job); others get one job per remote cache."""
 
     @abc.abstractmethod
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
@@ -221,6 +224,13 @@ class PeerChannel(abc.ABC):
     def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
         """The mirror of `pull`: writes every run of `plan` from the local `src` cache into the peer's `remote` cache
         (one-sided write where the backend has it; `tcp` sends and the peer writes)."""
+
+    def pull_several(self, remotes: Sequence[RemoteCache], dst: CacheEntry, plan: Plan, progress: Progress,
+                     deadline: float) -> int:
+        """`pull` from several of the peer's caches at once (channels with `pulls_from_several`): the plan's source
+        tensors are the `remotes`' tensors one cache after the other (the second cache's first tensor is index
+        `remotes[0].desc.num_tensors`). An error names the cache it is about (`cache_id`)."""
+        raise NotImplementedError
 
     def runs_inline(self, plan: Plan) -> bool:
         """True when `pull` is cheap and never waits on a peer, so the event loop may call it directly: a thread

@@ -9,7 +9,11 @@ transfer never writes one.
   the link's backend can move;
 - plan: transfers that name the same caches, layers and `share` are planned as one (a session's step: one claim, one
   pin, one data-plane job), up to a job's bytes. If that plan is refused, each is planned alone, so that the refusal
-  is the guilty one's, and the others run together again where no two write one block.
+  is the guilty one's, and the others run together again where no two write one block. Pulls from several of the
+  peer's caches into one cache (a decode rank's from the prefill's TP ranks), same layers and `share`, are one job
+  where the link's channel runs one over several caches (shm: `pull_several`): each cache's pulls checked and
+  planned as they are alone, then their destinations checked apart across the caches; if any of that fails, each
+  cache's pulls are prepared on their own, as above.
 
 A transfer refused on the way has its `error` set and is in no job; the others are unaffected.
 """
@@ -35,7 +39,7 @@ from kvbrokerd.links.grantcache import HOLD_MARGIN_S
 from kvbrokerd.links.table import Link, LinkTable
 from kvbrokerd.registry import devicemem
 from kvbrokerd.registry.caches import CacheEntry, Registry
-from kvbrokerd.transfers.planner import LayerSelection, concatenated, plan_pairs
+from kvbrokerd.transfers.planner import LayerSelection, concatenated, plan_pairs, side_by_side
 from kvbrokerd.transfers.requests import BlocksRequest, Direction, Job
 from kvbrokerd.transfers.tracking import Deadline
 
@@ -82,10 +86,20 @@ class Pipeline:
         for t in transfers:
             if t.error is None:
                 r = t.request
-                groups.setdefault((t.direction, r.remote_cache_id, r.local_cache_id, r.layers, t.share), []).append(t)
+                groups.setdefault((t.direction, r.local_cache_id, r.layers, t.share), []).append(t)
         jobs: list[Prepared] = []
         for group in groups.values():
-            jobs.extend(await self._plan_group(group))
+            by_cache: dict[int, list[Transfer]] = {}
+            for t in group:
+                if self._check(t):
+                    by_cache.setdefault(t.request.remote_cache_id, []).append(t)
+            if len(by_cache) > 1 and group[0].direction == Direction.PULL:
+                several = await self._plan_sources(list(by_cache.values()))
+                if several is not None:
+                    jobs.append(several)
+                    continue
+            for same in by_cache.values():
+                jobs.extend(await self._plan_group(same))
         return jobs
 
     async def prepare_one(self, direction: Direction, request: BlocksRequest, deadline: Deadline) -> Job:
@@ -227,6 +241,46 @@ class Pipeline:
             jobs.append((job(plan), chunk))
         return jobs
 
+    async def _plan_sources(self, parts: list[list[Transfer]]) -> Prepared | None:
+        """One job for pulls from several of the peer's caches into one cache (a decode rank's pulls from the
+        prefill's TP ranks), on a channel that can run it: each cache's pulls checked and planned as they would be
+        alone, and no two of them writing one destination block. None when any of that fails or does not apply:
+        then each cache's pulls are prepared on their own, so that a refusal is the guilty one's."""
+        transfers = [t for part in parts for t in part]
+        first = transfers[0]
+        r = first.request
+        ready = self._links.links.get(r.remote_cluster_id)
+        if ready is None or ready.channel is None or not ready.channel.pulls_from_several:
+            return None  # (a link that is not READY: `endpoints` says so to each cache's pulls)
+        deadline = min((t.deadline for t in transfers), key=lambda d: d.at)
+        try:
+            with tracing.stage(first.deadline.span, "endpoints"):
+                local, link, remote = await self.endpoints(first.direction, r.remote_cluster_id, r.remote_cache_id,
+                                                           r.local_cache_id, deadline)
+                channel = channel_of(link)
+                if not channel.pulls_from_several:
+                    return None
+                remotes = [remote]
+                for part in parts[1:]:
+                    other = await link.remote_cache(part[0].request.remote_cache_id, deadline.remaining())
+                    devicemem.check_moves(self._links.backends.get(link.backend),
+                                          (f"remote cache {other.cache_id}", other.tensors))
+                    remotes.append(other)
+            bytes_per_block = local.desc.block_nbytes * local.desc.num_tensors
+            if sum(t.request.pairs.num_pairs for t in transfers) * bytes_per_block > self._max_group_bytes:
+                return None
+            with tracing.stage(first.deadline.span, "plan"):
+                pairs = [BlockPairs.joined([t.request.pairs for t in part]) for part in parts]
+                plans = [await self.plan(source.desc, local.desc, each, r.layers)
+                         for source, each in zip(remotes, pairs, strict=True)]
+                if not _write_apart(BlockPairs.joined(pairs), local.desc.num_blocks):
+                    return None
+        except LlmError:
+            return None
+        first_tensors = np.cumsum([0] + [source.desc.num_tensors for source in remotes[:-1]]).tolist()
+        plan = side_by_side(plans, first_tensors)
+        return Job(Direction.PULL, plan, r.local_cache_id, channel, remote, link, sources=tuple(remotes)), transfers
+
     async def _plan_alone(self, chunk: list[Transfer], src: CacheDesc, dst: CacheDesc,
                           job: Callable[[Plan], Job]) -> list[Prepared]:
         """The transfers of a refused plan, each planned alone (a refusal is then the guilty one's own), and those
@@ -253,6 +307,19 @@ def merged_plan(plans: Sequence[Plan]) -> Plan:
     if len(plans) == 1:
         return plans[0]
     return concatenated(plans)  # (strided plans, rare in a merged group, are written out)
+
+
+def _write_apart(pairs: BlockPairs, dst_num_blocks: int) -> bool:
+    """Whether no two of these pairs (each source's already checked on its own) name one destination block, judged
+    without writing them out: False also when that would take long on the loop."""
+    if not pairs.checks_quickly(PLAN_ON_LOOP_MAX_BLOCKS):
+        return False
+    src_max, _ = pairs.bounds()
+    try:
+        pairs.checked_runs(src_max + 1, dst_num_blocks, loop_budget=PLAN_ON_LOOP_MAX_BLOCKS)
+    except (LlmError, TooLongForTheLoop):
+        return False
+    return True
 
 
 def _chunks(transfers: list[Transfer], bytes_per_block: int, max_bytes: int) -> Iterator[list[Transfer]]:

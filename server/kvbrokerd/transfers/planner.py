@@ -194,6 +194,30 @@ def concatenated(plans: Sequence[Plan]) -> Plan:
                 block_nbytes=plans[0].block_nbytes)
 
 
+def side_by_side(plans: Sequence[Plan], first_tensors: Sequence[int]) -> Plan:
+    """Plans from several source caches into one destination as one plan over their tensors side by side (plan i's
+    source tensors shifted by `first_tensors[i]`; `PeerChannel.pull_several`). Strided plans stay strided; their
+    destination blocks stay unwritten when every plan's are."""
+    if not all(p.strided for p in plans):
+        plans = [p.plain() for p in plans]
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in plans])
+
+    src_tensor = np.concatenate([p.src_tensor + np.uint32(first) for p, first in zip(plans, first_tensors,
+                                                                                    strict=True)])
+    strided = plans[0].strided
+    pairs = [p.dst_pairs for p in plans]
+    unwritten = all(q is not None for q in pairs)
+    return Plan(src_tensor=src_tensor, src_offset=column("src_offset"), dst_tensor=column("dst_tensor"),
+                dst_offset=column("dst_offset"), length=column("length"),
+                dst_blocks=_NO_BLOCKS if unwritten else np.concatenate([p.destination_blocks() for p in plans]),
+                block_nbytes=plans[0].block_nbytes, count=column("count") if strided else None,
+                src_stride=column("src_stride") if strided else None,
+                dst_stride=column("dst_stride") if strided else None,
+                dst_pairs=BlockPairs.joined([q for q in pairs if q is not None]) if unwritten else None)
+
+
 def layer_plans(plan: Plan, tensor_num_per_layer: int) -> list[tuple[int, Plan]]:
     """The plan split by destination layer (for layer-wise progress): [(dst layer, sub-plan), ...] in layer order."""
     layer = plan.dst_tensor // np.uint32(tensor_num_per_layer)

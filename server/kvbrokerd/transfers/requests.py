@@ -67,6 +67,9 @@ class Job:
     remote: RemoteCache
     link: Link | None = None
     """None for a local copy (its channel is this daemon's own)."""
+    sources: tuple[RemoteCache, ...] = ()
+    """A pull from several of the peer's caches as one job (`PeerChannel.pull_several`): the caches whose tensors
+    the plan's source tensors index, one cache after the other (`remote` is the first). Empty: `remote` alone."""
 
     @property
     def backend(self) -> str:

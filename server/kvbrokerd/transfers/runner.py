@@ -65,7 +65,7 @@ class JobRunner:
         channel = job.channel
         if not channel.copies_strided:
             plan = plan.plain()
-        on_loop = job.direction == Direction.PULL and channel.runs_on_loop(plan)
+        on_loop = job.direction == Direction.PULL and not job.sources and channel.runs_on_loop(plan)
         inline = job.direction == Direction.PULL and channel.runs_inline(plan)
         if on_loop or inline:
             return await self._run(job, deadline, transfer_id, plan, on_loop, inline)
@@ -193,7 +193,9 @@ class JobRunner:
     @staticmethod
     def _operation(job: Job, plan: Plan, progress: Progress, local: CacheEntry, deadline: Deadline
                    ) -> Callable[[], int]:
-        channel, remote = job.channel, job.remote
+        channel, remote, sources = job.channel, job.remote, job.sources
+        if sources:
+            return lambda: channel.pull_several(sources, local, plan, progress, deadline.at)
         if job.direction == Direction.PULL:
             return lambda: channel.pull(remote, local, plan, progress, deadline.at)
         return lambda: channel.push(local, remote, plan, progress, deadline.at)
@@ -207,7 +209,7 @@ class JobRunner:
     def _report_failure(self, job: Job, e: LlmError, transfer_id: str, progress: Progress) -> None:
         if job.link is not None:
             if e.status == LlmStatus.LLM_KV_CACHE_NOT_EXIST:
-                job.link.forget_cache(job.remote.cache_id)
+                job.link.forget_cache(_cache_of(job, e))
             elif e.status == LlmStatus.LLM_LINK_FAILED:
                 job.link.mark_broken(e.message)
             e.details["cluster_id"] = str(job.link.remote_cluster_id)
@@ -216,3 +218,12 @@ class JobRunner:
             transfer_id=transfer_id, backend=job.backend, stage="transfer",
             failed_dst_blocks=progress.failed_dst_blocks(), bytes_moved=progress.bytes_moved)
         log.warning("transfer %s (%s via %s) failed: %s", transfer_id, job.direction.value, job.backend, e)
+
+
+def _cache_of(job: Job, e: LlmError) -> int:
+    """The remote cache a failure is about: the one it names, of a job over several."""
+    named = e.details.get("cache_id")
+    for remote in job.sources:
+        if str(remote.cache_id) == named:
+            return remote.cache_id
+    return job.remote.cache_id

@@ -3,7 +3,8 @@ with its own deadline and its own terminal state, run with as little per-pull wo
 
 Per pull, only what is the pull's own: its record (`Tracked`: id, metrics) and its outcome. The pulls to one peer
 pass the pipeline together (pipeline.py: those that name the same caches, layers and timeout become one job: one turn
-at the gate, one claim, one pin, one data-plane job); a dead peer's pulls wait only for each other, never for the other
+at the gate, one claim, one pin, one data-plane job; over shm, so do those from several of the peer's caches into one
+cache that write apart); a dead peer's pulls wait only for each other, never for the other
 peers'. If a job fails, every pull of it fails with its status and a report of its own blocks that did not land.
 """
 

@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ from kvbrokerd.backends.shm.control import CONTROL_SUFFIX, NONCE_BYTES, ShmContr
 from kvbrokerd.dataplane.seam import Backend, BackendUnusable, Capabilities, PeerChannel, PeerInfo, RemoteCache
 from kvbrokerd.errors import LlmError, LlmStatus, fail
 from kvbrokerd.registry import shmseg
-from kvbrokerd.registry.endpoint import Endpoint
+from kvbrokerd.registry.endpoint import Endpoint, side_by_side
 
 if TYPE_CHECKING:
     from kvbrokerd.dataplane.plan import Plan, Progress
@@ -178,6 +178,7 @@ class _Opened:
 class ShmChannel(PeerChannel):
     name = NAME
     copies_strided = True  # memcopy copies strided pieces (as plain runs where it cannot copy fault-safely)
+    pulls_from_several = True  # the caches' tensors side by side: one copy, one split over the copy threads
 
     def __init__(self, control: PeerControl, executor: concurrent.futures.Executor, shm_dir: Path,
                  copy_threads: int = 2) -> None:
@@ -224,9 +225,10 @@ class ShmChannel(PeerChannel):
             fail(LlmStatus.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} no longer exists",
                  cache_id=remote.cache_id)
 
-    def _transfer(self, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float,
+    def _transfer(self, remotes: Sequence[RemoteCache], plan: Plan, progress: Progress, deadline: float,
                   endpoints: Callable[[], tuple[Endpoint, Endpoint]]) -> int:
-        self._check_peer(remote)
+        for remote in remotes:
+            self._check_peer(remote)
         src, dst = endpoints()
         landed: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         error: LlmError | None = None
@@ -237,7 +239,8 @@ class ShmChannel(PeerChannel):
             error = e
         # What was copied counts only if the peer still holds the cache: otherwise it was read from, or written
         # into, memory that no longer belongs to it, and every block of the plan is reported as failed.
-        self._check_peer(remote)
+        for remote in remotes:
+            self._check_peer(remote)
         for runs, nbytes, first_repeat in landed:
             progress.mark_runs(runs, nbytes, first_repeat)
         if error is not None:
@@ -245,11 +248,16 @@ class ShmChannel(PeerChannel):
         return plan.total_bytes
 
     def pull(self, remote: RemoteCache, dst: CacheEntry, plan: Plan, progress: Progress, deadline: float) -> int:
-        return self._transfer(remote, plan, progress, deadline,
+        return self._transfer((remote,), plan, progress, deadline,
                               lambda: (self._opened(remote, writable=False).endpoint, dst.endpoint()))
 
+    def pull_several(self, remotes: Sequence[RemoteCache], dst: CacheEntry, plan: Plan, progress: Progress,
+                     deadline: float) -> int:
+        return self._transfer(remotes, plan, progress, deadline, lambda: (
+            side_by_side([self._opened(remote, writable=False).endpoint for remote in remotes]), dst.endpoint()))
+
     def push(self, src: CacheEntry, remote: RemoteCache, plan: Plan, progress: Progress, deadline: float) -> int:
-        return self._transfer(remote, plan, progress, deadline,
+        return self._transfer((remote,), plan, progress, deadline,
                               lambda: (src.endpoint(), self._opened(remote, writable=True).endpoint))
 
     def forget(self, remote: RemoteCache) -> None:
