@@ -60,9 +60,10 @@ def _slots(flat: np.ndarray, layout: KvLayout) -> list[np.ndarray]:
 
 
 def _fill(cache: Cache, layout: KvLayout, rank: int, blocks: list[int], num_tokens: int) -> None:
+    """Each model layer the cache holds (its pipeline stage's: all of them when the engine is not split)."""
     tokens = np.arange(num_tokens)
-    for layer in range(LAYERS):
-        parts = _slots(cache.tensors[layer].reshape(-1), layout)
+    for index, layer in enumerate(layout.stages.layers_of(layout.stage)):
+        parts = _slots(cache.tensors[index].reshape(-1), layout)
         for local, head in enumerate(rank_heads(rank, layout.tp_size, layout.model_kv_heads)):
             for part, slots in enumerate(parts):
                 slots[np.asarray(blocks)[tokens // layout.block_size], local, tokens % layout.block_size] = (
@@ -71,10 +72,10 @@ def _fill(cache: Cache, layout: KvLayout, rank: int, blocks: list[int], num_toke
 
 def _check(buffer: torch.Tensor, layout: KvLayout, rank: int, blocks: list[int], start: int, end: int) -> None:
     flat = buffer.numpy().view(np.float32)
-    per_layer = flat.size // LAYERS
+    per_layer = flat.size // layout.num_layers
     tokens = np.arange(start, end)
-    for layer in range(LAYERS):
-        parts = _slots(flat[layer * per_layer:(layer + 1) * per_layer], layout)
+    for index, layer in enumerate(layout.stages.layers_of(layout.stage)):
+        parts = _slots(flat[index * per_layer:(index + 1) * per_layer], layout)
         for local, head in enumerate(rank_heads(rank, layout.tp_size, layout.model_kv_heads)):
             for part, slots in enumerate(parts):
                 got = slots[np.asarray(blocks)[(tokens - start) // layout.block_size], local,
@@ -94,14 +95,15 @@ def _decode_worker(daemon: LocalDaemon, prefill: LocalDaemon, layout: KvLayout, 
                    ) -> tuple[WorkerSide, torch.Tensor]:
     config = ConnectorConfig(target=daemon.target, link_timeout_s=5,
                              prefill_daemons=f"{prefill.cluster_id}={prefill.peer_address}")
-    worker = WorkerSide(config, "engine-d", rank, layout)
+    # (its place among the engine's workers: stage-major, as a pipeline-split engine's)
+    worker = WorkerSide(config, "engine-d", rank, layout, slot=layout.stage * layout.tp_size + rank)
     with worker.allocation_context():
         buffer = torch.zeros(layout.buffer_bytes, dtype=torch.int8)
-    per_layer = layout.buffer_bytes // LAYERS
+    per_layer = layout.buffer_bytes // layout.num_layers
     shape = ((layout.num_blocks, layout.block_size, HEAD) if layout.memory == MEMORY_MLA
              else (layout.num_blocks, layout.num_kv_heads, layout.block_size, 2 * HEAD))
     worker.register({f"layer{i}": buffer[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(shape)
-                     for i in range(LAYERS)})
+                     for i in range(layout.num_layers)})
     return worker, buffer
 
 

@@ -9,24 +9,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[examples]')")
 
-import torch
 
 from kvbroker._local import LocalDaemon
-from kvbroker.integrations.vllm.config import ConnectorConfig
 from kvbroker.integrations.vllm.layout import MEMORY_CPU, KvLayout, in_stage
 from kvbroker.integrations.vllm.params import PullSpec, RemoteKv, WorkerEndpoint, prefill_output_params
-from kvbroker.integrations.vllm.remap import rank_heads, refusal
+from kvbroker.integrations.vllm.remap import refusal
 from kvbroker.integrations.vllm.stages import Stages, whole
 from kvbroker.integrations.vllm.worker import WorkerSide
-from kvbroker.shm import Cache
 from kvbroker.types import Grant
 from tests.helpers import wait_until
-from tests.integration.test_vllm_hetero import HEAD, _slots, _value
+from tests.integration.test_vllm_hetero import HEAD, _check, _decode_worker, _fill
 
 MODEL_LAYERS, BLOCKS, MODEL_HEADS = 6, 12, 2
 
@@ -40,49 +36,11 @@ def _layout(split: Stages, stage: int, tp: int, block: int, token_view: bool = F
     return in_stage(whole_model, split, stage)
 
 
-def _fill(cache: Cache, layout: KvLayout, rank: int, blocks: list[int], num_tokens: int) -> None:
-    tokens = np.arange(num_tokens)
-    for index, layer in enumerate(layout.stages.layers_of(layout.stage)):
-        parts = _slots(cache.tensors[index].reshape(-1), layout)
-        for local, head in enumerate(rank_heads(rank, layout.tp_size, MODEL_HEADS)):
-            for part, slots in enumerate(parts):
-                slots[np.asarray(blocks)[tokens // layout.block_size], local, tokens % layout.block_size] = (
-                    _value(layer, head, part, tokens))
-
-
-def _check(buffer: torch.Tensor, layout: KvLayout, rank: int, blocks: list[int], start: int, end: int) -> None:
-    flat = buffer.numpy().view(np.float32)
-    per_layer = flat.size // layout.num_layers
-    tokens = np.arange(start, end)
-    for index, layer in enumerate(layout.stages.layers_of(layout.stage)):
-        parts = _slots(flat[index * per_layer:(index + 1) * per_layer], layout)
-        for local, head in enumerate(rank_heads(rank, layout.tp_size, MODEL_HEADS)):
-            for part, slots in enumerate(parts):
-                got = slots[np.asarray(blocks)[(tokens - start) // layout.block_size], local,
-                            tokens % layout.block_size]
-                np.testing.assert_array_equal(got, _value(layer, head, part, tokens),
-                                              err_msg=f"stage {layout.stage} rank {rank} layer {layer} head {head}")
-
-
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalDaemon, LocalDaemon]]:
     root = tmp_path_factory.mktemp("pipeline")
     with LocalDaemon(root, 41) as p, LocalDaemon(root, 42) as d:
         yield p, d
-
-
-def _decode_worker(daemon: LocalDaemon, prefill: LocalDaemon, layout: KvLayout, rank: int
-                   ) -> tuple[WorkerSide, torch.Tensor]:
-    config = ConnectorConfig(target=daemon.target, link_timeout_s=5,
-                             prefill_daemons=f"{prefill.cluster_id}={prefill.peer_address}")
-    worker = WorkerSide(config, "engine-d", rank, layout, slot=layout.stage * layout.tp_size + rank)
-    with worker.allocation_context():
-        buffer = torch.zeros(layout.buffer_bytes, dtype=torch.int8)
-    per_layer = layout.buffer_bytes // layout.num_layers
-    shape = (layout.num_blocks, layout.num_kv_heads, layout.block_size, 2 * HEAD)
-    worker.register({f"layer{i}": buffer[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(shape)
-                     for i in range(layout.num_layers)})
-    return worker, buffer
 
 
 TWO = Stages((0, 3), MODEL_LAYERS)

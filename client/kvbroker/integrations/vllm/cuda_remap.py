@@ -41,7 +41,15 @@ from kvbroker.integrations.vllm.layout import (
     layout_of_tag,
     parse_tag,
 )
-from kvbroker.integrations.vllm.remap import MAX_BLOCK_TOKENS, MAX_TP, Refusal, UnitPull, _merged_runs, head_sources
+from kvbroker.integrations.vllm.remap import (
+    MAX_BLOCK_TOKENS,
+    MAX_TP,
+    Refusal,
+    UnitPull,
+    _merged_runs,
+    head_sources,
+    token_pieces,
+)
 from kvbroker.types import CacheDesc, DataType, Placement
 
 GEOMETRY_PREFIX = "cu"
@@ -235,16 +243,8 @@ def plan_pull(ours: KvLayout, our_geometry: Geometry, rank: int, remote: KvLayou
     step = our_geometry.unit_tokens
     if start_token % step or end_token <= start_token:
         raise ValueError(f"token range [{start_token}, {end_token}) does not start at one of our units")
-    small = min(ours.block_size, remote.block_size)
-    cuts = np.arange(start_token // small, -(-end_token // small), dtype=np.int64) * small
-    starts = np.maximum(cuts, start_token)
-    local_at = starts // ours.block_size - start_token // ours.block_size
-    remote_at = starts // remote.block_size - start_token // remote.block_size
-    if int(local_at[-1]) >= len(local_blocks) or int(remote_at[-1]) >= len(remote_blocks):
-        raise ValueError(f"tokens [{start_token}, {end_token}) need {int(local_at[-1]) + 1} local and "
-                         f"{int(remote_at[-1]) + 1} remote blocks; the request has {len(local_blocks)} and "
-                         f"{len(remote_blocks)}")
-    units = -(-(np.minimum(cuts + small, end_token) - starts) // step)
+    starts, local_at, remote_at, units = token_pieces(ours.block_size, remote.block_size, len(local_blocks),
+                                                      len(remote_blocks), start_token, end_token, step)
     src_chunk = (starts % remote.block_size) // step
     dst_chunk = (starts % ours.block_size) // step
     src_base = np.asarray(remote_blocks, dtype=np.int64)[remote_at] * their_geometry.units_per_block + (

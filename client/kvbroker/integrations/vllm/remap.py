@@ -183,6 +183,24 @@ class UnitPull:
         return expand(self.runs)[1]
 
 
+def token_pieces(our_block: int, their_block: int, local_blocks: int, remote_blocks: int, start_token: int,
+                 end_token: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens [start_token, end_token) cut where either side's blocks end: per piece its first token, the index of
+    its block in the request's local and remote block lists, and its units of `step` tokens. ValueError if the
+    lists are too short for the range."""
+    small = min(our_block, their_block)
+    cuts = np.arange(start_token // small, -(-end_token // small), dtype=np.int64) * small
+    starts = np.maximum(cuts, start_token)
+    local_at = starts // our_block - start_token // our_block
+    remote_at = starts // their_block - start_token // their_block
+    if int(local_at[-1]) >= local_blocks or int(remote_at[-1]) >= remote_blocks:
+        raise ValueError(f"tokens [{start_token}, {end_token}) need {int(local_at[-1]) + 1} local and "
+                         f"{int(remote_at[-1]) + 1} remote blocks; the request has {local_blocks} and "
+                         f"{remote_blocks}")
+    units = -(-(np.minimum(cuts + small, end_token) - starts) // step)
+    return starts, local_at, remote_at, units
+
+
 def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequence[int],
               remote_blocks: Sequence[int], start_token: int, end_token: int) -> list[UnitPull]:
     """Tokens [start_token, end_token) of a request: `local_blocks` hold them from block start_token // our block
@@ -201,16 +219,8 @@ def plan_pull(ours: KvLayout, rank: int, remote: KvLayout, local_blocks: Sequenc
         if ours.block_size != remote.block_size or start_token % ours.block_size:
             raise ValueError(f"blocks of the {ours.memory} layout move whole, between equal block sizes")
         end_token = -(-end_token // ours.block_size) * ours.block_size  # whole blocks: the same bytes on both sides
-    small = min(ours.block_size, remote.block_size)
-    cuts = np.arange(start_token // small, -(-end_token // small), dtype=np.int64) * small
-    starts = np.maximum(cuts, start_token)
-    local_at = starts // ours.block_size - start_token // ours.block_size
-    remote_at = starts // remote.block_size - start_token // remote.block_size
-    if int(local_at[-1]) >= len(local_blocks) or int(remote_at[-1]) >= len(remote_blocks):
-        raise ValueError(f"tokens [{start_token}, {end_token}) need {int(local_at[-1]) + 1} local and "
-                         f"{int(remote_at[-1]) + 1} remote blocks; the request has {len(local_blocks)} and "
-                         f"{len(remote_blocks)}")
-    units = -(-(np.minimum(cuts + small, end_token) - starts) // step)  # units of one row in each piece
+    starts, local_at, remote_at, units = token_pieces(ours.block_size, remote.block_size, len(local_blocks),
+                                                      len(remote_blocks), start_token, end_token, step)
     dst_page = np.asarray(local_blocks, dtype=np.int64)[local_at]
     src_page = np.asarray(remote_blocks, dtype=np.int64)[remote_at]
     out = []
